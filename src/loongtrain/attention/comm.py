@@ -1,0 +1,119 @@
+"""Communication primitives of the attention: ring exchange and head all-to-all.
+
+All transfers are asynchronous: a function starts them and returns a handle whose
+``wait()`` yields the received tensor, so callers overlap them with compute. Sends and
+receives of one exchange are posted together (``batch_isend_irecv``): a blocking send
+before the receive deadlocks gloo around a ring.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from loongtrain.parallel.state import RingLink
+
+
+@dataclass
+class CommCounter:
+    """Counts transfers started per kind (for tests and diagnostics)."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    bytes: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, tensor: torch.Tensor) -> None:
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        self.bytes[kind] = self.bytes.get(kind, 0) + tensor.numel() * tensor.element_size()
+
+    def reset(self) -> None:
+        self.counts.clear()
+        self.bytes.clear()
+
+
+class Pending:
+    """An in-flight transfer; ``wait()`` returns the received tensor."""
+
+    def __init__(self, works: list, result: torch.Tensor) -> None:
+        self._works = works
+        self._result = result
+
+    def wait(self) -> torch.Tensor:
+        for work in self._works:
+            work.wait()
+        self._works = []
+        return self._result
+
+
+class Ready(Pending):
+    """A transfer that needed no communication (group of one)."""
+
+    def __init__(self, result: torch.Tensor) -> None:
+        super().__init__([], result)
+
+
+def ring_exchange(
+    send: torch.Tensor, link: RingLink, *, dkv: bool = False, counter: CommCounter | None = None
+) -> Pending:
+    """Send ``send`` to the next ring member and receive the previous member's tensor.
+
+    ``dkv`` selects the gradient communicator of the ring instead of the KV one.
+    """
+    send = send.contiguous()
+    recv = torch.empty_like(send)
+    group = link.dkv_group if dkv else link.kv_group
+    ops = [
+        dist.P2POp(dist.isend, send, peer=link.send_to, group=group),
+        dist.P2POp(dist.irecv, recv, peer=link.recv_from, group=group),
+    ]
+    if counter is not None:
+        counter.add("ring_dkv" if dkv else "ring_kv", send)
+    return Pending(dist.batch_isend_irecv(ops), recv)
+
+
+def all_to_all_start(
+    packed: torch.Tensor, group: dist.ProcessGroup | None, counter: CommCounter | None = None
+) -> Pending:
+    """All-to-all of ``packed`` ([world, ...], chunk ``r`` goes to group rank ``r``)."""
+    if group is None:
+        return Ready(packed)
+    packed = packed.contiguous()
+    out = torch.empty_like(packed)
+    if counter is not None:
+        counter.add("all_to_all", packed)
+    work = dist.all_to_all_single(out, packed, group=group, async_op=True)
+    return Pending([work], out)
+
+
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """All-gather ``inp`` of every group rank into ``out`` = [world * inp.shape[0], ...]."""
+    # torch 2.13 renamed all_gather_into_tensor to all_gather_single (old name warns).
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, inp, group=group)
+
+
+def pack_seq_to_head(x: torch.Tensor, hp: int) -> torch.Tensor:
+    """[*b, S, H, d] -> [hp, *b, S, H/hp, d]: head chunk ``r`` first, ready for all-to-all."""
+    *batch, s, h, d = x.shape
+    x = x.reshape(*batch, s, hp, h // hp, d)
+    return x.movedim(-3, 0).contiguous()
+
+
+def unpack_seq_to_head(y: torch.Tensor) -> torch.Tensor:
+    """[hp, *b, S, Hh, d] (chunk ``r`` from head rank ``r``) -> [*b, hp*S, Hh, d]."""
+    hp, *batch, s, hh, d = y.shape
+    return y.movedim(0, -4).reshape(*batch, hp * s, hh, d)
+
+
+def pack_head_to_seq(x: torch.Tensor, hp: int) -> torch.Tensor:
+    """[*b, hp*S, Hh, d] -> [hp, *b, S, Hh, d]: sequence piece ``r`` goes to head rank ``r``."""
+    *batch, s_total, hh, d = x.shape
+    x = x.reshape(*batch, hp, s_total // hp, hh, d)
+    return x.movedim(-4, 0).contiguous()
+
+
+def unpack_head_to_seq(y: torch.Tensor) -> torch.Tensor:
+    """[hp, *b, S, Hh, d] (head chunk ``r`` from rank ``r``) -> [*b, S, hp*Hh, d]."""
+    hp, *batch, s, hh, d = y.shape
+    return y.movedim(0, -3).reshape(*batch, s, hp * hh, d)

@@ -1,0 +1,160 @@
+"""Double-Ring-Attention over the context group (zigzag, causal load balanced).
+
+The context group of ``cp`` ranks is cut into ``n = cp // window`` windows. For each
+outer step ``j`` a rank first holds the key/value block that arrived over the outer ring
+(from the same position of the previous window), then passes blocks around its inner
+ring for ``window`` steps. The outer transfer for step ``j+1`` starts at the beginning of
+step ``j`` and hides behind ``window`` block computations; each inner transfer hides
+behind one. ``window == 1`` (outer ring only) and ``window == cp`` (inner ring only) are
+the plain ring.
+
+Backward replays the same KV movement. Key/value gradients accumulate around the inner
+ring (one hop behind their block), arrive at their window position after the last inner
+hop, are added to what the previous windows accumulated (which came over the outer ring
+while the inner loop ran) and hop the outer ring; after the last outer step they are
+home. Query gradients accumulate locally in fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loongtrain.attention.blocks import OutputAccumulator, add_kv_grad, backward_block, forward_block
+from loongtrain.attention.comm import CommCounter, Pending, Ready, ring_exchange
+from loongtrain.attention.schedule import block_kind, ring_source
+from loongtrain.parallel.state import ParallelState, RingLink
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    """What one rank needs to run the double ring: its index, the rings, the options."""
+
+    context: int
+    cp: int
+    window: int
+    inner: RingLink | None
+    outer: RingLink | None
+    causal: bool
+    scale: float
+    counter: CommCounter | None = None
+
+    @classmethod
+    def from_state(
+        cls, state: ParallelState, *, causal: bool, scale: float, counter: CommCounter | None = None
+    ) -> RingPlan:
+        return cls(
+            context=state.coords.context,
+            cp=state.config.cp,
+            window=state.config.window,
+            inner=state.inner_ring,
+            outer=state.outer_ring,
+            causal=causal,
+            scale=scale,
+            counter=counter,
+        )
+
+    @property
+    def n_windows(self) -> int:
+        return self.cp // self.window
+
+    def kind(self, outer_step: int, inner_step: int):
+        src = ring_source(self.context, self.cp, self.window, outer_step, inner_step)
+        return block_kind(src, self.context, self.causal)
+
+    def exchange(self, tensor: Tensor, inner: bool, dkv: bool = False) -> Pending:
+        link = self.inner if inner else self.outer
+        return ring_exchange(tensor, link, dkv=dkv, counter=self.counter)
+
+
+def ring_forward(plan: RingPlan, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]:
+    """Attention of the local ``q`` [B, Sc, H, d] over the whole context group.
+
+    ``kv`` is [2, B, Sc, G, d]. Returns ``out`` (q's dtype) and fp32 ``lse`` [B, Sc, H].
+    """
+    n, w = plan.n_windows, plan.window
+    acc = OutputAccumulator()
+    base = kv
+    for j in range(n):
+        outer = plan.exchange(base, inner=False) if j + 1 < n else None
+        cur = base
+        for s in range(w):
+            inner = plan.exchange(cur, inner=True) if s + 1 < w else None
+            forward_block(q, cur, plan.kind(j, s), plan.scale, acc)
+            if inner is not None:
+                cur = inner.wait()
+        if outer is not None:
+            base = outer.wait()
+    return acc.out.to(q.dtype), acc.lse
+
+
+def ring_backward(
+    plan: RingPlan, dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Gradients ``(dq, dkv)`` of :func:`ring_forward`, in the dtypes of ``q`` and ``kv``."""
+    n, w = plan.n_windows, plan.window
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    base = kv
+    tail: tuple[int, Pending] | None = None  # (outer step, its window total in flight)
+    outer_in: Pending | None = None  # gradient sum of earlier windows for the next block
+    inner_dkv: Pending | None = None
+    for j in range(n):
+        outer_kv = plan.exchange(base, inner=False) if j + 1 < n else None
+        cur = base
+        for s in range(w):
+            inner_kv = plan.exchange(cur, inner=True) if s + 1 < w else None
+            rows, dk, dv = backward_block(dout, q, cur, out, lse, plan.kind(j, s), plan.scale, dq)
+            if s == 0:
+                partial = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            else:
+                partial = inner_dkv.wait()
+            add_kv_grad(partial, rows, dk, dv)
+            if tail is not None:  # finish the previous outer step behind this block's compute
+                outer_in = _finish_outer_step(plan, *tail, outer_in)
+                tail = None
+            if w > 1:
+                # For s == w-1 this hop brings each block's window total to its position.
+                inner_dkv = plan.exchange(partial, inner=True, dkv=True)
+            if inner_kv is not None:
+                cur = inner_kv.wait()
+        tail = (j, inner_dkv if w > 1 else Ready(partial))
+        if outer_kv is not None:
+            base = outer_kv.wait()
+    dkv = _finish_outer_step(plan, *tail, outer_in).wait()
+    return dq.to(q.dtype), dkv.to(kv.dtype)
+
+
+def _finish_outer_step(plan: RingPlan, j: int, window_total: Pending, outer_in: Pending | None) -> Pending:
+    """Add earlier windows' sum to this window's and pass it on the outer ring.
+
+    At outer step ``j`` window ``o`` worked on the blocks of window ``o - j``; the
+    returned transfer carries this rank's block total to window ``o + 1`` and receives
+    the next one (after the last step: this rank's own, complete gradient).
+    """
+    total = window_total.wait()
+    if j > 0:
+        total += outer_in.wait()
+    if plan.n_windows == 1:
+        return Ready(total)
+    return plan.exchange(total, inner=False, dkv=True)
+
+
+class DoubleRingAttention(torch.autograd.Function):
+    """Autograd Function: ``(q, kv) -> (out, lse)`` over the context group."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, kv: Tensor, plan: RingPlan):
+        out, lse = ring_forward(plan, q, kv)
+        ctx.save_for_backward(q, kv, out, lse)
+        ctx.plan = plan
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout: Tensor, _dlse: Tensor):
+        q, kv, out, lse = ctx.saved_tensors
+        dq, dkv = ring_backward(ctx.plan, dout.contiguous(), q, kv, out, lse)
+        return dq, dkv, None

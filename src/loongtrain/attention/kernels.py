@@ -1,0 +1,263 @@
+"""Local block attention returning the log-sum-exp, and its backward.
+
+Every distributed scheme is built from these two functions. Layout convention:
+``q`` is ``[B, Sq, H, d]``, ``k``/``v`` are ``[B, Sk, G, d]`` with ``H % G == 0`` (query
+head ``h`` uses key/value head ``h // (H // G)``), ``out`` is ``[B, Sq, H, d]`` in the
+input dtype and ``lse`` is float32 ``[B, Sq, H]`` (natural log, scale included).
+``causal`` masks top-left aligned (query ``i`` sees keys ``j <= i``).
+
+This module is the only place that picks a kernel by device; the rest of the code calls
+:func:`block_forward` / :func:`block_backward`. Kernels used:
+
+- CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``); GQA native.
+- CUDA, fp16/bf16: the ``flash_attn`` package (>= 2.7) when installed, else
+  ``aten._scaled_dot_product_flash_attention``; GQA native.
+- CUDA, fp32: ``aten._scaled_dot_product_efficient_attention`` with key/value heads
+  expanded to the query heads (that kernel has no GQA), gradients summed back.
+
+The aten ``_scaled_dot_product_*`` ops are private PyTorch API; they are the only
+kernels that return the log-sum-exp needed to merge partial results, so they are
+wrapped here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from typing import Protocol
+
+import torch
+
+Tensor = torch.Tensor
+
+
+class BlockBackend(Protocol):
+    """A kernel pair for one device family."""
+
+    name: str
+    dtypes: tuple[torch.dtype, ...]
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]: ...
+
+    def backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]: ...
+
+
+def _bhsd(x: Tensor) -> Tensor:
+    """[B, S, H, d] -> [B, H, S, d] view (kernels take this layout)."""
+    return x.transpose(1, 2)
+
+
+class CpuFlashBackend:
+    """``aten._scaled_dot_product_flash_attention_for_cpu``: fp32 lse for every dtype."""
+
+    name = "cpu-flash"
+    dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+    def forward(self, q, k, v, causal, scale):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, scale=scale
+        )
+        return out.transpose(1, 2), lse.transpose(1, 2)
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse.transpose(1, 2), 0.0, causal, scale=scale
+        )
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def _expand_kv(x: Tensor, heads: int) -> Tensor:
+    """[B, S, G, d] -> [B, S, heads, d], each key/value head repeated heads // G times."""
+    groups = x.shape[2]
+    if groups == heads:
+        return x
+    return x.repeat_interleave(heads // groups, dim=2)
+
+
+def _sum_kv_grad(dx: Tensor, groups: int) -> Tensor:
+    """Inverse of :func:`_expand_kv` for gradients: sum the replicas of each head."""
+    b, s, heads, d = dx.shape
+    if heads == groups:
+        return dx
+    return dx.view(b, s, groups, heads // groups, d).sum(dim=3, dtype=torch.float32).to(dx.dtype)
+
+
+class CudaSdpaBackend:
+    """PyTorch's CUDA SDPA aten kernels: flash for fp16/bf16, efficient for fp32."""
+
+    name = "cuda-sdpa"
+    dtypes = (torch.float16, torch.bfloat16, torch.float32)
+
+    def forward(self, q, k, v, causal, scale):
+        sq = q.shape[1]
+        if q.dtype in (torch.float16, torch.bfloat16):
+            res = torch.ops.aten._scaled_dot_product_flash_attention(
+                _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, False, scale=scale
+            )
+            out, lse = res[0], res[1]
+        else:
+            heads = q.shape[2]
+            out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+                _bhsd(q),
+                _bhsd(_expand_kv(k, heads)),
+                _bhsd(_expand_kv(v, heads)),
+                None,
+                True,
+                0.0,
+                causal,
+                scale=scale,
+            )
+        return out.transpose(1, 2), lse[..., :sq].transpose(1, 2)
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        sq, sk = q.shape[1], k.shape[1]
+        lse_bhs = lse.transpose(1, 2).contiguous()
+        if q.dtype in (torch.float16, torch.bfloat16):
+            empty = torch.empty(0, device=q.device, dtype=torch.int64)
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                _bhsd(dout),
+                _bhsd(q),
+                _bhsd(k),
+                _bhsd(v),
+                _bhsd(out),
+                lse_bhs,
+                empty,
+                empty,
+                sq,
+                sk,
+                0.0,
+                causal,
+                empty,
+                empty,
+                scale=scale,
+            )
+            return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        heads, groups = q.shape[2], k.shape[2]
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            _bhsd(dout),
+            _bhsd(q),
+            _bhsd(_expand_kv(k, heads)),
+            _bhsd(_expand_kv(v, heads)),
+            None,
+            _bhsd(out),
+            lse_bhs,
+            seed,
+            seed,
+            0.0,
+            [True, True, True, False],
+            causal,
+            scale=scale,
+        )
+        return (
+            dq.transpose(1, 2),
+            _sum_kv_grad(dk.transpose(1, 2), groups),
+            _sum_kv_grad(dv.transpose(1, 2), groups),
+        )
+
+
+class FlashAttnBackend:
+    """The ``flash_attn`` package (2.7 or newer): fp16/bf16 on CUDA, head dim % 8 == 0."""
+
+    name = "flash-attn"
+    dtypes = (torch.float16, torch.bfloat16)
+
+    def __init__(self, module) -> None:
+        self._fa = module
+
+    def forward(self, q, k, v, causal, scale):
+        out, lse, _, _ = self._fa._flash_attn_forward(
+            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, scale, causal, -1, -1, 0.0, None, False
+        )
+        return out, lse.transpose(1, 2)
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        q, k, v, out, dout = (x.contiguous() for x in (q, k, v, out, dout))
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        self._fa._flash_attn_backward(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse.transpose(1, 2).contiguous(),
+            dq,
+            dk,
+            dv,
+            0.0,
+            scale,
+            causal,
+            -1,
+            -1,
+            0.0,
+            None,
+            False,
+            None,
+        )
+        return dq, dk, dv
+
+
+def _load_flash_attn():
+    """Return the flash_attn interface module if a compatible version is installed."""
+    try:
+        from flash_attn import flash_attn_interface as fa
+    except Exception:
+        return None
+    params = inspect.signature(fa._flash_attn_forward).parameters
+    return fa if "window_size_left" in params else None
+
+
+@functools.cache
+def _backend_for(device_type: str, dtype: torch.dtype) -> BlockBackend:
+    choice = os.environ.get("LOONGTRAIN_ATTENTION_BACKEND", "auto")
+    if device_type == "cpu":
+        return CpuFlashBackend()
+    if device_type == "cuda":
+        if choice in ("auto", "flash-attn") and dtype in FlashAttnBackend.dtypes:
+            fa = _load_flash_attn()
+            if fa is not None:
+                return FlashAttnBackend(fa)
+            if choice == "flash-attn":
+                raise RuntimeError(
+                    "LOONGTRAIN_ATTENTION_BACKEND=flash-attn but flash_attn>=2.7 is not importable; "
+                    "install it or unset the variable to use PyTorch's SDPA kernels"
+                )
+        return CudaSdpaBackend()
+    raise NotImplementedError(
+        f"loongtrain: no block-attention kernel for device type {device_type!r}; supported: cpu, cuda"
+    )
+
+
+def backend_for(device: torch.device, dtype: torch.dtype) -> BlockBackend:
+    """The kernel pair used for tensors of ``dtype`` on ``device``."""
+    return _backend_for(device.type, dtype)
+
+
+def check_supported(device: torch.device, dtype: torch.dtype) -> None:
+    """Raise a clear error if no kernel handles ``dtype`` on ``device``."""
+    backend = backend_for(device, dtype)
+    if dtype not in backend.dtypes:
+        raise TypeError(
+            f"loongtrain: dtype {dtype} is not supported by the {backend.name} attention kernel "
+            f"on {device.type}; use one of {[str(d) for d in backend.dtypes]}"
+        )
+
+
+def block_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """Attention of a query block against a key/value block: ``(out, lse)``."""
+    return backend_for(q.device, q.dtype).forward(q, k, v, causal, scale)
+
+
+def block_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients ``(dq, dk, dv)`` of one block given the *final* ``out`` and ``lse`` rows.
+
+    With ``out``/``lse`` of the full (merged) attention, the block's probabilities are
+    the global ones, so summing the returned gradients over blocks gives the exact
+    gradient of the whole attention.
+    """
+    return backend_for(q.device, q.dtype).backward(dout, q, k, v, out, lse, causal, scale)

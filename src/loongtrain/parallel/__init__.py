@@ -1,0 +1,7 @@
+"""Parallel layout (pure arithmetic) and process groups."""
+
+from loongtrain.parallel.config import ParallelConfig
+from loongtrain.parallel.layout import RankCoords, RankLayout
+from loongtrain.parallel.state import ParallelState, RingLink, init_parallel
+
+__all__ = ["ParallelConfig", "ParallelState", "RankCoords", "RankLayout", "RingLink", "init_parallel"]

@@ -1,0 +1,95 @@
+"""The user-facing description of a parallel layout: ``ParallelConfig``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Placement = Literal["head_first", "context_first"]
+ContextOrder = Literal["contiguous", "interleaved"]
+
+PLACEMENTS: tuple[str, ...] = ("head_first", "context_first")
+CONTEXT_ORDERS: tuple[str, ...] = ("contiguous", "interleaved")
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"ParallelConfig: {name}={value!r} must be a positive integer")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Degrees and placement of the 2D (head x context) sequence parallelism.
+
+    The world is ``dp x hp x cp`` ranks, data parallel outermost. The ``sp = hp * cp``
+    ranks of one replica are consecutive global ranks. The context group of ``cp`` ranks
+    is split into ``cp // window`` windows (inner rings) of ``window`` ranks joined by
+    an outer ring (Double-Ring-Attention); ``window=1`` and ``window=cp`` are a plain ring.
+
+    Args:
+        hp: head-parallel degree (Ulysses all-to-all group size).
+        cp: context-parallel degree (ring size).
+        window: inner-ring size of the double ring; must divide ``cp``.
+        placement: ``"head_first"`` puts the ``hp`` ranks of a head group on consecutive
+            ranks (context group strided by ``hp``); ``"context_first"`` the reverse.
+        dp: data-parallel degree; ``None`` means ``world_size // (hp * cp)``.
+        context_order: ``"contiguous"`` makes windows of consecutive context-group
+            members; ``"interleaved"`` makes window ``o`` take every ``n``-th member
+            (``n = cp // window``), so the outer ring joins neighbouring members.
+    """
+
+    hp: int = 1
+    cp: int = 1
+    window: int = 1
+    placement: Placement = "head_first"
+    dp: int | None = None
+    context_order: ContextOrder = "contiguous"
+
+    def __post_init__(self) -> None:
+        _check_positive_int("hp", self.hp)
+        _check_positive_int("cp", self.cp)
+        _check_positive_int("window", self.window)
+        if self.dp is not None:
+            _check_positive_int("dp", self.dp)
+        if self.cp % self.window != 0:
+            divisors = [d for d in range(1, self.cp + 1) if self.cp % d == 0]
+            raise ValueError(
+                f"ParallelConfig: cp={self.cp} is not divisible by window={self.window}; "
+                f"choose window among the divisors of cp: {divisors}"
+            )
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"ParallelConfig: unknown placement={self.placement!r}; use one of {list(PLACEMENTS)}")
+        if self.context_order not in CONTEXT_ORDERS:
+            raise ValueError(
+                f"ParallelConfig: unknown context_order={self.context_order!r}; use one of {list(CONTEXT_ORDERS)}"
+            )
+
+    @property
+    def sp(self) -> int:
+        """Sequence-parallel degree ``hp * cp``."""
+        return self.hp * self.cp
+
+    @property
+    def n_windows(self) -> int:
+        """Number of windows in the outer ring, ``cp // window``."""
+        return self.cp // self.window
+
+    def resolve_dp(self, world_size: int) -> int:
+        """Return the data-parallel degree for ``world_size``, checking the product."""
+        _check_positive_int("world_size", world_size)
+        sp = self.sp
+        if self.dp is None:
+            if world_size % sp != 0:
+                raise ValueError(
+                    f"ParallelConfig: world size {world_size} is not divisible by "
+                    f"sp = hp*cp = {self.hp}*{self.cp} = {sp}; choose hp and cp whose "
+                    f"product divides {world_size}, or launch a multiple of {sp} ranks"
+                )
+            return world_size // sp
+        if self.dp * sp != world_size:
+            raise ValueError(
+                f"ParallelConfig: dp*hp*cp = {self.dp}*{self.hp}*{self.cp} = "
+                f"{self.dp * sp} does not equal the world size {world_size}; set dp=None "
+                f"to derive it, or change the degrees so that they multiply to {world_size}"
+            )
+        return self.dp

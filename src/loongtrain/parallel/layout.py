@@ -1,0 +1,164 @@
+"""Rank layout arithmetic: which global ranks form each group. Pure, no process group.
+
+Coordinates of a rank: data-parallel index ``d``, head index ``h`` (0..hp-1) and context
+index ``c`` (0..cp-1), with ``c = o * window + i`` (``o`` the window, ``i`` the position
+inside it). The context index ``c`` is the one source of truth for the ring schedule and
+for the sequence sharding; the placement and the context order only decide which global
+rank carries which coordinates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loongtrain.parallel.config import ParallelConfig
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    """Coordinates of one global rank in the ``dp x hp x cp`` layout."""
+
+    dp: int
+    head: int
+    context: int
+    window: int
+    window_pos: int
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """The layout of ``world_size`` ranks under a ``ParallelConfig``.
+
+    All methods are pure arithmetic; group-returning methods give global ranks in the
+    order that the communication uses (head order, ring order).
+    """
+
+    config: ParallelConfig
+    world_size: int
+    dp: int
+
+    @classmethod
+    def build(cls, config: ParallelConfig, world_size: int) -> RankLayout:
+        """Validate ``config`` against ``world_size`` and return the layout."""
+        return cls(config=config, world_size=world_size, dp=config.resolve_dp(world_size))
+
+    # -- degrees -------------------------------------------------------------------
+    @property
+    def hp(self) -> int:
+        return self.config.hp
+
+    @property
+    def cp(self) -> int:
+        return self.config.cp
+
+    @property
+    def sp(self) -> int:
+        return self.config.sp
+
+    @property
+    def window(self) -> int:
+        return self.config.window
+
+    @property
+    def n_windows(self) -> int:
+        return self.config.n_windows
+
+    # -- coordinates <-> rank ------------------------------------------------------
+    def _context_slot(self, c: int) -> int:
+        """Physical slot (0..cp-1) of context index ``c`` in the placement."""
+        if self.config.context_order == "contiguous":
+            return c
+        o, i = divmod(c, self.window)
+        return i * self.n_windows + o
+
+    def _context_index(self, slot: int) -> int:
+        if self.config.context_order == "contiguous":
+            return slot
+        i, o = divmod(slot, self.n_windows)
+        return o * self.window + i
+
+    def rank(self, dp: int, head: int, context: int) -> int:
+        """Global rank with coordinates ``(dp, head, context)``."""
+        for name, value, bound in (
+            ("dp", dp, self.dp),
+            ("head", head, self.hp),
+            ("context", context, self.cp),
+        ):
+            if not 0 <= value < bound:
+                raise ValueError(f"RankLayout.rank: {name}={value} out of range [0, {bound})")
+        slot = self._context_slot(context)
+        if self.config.placement == "head_first":
+            local = slot * self.hp + head
+        else:
+            local = head * self.cp + slot
+        return dp * self.sp + local
+
+    def coords(self, rank: int) -> RankCoords:
+        """Coordinates of global ``rank``."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"RankLayout.coords: rank={rank} out of range [0, {self.world_size})")
+        dp, local = divmod(rank, self.sp)
+        if self.config.placement == "head_first":
+            slot, head = divmod(local, self.hp)
+        else:
+            head, slot = divmod(local, self.cp)
+        context = self._context_index(slot)
+        window, window_pos = divmod(context, self.window)
+        return RankCoords(dp=dp, head=head, context=context, window=window, window_pos=window_pos)
+
+    # -- groups of one rank --------------------------------------------------------
+    def sp_group(self, rank: int) -> tuple[int, ...]:
+        """The ``sp`` ranks of ``rank``'s replica, in global-rank order."""
+        start = self.coords(rank).dp * self.sp
+        return tuple(range(start, start + self.sp))
+
+    def dp_group(self, rank: int) -> tuple[int, ...]:
+        """Ranks with the same (head, context) in every replica, ordered by dp."""
+        x = self.coords(rank)
+        return tuple(self.rank(d, x.head, x.context) for d in range(self.dp))
+
+    def head_group(self, rank: int) -> tuple[int, ...]:
+        """Ranks of the all-to-all group, ordered by head index."""
+        x = self.coords(rank)
+        return tuple(self.rank(x.dp, h, x.context) for h in range(self.hp))
+
+    def context_group(self, rank: int) -> tuple[int, ...]:
+        """Ranks of the ring group, ordered by context index ``c``."""
+        x = self.coords(rank)
+        return tuple(self.rank(x.dp, x.head, c) for c in range(self.cp))
+
+    def inner_ring(self, rank: int) -> tuple[int, ...]:
+        """Ranks of ``rank``'s window, ordered by position in the window."""
+        x = self.coords(rank)
+        base = x.window * self.window
+        return tuple(self.rank(x.dp, x.head, base + i) for i in range(self.window))
+
+    def outer_ring(self, rank: int) -> tuple[int, ...]:
+        """Ranks at ``rank``'s window position in every window, ordered by window."""
+        x = self.coords(rank)
+        return tuple(self.rank(x.dp, x.head, o * self.window + x.window_pos) for o in range(self.n_windows))
+
+    # -- every group of a family (for building process groups) ---------------------
+    def _family(self, member_fn) -> list[tuple[int, ...]]:
+        seen: dict[tuple[int, ...], None] = {}
+        for r in range(self.world_size):
+            seen.setdefault(member_fn(r), None)
+        return list(seen)
+
+    def all_sp_groups(self) -> list[tuple[int, ...]]:
+        return self._family(self.sp_group)
+
+    def all_dp_groups(self) -> list[tuple[int, ...]]:
+        return self._family(self.dp_group)
+
+    def all_head_groups(self) -> list[tuple[int, ...]]:
+        return self._family(self.head_group)
+
+    def all_context_groups(self) -> list[tuple[int, ...]]:
+        return self._family(self.context_group)
+
+    def all_inner_rings(self) -> list[tuple[int, ...]]:
+        return self._family(self.inner_ring)
+
+    def all_outer_rings(self) -> list[tuple[int, ...]]:
+        return self._family(self.outer_ring)

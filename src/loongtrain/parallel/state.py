@@ -1,0 +1,159 @@
+"""Process groups of one rank, built once: ``init_parallel(config) -> ParallelState``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from loongtrain.parallel.config import ParallelConfig
+from loongtrain.parallel.layout import RankCoords, RankLayout
+
+
+@dataclass(frozen=True)
+class RingLink:
+    """One ring (inner or outer) as seen from one rank.
+
+    Key/value blocks and their gradients travel on separate communicators with the same
+    members, so a KV transfer and a dKV transfer can be in flight at once.
+    """
+
+    kv_group: dist.ProcessGroup
+    dkv_group: dist.ProcessGroup
+    send_to: int  # global rank of the next member
+    recv_from: int  # global rank of the previous member
+    size: int
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """Everything a rank needs to run 2D attention: layout, coordinates and groups.
+
+    Built by :func:`init_parallel` and passed explicitly to the attention functions.
+    Groups of size one are ``None`` (no communication happens on them).
+    """
+
+    config: ParallelConfig
+    layout: RankLayout
+    rank: int
+    coords: RankCoords
+    device: torch.device
+    sp_group: dist.ProcessGroup | None
+    dp_group: dist.ProcessGroup | None
+    head_group: dist.ProcessGroup | None
+    context_group: dist.ProcessGroup | None
+    inner_ring: RingLink | None
+    outer_ring: RingLink | None
+    verify_inputs: bool = True
+    _world_group: dist.ProcessGroup | None = field(default=None, repr=False)
+
+    @property
+    def hp(self) -> int:
+        return self.config.hp
+
+    @property
+    def cp(self) -> int:
+        return self.config.cp
+
+    @property
+    def sp(self) -> int:
+        return self.config.sp
+
+    @property
+    def dp(self) -> int:
+        return self.layout.dp
+
+    def check_alive(self) -> None:
+        """Raise if the default process group this state was built on is gone."""
+        if not dist.is_initialized() or dist.group.WORLD is not self._world_group:
+            raise RuntimeError(
+                "loongtrain: the process group this ParallelState was built on is no longer "
+                "initialised; call torch.distributed.init_process_group and init_parallel again"
+            )
+
+
+def default_device() -> torch.device:
+    """The device the default process group communicates on (cuda for NCCL, else cpu)."""
+    backend = str(dist.get_backend()).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if "xccl" in backend and hasattr(torch, "xpu") and torch.xpu.is_available():
+        return torch.device("xpu", torch.xpu.current_device())
+    return torch.device("cpu")
+
+
+def _build_family(groups: list[tuple[int, ...]], rank: int) -> dist.ProcessGroup | None:
+    """Create every group of one family (all ranks, same order); return ``rank``'s group."""
+    mine = None
+    for members in groups:
+        if len(members) < 2:
+            continue
+        pg = dist.new_group(list(members))
+        if rank in members:
+            mine = pg
+    return mine
+
+
+def _build_ring(groups: list[tuple[int, ...]], rank: int, ring_of) -> RingLink | None:
+    members = ring_of(rank)
+    if len(members) < 2:
+        return None
+    kv_group = _build_family(groups, rank)
+    dkv_group = _build_family(groups, rank)
+    pos = members.index(rank)
+    return RingLink(
+        kv_group=kv_group,
+        dkv_group=dkv_group,
+        send_to=members[(pos + 1) % len(members)],
+        recv_from=members[(pos - 1) % len(members)],
+        size=len(members),
+    )
+
+
+def init_parallel(
+    config: ParallelConfig,
+    *,
+    device: torch.device | str | None = None,
+    verify_inputs: bool = True,
+) -> ParallelState:
+    """Build every process group of ``config`` once and return this rank's state.
+
+    Call after ``torch.distributed.init_process_group`` on every rank, in the same order.
+    ``device`` defaults to the backend's device (cuda for NCCL, cpu for gloo).
+    ``verify_inputs`` makes the attention check, with one tiny all-gather per call, that
+    every rank of the sp group passes the same shapes: a mismatch then raises a clear
+    error on every rank instead of crashing inside a transfer. Turn it off once the
+    shapes are known good to save that collective.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "loongtrain.init_parallel: torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group(backend=...) on every rank first "
+            "(world size 1 works too)"
+        )
+    world_size = dist.get_world_size()
+    rank = dist.get_rank()
+    layout = RankLayout.build(config, world_size)
+    # Family order is fixed so that every rank calls new_group in the same sequence.
+    sp_group = _build_family(layout.all_sp_groups(), rank)
+    dp_group = _build_family(layout.all_dp_groups(), rank)
+    head_group = _build_family(layout.all_head_groups(), rank)
+    context_group = _build_family(layout.all_context_groups(), rank)
+    inner = _build_ring(layout.all_inner_rings(), rank, layout.inner_ring)
+    outer = _build_ring(layout.all_outer_rings(), rank, layout.outer_ring)
+    return ParallelState(
+        config=config,
+        layout=layout,
+        rank=rank,
+        coords=layout.coords(rank),
+        device=torch.device(device) if device is not None else default_device(),
+        sp_group=sp_group,
+        dp_group=dp_group,
+        head_group=head_group,
+        context_group=context_group,
+        inner_ring=inner,
+        outer_ring=outer,
+        verify_inputs=verify_inputs,
+        _world_group=dist.group.WORLD,
+    )

@@ -1,0 +1,118 @@
+"""A pool of long-lived gloo worker processes shared by many test bodies.
+
+Spawning a process group costs seconds per world size, so each world size is spawned
+once per test session and every test sends it a body to run on all ranks: a
+module-level function called as ``fn(*args)`` on every rank, whose return values come
+back as a list indexed by rank. A failure (exception on any rank, or a timeout) kills
+the pool, which is respawned for the next test, and fails the test with each rank's
+traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.multiprocessing as mp
+
+JOB_TIMEOUT_S = float(os.environ.get("LOONGTRAIN_TEST_JOB_TIMEOUT", "300"))
+GLOO_TIMEOUT_S = 120
+
+_state_cache: dict = {}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, jobs, results) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=GLOO_TIMEOUT_S))
+    except Exception:
+        results.put((rank, False, traceback.format_exc()))
+        return
+    while True:
+        job = jobs.get()
+        if job is None:
+            break
+        fn, args = job
+        try:
+            results.put((rank, True, fn(*args)))
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class WorkerPool:
+    """``world`` spawned ranks with an initialised gloo default group."""
+
+    def __init__(self, world: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self._results = ctx.Queue()
+        self._jobs = [ctx.Queue() for _ in range(world)]
+        port = _free_port()
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, world, port, self._jobs[r], self._results), daemon=True)
+            for r in range(world)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn, *args, timeout: float = JOB_TIMEOUT_S) -> list:
+        """Run ``fn(*args)`` on every rank; return the per-rank results."""
+        for q in self._jobs:
+            q.put((fn, args))
+        out: list = [None] * self.world
+        errors: dict[int, str] = {}
+        for _ in range(self.world):
+            try:
+                rank, ok, payload = self._results.get(timeout=timeout if not errors else 10)
+            except queue.Empty:
+                missing = [r for r in range(self.world) if out[r] is None and r not in errors]
+                errors.setdefault(-1, f"timed out after {timeout:.0f}s waiting for ranks {missing}")
+                break
+            if ok:
+                out[rank] = payload
+            else:
+                errors[rank] = payload
+        if errors:
+            self.close(force=True)
+            detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+            raise AssertionError(f"distributed body {fn.__name__} failed:\n{detail}")
+        return out
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self._procs)
+
+    def close(self, force: bool = False) -> None:
+        if not force:
+            for q in self._jobs:
+                q.put(None)
+            for p in self._procs:
+                p.join(timeout=10)
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
+def cached_state(**config):
+    """``init_parallel`` for this worker, cached per config (groups are built once)."""
+    import loongtrain as lt
+
+    key = tuple(sorted(config.items()))
+    if key not in _state_cache:
+        _state_cache[key] = lt.init_parallel(lt.ParallelConfig(**config))
+    return _state_cache[key]

@@ -1,0 +1,45 @@
+"""Independent references: float64 attention written out with einsum and softmax."""
+
+from __future__ import annotations
+
+import torch
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """Full attention in float64. q [B,S,H,d], k/v [B,S,G,d] -> [B,S,H,d] (float64)."""
+    q, k, v = q.double(), k.double(), v.double()
+    heads, groups = q.shape[2], k.shape[2]
+    k = k.repeat_interleave(heads // groups, dim=2)
+    v = v.repeat_interleave(heads // groups, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if causal:
+        sq, sk = q.shape[1], k.shape[1]
+        keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(dim=-1), v)
+
+
+def reference_lse(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """Log-sum-exp of the scores in float64, [B, S, H]."""
+    q, k = q.double(), k.double()
+    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    scores = torch.einsum("bqhd,bkhd->bqhk", q, k) * scale
+    if causal:
+        keep = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).tril()
+        scores = scores.masked_fill(~keep[:, None, :], float("-inf"))
+    return scores.logsumexp(dim=-1)
+
+
+def rel_errors(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(norm-relative error, max-abs error relative to max |ref|)."""
+    got, ref = got.double(), ref.double()
+    diff = got - ref
+    return (diff.norm() / ref.norm()).item(), (diff.abs().max() / ref.abs().max()).item()
+
+
+def attention_with_grads(q, k, v, dout, causal: bool, scale: float):
+    """float64 reference output and (dq, dk, dv) for upstream gradient ``dout``."""
+    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
+    out = reference_attention(q, k, v, causal, scale)
+    out.backward(dout.double())
+    return out.detach(), q.grad, k.grad, v.grad

@@ -1,0 +1,114 @@
+"""Bad input raises a clear error on every rank before any communication."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import loongtrain as lt
+
+from dist_pool import cached_state
+
+
+def test_init_parallel_needs_a_process_group():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        lt.init_parallel(lt.ParallelConfig())
+
+
+def _bad_degrees() -> list[str]:
+    messages = []
+    for cfg in ({"hp": 3}, {"hp": 2, "cp": 2, "dp": 2}, {"cp": 4, "window": 3}):
+        try:
+            lt.init_parallel(lt.ParallelConfig(**cfg))
+        except ValueError as e:
+            messages.append(str(e))
+        else:
+            messages.append("no error")
+    return messages
+
+
+@pytest.mark.dist
+def test_bad_degrees_raise_on_every_rank(dist_pool):
+    for messages in dist_pool(4).run(_bad_degrees):
+        assert "world size 4 is not divisible by sp = hp*cp = 3*1 = 3" in messages[0]
+        assert "dp*hp*cp = 2*2*2 = 8 does not equal the world size 4" in messages[1]
+        assert "cp=4 is not divisible by window=3" in messages[2]
+
+
+def _t(*shape, dtype=torch.float32, device="cpu"):
+    return torch.zeros(*shape, dtype=dtype, device=device)
+
+
+def _bad_attention_calls() -> dict[str, str]:
+    s22 = cached_state(hp=2, cp=2)
+    s4 = cached_state(hp=4)
+    ring = cached_state(cp=4)
+    cases = {
+        "heads_vs_hp": (s22, _t(1, 4, 3, 8), _t(1, 4, 1, 8), _t(1, 4, 1, 8), {}),
+        "groups_vs_hp": (s22, _t(1, 4, 6, 8), _t(1, 4, 3, 8), _t(1, 4, 3, 8), {}),
+        "replication": (s4, _t(1, 4, 12, 8), _t(1, 4, 3, 8), _t(1, 4, 3, 8), {}),
+        "gqa_ratio": (s22, _t(1, 4, 6, 8), _t(1, 4, 4, 8), _t(1, 4, 4, 8), {}),
+        "odd_tokens": (ring, _t(1, 1, 2, 8), _t(1, 1, 2, 8), _t(1, 1, 2, 8), {}),
+        "kv_shape": (s22, _t(1, 4, 4, 8), _t(1, 4, 2, 8), _t(1, 4, 4, 8), {}),
+        "q_vs_kv": (s22, _t(1, 4, 4, 8), _t(1, 6, 2, 8), _t(1, 6, 2, 8), {}),
+        "rank3": (s22, _t(4, 4, 8), _t(1, 4, 2, 8), _t(1, 4, 2, 8), {}),
+        "dtypes": (s22, _t(1, 4, 4, 8), _t(1, 4, 2, 8, dtype=torch.bfloat16), _t(1, 4, 2, 8), {}),
+        "int_dtype": (s22, *(_t(1, 4, 2, 8, dtype=torch.int32) for _ in range(3)), {}),
+        "device": (s22, *(_t(1, 4, 2, 8, device="meta") for _ in range(3)), {}),
+        "scale": (s22, _t(1, 4, 4, 8), _t(1, 4, 2, 8), _t(1, 4, 2, 8), {"softmax_scale": -1.0}),
+    }
+    found = {}
+    for name, (state, q, k, v, kwargs) in cases.items():
+        try:
+            lt.head_context_attention(q, k, v, state, **kwargs)
+        except (ValueError, TypeError) as e:
+            found[name] = str(e)
+        else:
+            found[name] = "no error"
+    try:
+        lt.shard_sequence(_t(1, 30, 2, 8), s22)
+    except ValueError as e:
+        found["shard"] = str(e)
+    return found
+
+
+EXPECTED = {
+    "heads_vs_hp": "query heads H=3 are not divisible by hp=2; choose hp among [1, 3]",
+    "groups_vs_hp": "key/value heads G=3 are not divisible by hp=2",
+    "replication": "hp=4 exceeds the key/value heads G=3 but is not a multiple of G",
+    "gqa_ratio": "query heads H=6 are not a multiple of key/value heads G=4",
+    "odd_tokens": "needs an even number of tokens per context rank",
+    "kv_shape": "k (1, 4, 2, 8) and v (1, 4, 4, 8) must have the same shape",
+    "q_vs_kv": "must agree in batch, local sequence length and head_dim",
+    "rank3": "q must be 4-D",
+    "dtypes": "dtypes differ",
+    "int_dtype": "dtype torch.int32 is not supported by the cpu-flash attention kernel",
+    "device": "inputs are on meta but the process groups communicate on cpu",
+    "scale": "softmax_scale=-1.0 must be a positive finite number",
+    "shard": "sequence length 30 is not divisible by 2*sp = 2*2*2 = 8",
+}
+
+
+@pytest.mark.dist
+def test_bad_attention_inputs_raise_on_every_rank(dist_pool):
+    for found in dist_pool(4).run(_bad_attention_calls):
+        for name, text in EXPECTED.items():
+            assert text in found[name], f"{name}: {found[name]!r}"
+
+
+def _mismatched_shapes() -> str:
+    state = cached_state(cp=2)
+    s_local = 4 if state.rank == 0 else 6
+    q = torch.randn(1, s_local, 2, 8)
+    try:
+        lt.head_context_attention(q, q, q, state)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.dist
+def test_shape_mismatch_across_ranks_is_caught(dist_pool):
+    for message in dist_pool(2).run(_mismatched_shapes):
+        assert "passed different inputs" in message
+        assert "rank 0: q=(1, 4, 2, 8)" in message and "rank 1: q=(1, 6, 2, 8)" in message

@@ -1,0 +1,93 @@
+"""Block kernels, the lse merge and the single-process ring replay against float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loongtrain.attention.kernels import block_backward, block_forward
+from loongtrain.attention.merge import merge_into
+from loongtrain.attention.replay import RingReplay
+
+from reference import attention_with_grads, reference_attention, reference_lse, rel_errors
+
+
+def _qkv(batch=2, sq=24, sk=24, heads=4, groups=2, dim=16, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, sq, heads, dim, generator=g).to(dtype)
+    k = torch.randn(batch, sk, groups, dim, generator=g).to(dtype)
+    v = torch.randn(batch, sk, groups, dim, generator=g).to(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("groups", [4, 2, 1])
+def test_block_forward_and_lse(causal, groups):
+    q, k, v = _qkv(groups=groups)
+    scale = 0.3
+    out, lse = block_forward(q, k, v, causal=causal, scale=scale)
+    assert out.shape == q.shape and lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    assert rel_errors(out, reference_attention(q, k, v, causal, scale))[1] < 1e-5
+    assert rel_errors(lse, reference_lse(q, k, causal, scale))[1] < 1e-5
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_block_backward(causal):
+    q, k, v = _qkv(groups=2)
+    dout = torch.randn_like(q)
+    scale = 0.25
+    out, lse = block_forward(q, k, v, causal=causal, scale=scale)
+    got = block_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+    _, *ref = attention_with_grads(q, k, v, dout, causal, scale)
+    for g, r in zip(got, ref):
+        assert g.shape == r.shape
+        assert rel_errors(g, r)[1] < 1e-5
+
+
+def test_merge_of_two_key_halves_equals_full_attention():
+    q, k, v = _qkv(sk=40)
+    scale = 0.2
+    out_a, lse_a = block_forward(q, k[:, :17], v[:, :17], causal=False, scale=scale)
+    out_b, lse_b = block_forward(q, k[:, 17:], v[:, 17:], causal=False, scale=scale)
+    merge_into(out_a, lse_a, out_b, lse_b)
+    assert rel_errors(out_a, reference_attention(q, k, v, False, scale))[1] < 1e-5
+    assert rel_errors(lse_a, reference_lse(q, k, False, scale))[1] < 1e-6
+
+
+def test_merge_is_stable_for_huge_lse_gaps():
+    out = torch.randn(1, 3, 2, 4)
+    other = torch.randn(1, 3, 2, 4)
+    lse = torch.tensor([[[0.0, 5e4], [-5e4, 1.0], [80.0, -80.0]]])
+    lse_b = torch.tensor([[[5e4, 0.0], [1.0, -5e4], [-80.0, 80.0]]])
+    expected_lse = torch.logaddexp(lse.double(), lse_b.double())
+    w = torch.sigmoid(lse_b.double() - lse.double()).unsqueeze(-1)
+    expected_out = out.double() * (1 - w) + other.double() * w
+    merge_into(out, lse, other, lse_b)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    torch.testing.assert_close(out.double(), expected_out, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse.double(), expected_lse, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("cp, window", [(1, 1), (2, 1), (4, 1), (4, 2), (4, 4), (8, 2), (6, 3)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_replay_matches_float64(cp, window, causal):
+    seq = 2 * cp * 5
+    q, k, v = _qkv(batch=2, sq=seq, sk=seq, heads=4, groups=2, dim=8)
+    dout = torch.randn_like(q)
+    scale = 8**-0.5
+    replay = RingReplay(cp, window, causal)
+    qs = replay.shard(q)
+    kvs = [torch.stack(kv) for kv in zip(replay.shard(k), replay.shard(v))]
+    outs, lses = replay.forward(qs, kvs, scale)
+    dqs, dkvs = replay.backward(replay.shard(dout), qs, kvs, outs, lses, scale)
+    ref_out, ref_dq, ref_dk, ref_dv = attention_with_grads(q, k, v, dout, causal, scale)
+    dkv = replay.unshard([d.permute(1, 2, 0, 3, 4) for d in dkvs])  # [B, S, 2, G, d]
+    checks = {
+        "out": (replay.unshard(outs), ref_out),
+        "lse": (replay.unshard(lses), reference_lse(q, k, causal, scale)),
+        "dq": (replay.unshard(dqs), ref_dq),
+        "dk": (dkv[:, :, 0], ref_dk),
+        "dv": (dkv[:, :, 1], ref_dv),
+    }
+    for name, (got, ref) in checks.items():
+        assert rel_errors(got, ref)[0] < 1e-5, name
