@@ -16,7 +16,7 @@ import loongtrain as lt
 from dist_pool import cached_state
 from reference import attention_with_grads, rel_errors
 
-TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 4e-3}
+TOL = {"float64": 1e-12, "float32": 1e-5, "bfloat16": 2e-2, "float16": 4e-3}
 
 
 def _attention_case(
@@ -80,6 +80,7 @@ CASES = [
     (4, {"cp": 2, "window": 2, "dp": 2}, 4, 2, True, "float32", 1),
     (4, {"hp": 2, "cp": 2}, 4, 2, True, "bfloat16", 1),
     (4, {"cp": 4, "window": 2}, 4, 2, True, "float16", 1),
+    (4, {"hp": 2, "cp": 2, "window": 2}, 4, 1, True, "float64", 2),
 ]
 
 SLOW_CASES = [

@@ -17,8 +17,13 @@ from loongtrain.attention.schedule import BlockKind
 Tensor = torch.Tensor
 
 
+def accum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype for inputs of ``dtype``: float32, or float64 for float64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class OutputAccumulator:
-    """Running fp32 ``(out, lse)`` of one query shard, merged block by block."""
+    """Running ``(out, lse)`` of one query shard in :func:`accum_dtype`, merged block by block."""
 
     def __init__(self) -> None:
         self.out: Tensor | None = None
@@ -29,8 +34,9 @@ class OutputAccumulator:
             if row_start != 0:
                 raise RuntimeError("the first merged block must cover every query row")
             # Kernel outputs are fresh tensors: take ownership instead of copying.
-            self.out = out_b.to(torch.float32)
-            self.lse = lse_b.to(torch.float32)
+            dtype = accum_dtype(out_b.dtype)
+            self.out = out_b.to(dtype)
+            self.lse = lse_b.to(dtype)
             return
         rows = slice(row_start, None)
         merge_into(self.out[:, rows], self.lse[:, rows], out_b, lse_b)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loongtrain.attention.blocks import OutputAccumulator, add_kv_grad, backward_block, forward_block
+from loongtrain.attention.blocks import OutputAccumulator, accum_dtype, add_kv_grad, backward_block, forward_block
 from loongtrain.attention.comm import CommCounter, Pending, Ready, ring_exchange
 from loongtrain.attention.schedule import block_kind, ring_source
 from loongtrain.parallel.state import ParallelState, RingLink
@@ -96,7 +96,7 @@ def ring_backward(
 ) -> tuple[Tensor, Tensor]:
     """Gradients ``(dq, dkv)`` of :func:`ring_forward`, in the dtypes of ``q`` and ``kv``."""
     n, w = plan.n_windows, plan.window
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq = torch.zeros(q.shape, dtype=accum_dtype(q.dtype), device=q.device)
     base = kv
     tail: tuple[int, Pending] | None = None  # (outer step, its window total in flight)
     outer_in: Pending | None = None  # gradient sum of earlier windows for the next block
@@ -108,7 +108,7 @@ def ring_backward(
             inner_kv = plan.exchange(cur, inner=True) if s + 1 < w else None
             rows, dk, dv = backward_block(dout, q, cur, out, lse, plan.kind(j, s), plan.scale, dq)
             if s == 0:
-                partial = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+                partial = torch.zeros(kv.shape, dtype=accum_dtype(kv.dtype), device=kv.device)
             else:
                 partial = inner_dkv.wait()
             add_kv_grad(partial, rows, dk, dv)

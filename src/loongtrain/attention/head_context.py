@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from loongtrain.attention.blocks import accum_dtype
 from loongtrain.attention.comm import (
     CommCounter,
     all_gather_flat,
@@ -58,7 +59,7 @@ class HeadScatter(torch.autograd.Function):
         dkv = unpack_head_to_seq(dkv_pending.wait())
         if hp > groups:
             two, b, s, _, d = dkv.shape
-            dkv = dkv.view(two, b, s, groups, hp // groups, d).sum(dim=4, dtype=torch.float32).to(dkv.dtype)
+            dkv = dkv.view(two, b, s, groups, hp // groups, d).sum(dim=4, dtype=accum_dtype(dkv.dtype)).to(dkv.dtype)
         return dq, dkv[0], dkv[1], None, None, None
 
 

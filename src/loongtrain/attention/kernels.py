@@ -3,7 +3,8 @@
 Every distributed scheme is built from these two functions. Layout convention:
 ``q`` is ``[B, Sq, H, d]``, ``k``/``v`` are ``[B, Sk, G, d]`` with ``H % G == 0`` (query
 head ``h`` uses key/value head ``h // (H // G)``), ``out`` is ``[B, Sq, H, d]`` in the
-input dtype and ``lse`` is float32 ``[B, Sq, H]`` (natural log, scale included).
+input dtype and ``lse`` is ``[B, Sq, H]`` in float32 (float64 for float64 inputs), natural
+log, scale included.
 ``causal`` masks top-left aligned (query ``i`` sees keys ``j <= i``).
 
 This module is the only place that picks a kernel by device; the rest of the code calls
@@ -82,7 +83,11 @@ def _sum_kv_grad(dx: Tensor, groups: int) -> Tensor:
     b, s, heads, d = dx.shape
     if heads == groups:
         return dx
-    return dx.view(b, s, groups, heads // groups, d).sum(dim=3, dtype=torch.float32).to(dx.dtype)
+    return (
+        dx.view(b, s, groups, heads // groups, d)
+        .sum(dim=3, dtype=torch.promote_types(dx.dtype, torch.float32))
+        .to(dx.dtype)
+    )
 
 
 class CudaSdpaBackend:

@@ -8,7 +8,7 @@ import torch
 def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
     """Merge block result ``(out_b, lse_b)`` into ``(out_acc, lse_acc)`` in place.
 
-    ``out_acc`` [..., S, H, d] and ``lse_acc`` [..., S, H] are float32 (views are fine);
+    ``out_acc`` [..., S, H, d] and ``lse_acc`` [..., S, H] are float32 or float64 (views are fine);
     ``out_b`` may be lower precision. With ``w = sigmoid(lse_b - lse_acc)``:
     ``out_acc <- out_acc + w * (out_b - out_acc)`` and
     ``lse_acc <- logaddexp(lse_acc, lse_b)``; both are stable for any lse gap (no

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loongtrain.attention.blocks import OutputAccumulator, add_kv_grad, backward_block, forward_block
+from loongtrain.attention.blocks import OutputAccumulator, accum_dtype, add_kv_grad, backward_block, forward_block
 from loongtrain.attention.schedule import block_kind, ring_source
 from loongtrain.attention.sharding import shard_ranges
 
@@ -76,8 +76,8 @@ class RingReplay:
         scale: float,
     ) -> tuple[list[Tensor], list[Tensor]]:
         """Per-rank ``(dq, dkv)`` of :meth:`forward`."""
-        dqs = [torch.zeros(q.shape, dtype=torch.float32, device=q.device) for q in qs]
-        dkvs = [torch.zeros(kv.shape, dtype=torch.float32, device=kv.device) for kv in kvs]
+        dqs = [torch.zeros(q.shape, dtype=accum_dtype(q.dtype), device=q.device) for q in qs]
+        dkvs = [torch.zeros(kv.shape, dtype=accum_dtype(kv.dtype), device=kv.device) for kv in kvs]
         for c in range(self.cp):
             for src, kind in self._schedule(c):
                 rows, dk, dv = backward_block(douts[c], qs[c], kvs[src], outs[c], lses[c], kind, scale, dqs[c])

@@ -1,0 +1,3 @@
+from loongtrain.cli import main
+
+main()

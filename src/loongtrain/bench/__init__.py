@@ -1,0 +1,1 @@
+"""Benchmarks and the demo's shared helpers."""

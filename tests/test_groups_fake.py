@@ -1,0 +1,48 @@
+"""init_parallel builds exactly the groups the layout describes, at scale, using
+PyTorch's fake process-group backend (one process pretends to be one rank of N)."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+import loongtrain as lt
+
+
+def _ranks(group) -> tuple[int, ...] | None:
+    return None if group is None else tuple(dist.get_process_group_ranks(group))
+
+
+CONFIGS = [
+    (1024, dict(hp=8, cp=16, window=4, placement="context_first")),
+    (1024, dict(hp=4, cp=64, window=8, context_order="interleaved")),
+    (512, dict(hp=1, cp=32, window=1)),
+    (256, dict(hp=16, cp=1)),
+]
+
+
+@pytest.mark.parametrize("world, cfg", CONFIGS)
+@pytest.mark.parametrize("rank_fraction", [0.0, 0.37, 0.99])
+def test_groups_match_layout_at_scale(world, cfg, rank_fraction):
+    rank = int(rank_fraction * (world - 1))
+    config = lt.ParallelConfig(**cfg)
+    dist.init_process_group("fake", rank=rank, world_size=world)
+    try:
+        state = lt.init_parallel(config)
+        layout = lt.RankLayout.build(config, world)
+        size_or_none = lambda members: members if len(members) > 1 else None  # noqa: E731
+        assert _ranks(state.sp_group) == size_or_none(layout.sp_group(rank))
+        assert _ranks(state.dp_group) == size_or_none(layout.dp_group(rank))
+        assert _ranks(state.head_group) == size_or_none(layout.head_group(rank))
+        # a ring group's ranks come back sorted; the ring order lives in send_to/recv_from
+        assert _ranks(state.context_group) == size_or_none(tuple(sorted(layout.context_group(rank))))
+        for link, members in ((state.inner_ring, layout.inner_ring(rank)), (state.outer_ring, layout.outer_ring(rank))):
+            if len(members) == 1:
+                assert link is None
+                continue
+            pos = members.index(rank)
+            assert _ranks(link.kv_group) == _ranks(link.dkv_group) == tuple(sorted(members))
+            assert link.kv_group is not link.dkv_group
+            assert (link.send_to, link.recv_from) == (members[(pos + 1) % len(members)], members[pos - 1])
+    finally:
+        dist.destroy_process_group()
