@@ -128,3 +128,39 @@ def test_head_context_attention_matches_float64(dist_pool, case):
 @pytest.mark.parametrize("case", SLOW_CASES, ids=_case_id)
 def test_head_context_attention_matches_float64_world8(dist_pool, case):
     _run_case(dist_pool, case)
+
+
+def _count_work(cfg: dict) -> dict:
+    state = cached_state(**cfg)
+    q = torch.randn(1, 8, 4, 8, requires_grad=True)
+    kv = torch.randn(1, 8, 2, 8, requires_grad=True)
+    state.stats.reset()
+    out = lt.head_context_attention(q, kv, kv, state)
+    forward = state.stats.snapshot()
+    state.stats.reset()
+    out.sum().backward()
+    return {"forward": forward, "backward": state.stats.snapshot()}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "cfg, forward, backward",
+    [
+        # 2x2 plain ring: 3 all-to-alls each way, cp-1 KV hops, cp dKV hops (the last one home)
+        (
+            {"hp": 2, "cp": 2},
+            {"all_to_all": 3, "ring_kv": 1, "block_fwd": 2},
+            {"all_to_all": 3, "ring_kv": 1, "ring_dkv": 2, "block_bwd": 2},
+        ),
+        # double ring cp=4, window=2: KV makes 1 outer + 2 inner hops; dKV 4 inner + 2 outer
+        (
+            {"cp": 4, "window": 2},
+            {"ring_kv": 3, "block_fwd": 4},
+            {"ring_kv": 3, "ring_dkv": 6, "block_bwd": 4},
+        ),
+        ({"hp": 4}, {"all_to_all": 3, "block_fwd": 1}, {"all_to_all": 3, "block_bwd": 1}),
+    ],
+)
+def test_transfer_and_block_counts(dist_pool, cfg, forward, backward):
+    for counts in dist_pool(4).run(_count_work, cfg):
+        assert counts == {"forward": forward, "backward": backward}

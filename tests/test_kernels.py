@@ -91,3 +91,18 @@ def test_ring_replay_matches_float64(cp, window, causal):
     }
     for name, (got, ref) in checks.items():
         assert rel_errors(got, ref)[0] < 1e-5, name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_backend_calls_match_the_op_schemas(dtype):
+    """The CUDA SDPA path cannot run here, but PyTorch's meta kernels check that the
+    arguments fit the aten ops and give the output shapes (GQA: fewer key/value heads)."""
+    from loongtrain.attention.kernels import CudaSdpaBackend
+
+    backend = CudaSdpaBackend()
+    q = torch.empty(2, 64, 8, 64, device="meta", dtype=dtype)
+    k = torch.empty(2, 48, 2, 64, device="meta", dtype=dtype)
+    out, lse = backend.forward(q, k, k, True, 0.125)
+    assert out.shape == q.shape and lse.shape == (2, 64, 8) and lse.dtype == torch.float32
+    dq, dk, dv = backend.backward(out, q, k, k, out, lse, True, 0.125)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape

@@ -1,12 +1,11 @@
 """loongtrain: long-sequence LLM training with 2D head-context parallelism."""
 
-from loongtrain.attention import CommCounter, head_context_attention, shard_sequence, unshard_sequence
+from loongtrain.attention import head_context_attention, shard_sequence, unshard_sequence
 from loongtrain.parallel import ParallelConfig, ParallelState, RankLayout, init_parallel
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CommCounter",
     "ParallelConfig",
     "ParallelState",
     "RankLayout",

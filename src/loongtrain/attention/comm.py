@@ -8,28 +8,11 @@ before the receive deadlocks gloo around a ring.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.distributed as dist
 
 from loongtrain.parallel.state import RingLink
-
-
-@dataclass
-class CommCounter:
-    """Counts transfers started per kind (for tests and diagnostics)."""
-
-    counts: dict[str, int] = field(default_factory=dict)
-    bytes: dict[str, int] = field(default_factory=dict)
-
-    def add(self, kind: str, tensor: torch.Tensor) -> None:
-        self.counts[kind] = self.counts.get(kind, 0) + 1
-        self.bytes[kind] = self.bytes.get(kind, 0) + tensor.numel() * tensor.element_size()
-
-    def reset(self) -> None:
-        self.counts.clear()
-        self.bytes.clear()
+from loongtrain.parallel.stats import AttentionStats
 
 
 class Pending:
@@ -53,9 +36,11 @@ class Ready(Pending):
         super().__init__([], result)
 
 
-def ring_exchange(
-    send: torch.Tensor, link: RingLink, *, dkv: bool = False, counter: CommCounter | None = None
-) -> Pending:
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def ring_exchange(send: torch.Tensor, link: RingLink, stats: AttentionStats, *, dkv: bool = False) -> Pending:
     """Send ``send`` to the next ring member and receive the previous member's tensor.
 
     ``dkv`` selects the gradient communicator of the ring instead of the KV one.
@@ -67,21 +52,17 @@ def ring_exchange(
         dist.P2POp(dist.isend, send, peer=link.send_to, group=group),
         dist.P2POp(dist.irecv, recv, peer=link.recv_from, group=group),
     ]
-    if counter is not None:
-        counter.add("ring_dkv" if dkv else "ring_kv", send)
+    stats.add("ring_dkv" if dkv else "ring_kv", _nbytes(send))
     return Pending(dist.batch_isend_irecv(ops), recv)
 
 
-def all_to_all_start(
-    packed: torch.Tensor, group: dist.ProcessGroup | None, counter: CommCounter | None = None
-) -> Pending:
+def all_to_all_start(packed: torch.Tensor, group: dist.ProcessGroup | None, stats: AttentionStats) -> Pending:
     """All-to-all of ``packed`` ([world, ...], chunk ``r`` goes to group rank ``r``)."""
     if group is None:
         return Ready(packed)
     packed = packed.contiguous()
     out = torch.empty_like(packed)
-    if counter is not None:
-        counter.add("all_to_all", packed)
+    stats.add("all_to_all", _nbytes(packed))
     work = dist.all_to_all_single(out, packed, group=group, async_op=True)
     return Pending([work], out)
 

@@ -22,9 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from loongtrain.attention.blocks import OutputAccumulator, accum_dtype, add_kv_grad, backward_block, forward_block
-from loongtrain.attention.comm import CommCounter, Pending, Ready, ring_exchange
+from loongtrain.attention.comm import Pending, Ready, ring_exchange
 from loongtrain.attention.schedule import block_kind, ring_source
 from loongtrain.parallel.state import ParallelState, RingLink
+from loongtrain.parallel.stats import AttentionStats
 
 Tensor = torch.Tensor
 
@@ -40,12 +41,10 @@ class RingPlan:
     outer: RingLink | None
     causal: bool
     scale: float
-    counter: CommCounter | None = None
+    stats: AttentionStats
 
     @classmethod
-    def from_state(
-        cls, state: ParallelState, *, causal: bool, scale: float, counter: CommCounter | None = None
-    ) -> RingPlan:
+    def from_state(cls, state: ParallelState, *, causal: bool, scale: float) -> RingPlan:
         return cls(
             context=state.coords.context,
             cp=state.config.cp,
@@ -54,7 +53,7 @@ class RingPlan:
             outer=state.outer_ring,
             causal=causal,
             scale=scale,
-            counter=counter,
+            stats=state.stats,
         )
 
     @property
@@ -67,7 +66,7 @@ class RingPlan:
 
     def exchange(self, tensor: Tensor, inner: bool, dkv: bool = False) -> Pending:
         link = self.inner if inner else self.outer
-        return ring_exchange(tensor, link, dkv=dkv, counter=self.counter)
+        return ring_exchange(tensor, link, self.stats, dkv=dkv)
 
 
 def ring_forward(plan: RingPlan, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]:
@@ -84,6 +83,7 @@ def ring_forward(plan: RingPlan, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]
         for s in range(w):
             inner = plan.exchange(cur, inner=True) if s + 1 < w else None
             forward_block(q, cur, plan.kind(j, s), plan.scale, acc)
+            plan.stats.add("block_fwd")
             if inner is not None:
                 cur = inner.wait()
         if outer is not None:
@@ -107,6 +107,7 @@ def ring_backward(
         for s in range(w):
             inner_kv = plan.exchange(cur, inner=True) if s + 1 < w else None
             rows, dk, dv = backward_block(dout, q, cur, out, lse, plan.kind(j, s), plan.scale, dq)
+            plan.stats.add("block_bwd")
             if s == 0:
                 partial = torch.zeros(kv.shape, dtype=accum_dtype(kv.dtype), device=kv.device)
             else:

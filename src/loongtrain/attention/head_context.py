@@ -21,7 +21,6 @@ import torch
 
 from loongtrain.attention.blocks import accum_dtype
 from loongtrain.attention.comm import (
-    CommCounter,
     all_gather_flat,
     all_to_all_start,
     pack_head_to_seq,
@@ -32,6 +31,7 @@ from loongtrain.attention.comm import (
 from loongtrain.attention.double_ring import DoubleRingAttention, RingPlan
 from loongtrain.attention.kernels import check_supported
 from loongtrain.parallel.state import ParallelState
+from loongtrain.parallel.stats import AttentionStats
 
 Tensor = torch.Tensor
 
@@ -40,21 +40,21 @@ class HeadScatter(torch.autograd.Function):
     """``(q, k, v) -> (q_h, kv_h)``: scatter heads, gather sequence over the head group."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group, hp: int, counter: CommCounter | None):
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group, hp: int, stats: AttentionStats):
         groups = k.shape[2]
         kv = torch.stack((k, v))
         if hp > groups:
             kv = kv.repeat_interleave(hp // groups, dim=-2)
-        q_pending = all_to_all_start(pack_seq_to_head(q, hp), group, counter)
-        kv_pending = all_to_all_start(pack_seq_to_head(kv, hp), group, counter)
-        ctx.group, ctx.hp, ctx.groups, ctx.counter = group, hp, groups, counter
+        q_pending = all_to_all_start(pack_seq_to_head(q, hp), group, stats)
+        kv_pending = all_to_all_start(pack_seq_to_head(kv, hp), group, stats)
+        ctx.group, ctx.hp, ctx.groups, ctx.stats = group, hp, groups, stats
         return unpack_seq_to_head(q_pending.wait()), unpack_seq_to_head(kv_pending.wait())
 
     @staticmethod
     def backward(ctx, dq_h: Tensor, dkv_h: Tensor):
         hp, groups = ctx.hp, ctx.groups
-        dq_pending = all_to_all_start(pack_head_to_seq(dq_h, hp), ctx.group, ctx.counter)
-        dkv_pending = all_to_all_start(pack_head_to_seq(dkv_h, hp), ctx.group, ctx.counter)
+        dq_pending = all_to_all_start(pack_head_to_seq(dq_h, hp), ctx.group, ctx.stats)
+        dkv_pending = all_to_all_start(pack_head_to_seq(dkv_h, hp), ctx.group, ctx.stats)
         dq = unpack_head_to_seq(dq_pending.wait())
         dkv = unpack_head_to_seq(dkv_pending.wait())
         if hp > groups:
@@ -67,13 +67,13 @@ class HeadGather(torch.autograd.Function):
     """``out_h -> out``: scatter sequence, gather heads over the head group."""
 
     @staticmethod
-    def forward(ctx, out_h: Tensor, group, hp: int, counter: CommCounter | None):
-        ctx.group, ctx.hp, ctx.counter = group, hp, counter
-        return unpack_head_to_seq(all_to_all_start(pack_head_to_seq(out_h, hp), group, counter).wait())
+    def forward(ctx, out_h: Tensor, group, hp: int, stats: AttentionStats):
+        ctx.group, ctx.hp, ctx.stats = group, hp, stats
+        return unpack_head_to_seq(all_to_all_start(pack_head_to_seq(out_h, hp), group, stats).wait())
 
     @staticmethod
     def backward(ctx, dout: Tensor):
-        pending = all_to_all_start(pack_seq_to_head(dout, ctx.hp), ctx.group, ctx.counter)
+        pending = all_to_all_start(pack_seq_to_head(dout, ctx.hp), ctx.group, ctx.stats)
         return unpack_seq_to_head(pending.wait()), None, None, None
 
 
@@ -183,8 +183,6 @@ def head_context_attention(
     state: ParallelState,
     causal: bool = True,
     softmax_scale: float | None = None,
-    *,
-    counter: CommCounter | None = None,
 ) -> Tensor:
     """2D head-context attention on zigzag sequence shards; returns [B, S/sp, H, d].
 
@@ -194,19 +192,18 @@ def head_context_attention(
         state: from :func:`loongtrain.init_parallel`.
         causal: causal (top-left aligned over the global sequence) or full attention.
         softmax_scale: defaults to ``d ** -0.5``.
-        counter: optional :class:`CommCounter` that counts the transfers started.
     """
     check_attention_inputs(q, k, v, state, causal, softmax_scale)
     if state.verify_inputs:
         verify_same_inputs(q, k, state, causal)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     hp = state.config.hp
-    plan = RingPlan.from_state(state, causal=causal, scale=scale, counter=counter)
+    plan = RingPlan.from_state(state, causal=causal, scale=scale)
     if hp == 1:
         q_h, kv_h = q, torch.stack((k, v))
     else:
-        q_h, kv_h = HeadScatter.apply(q, k, v, state.head_group, hp, counter)
+        q_h, kv_h = HeadScatter.apply(q, k, v, state.head_group, hp, state.stats)
     out_h, _lse = DoubleRingAttention.apply(q_h, kv_h, plan)
     if hp == 1:
         return out_h
-    return HeadGather.apply(out_h, state.head_group, hp, counter)
+    return HeadGather.apply(out_h, state.head_group, hp, state.stats)

@@ -3,5 +3,6 @@
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.layout import RankCoords, RankLayout
 from loongtrain.parallel.state import ParallelState, RingLink, init_parallel
+from loongtrain.parallel.stats import AttentionStats
 
-__all__ = ["ParallelConfig", "ParallelState", "RankCoords", "RankLayout", "RingLink", "init_parallel"]
+__all__ = ["AttentionStats", "ParallelConfig", "ParallelState", "RankCoords", "RankLayout", "RingLink", "init_parallel"]

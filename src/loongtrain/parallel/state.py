@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.layout import RankCoords, RankLayout
+from loongtrain.parallel.stats import AttentionStats
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class ParallelState:
     inner_ring: RingLink | None
     outer_ring: RingLink | None
     verify_inputs: bool = True
+    stats: AttentionStats = field(default_factory=AttentionStats)
     _world_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
     @property

@@ -1,0 +1,31 @@
+"""Counters of the distributed attention's work, kept on the ParallelState."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class AttentionStats:
+    """Transfers started and blocks computed, by kind, since the last ``reset()``.
+
+    Kinds: ``all_to_all``, ``ring_kv``, ``ring_dkv`` (with bytes sent), ``block_fwd``,
+    ``block_bwd``. Counting is a dict update per event, cheap enough to stay on.
+    """
+
+    counts: dict[str, int] = field(default_factory=dict)
+    bytes: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, nbytes: int = 0) -> None:
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
+
+    def get(self, kind: str) -> int:
+        return self.counts.get(kind, 0)
+
+    def reset(self) -> None:
+        self.counts.clear()
+        self.bytes.clear()
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(self.counts)
