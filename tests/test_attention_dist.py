@@ -149,16 +149,16 @@ def _count_work(cfg: dict) -> dict:
         # 2x2 plain ring: 3 all-to-alls each way, cp-1 KV hops, cp dKV hops (the last one home)
         (
             {"hp": 2, "cp": 2},
-            {"all_to_all": 3, "ring_kv": 1, "block_fwd": 2},
-            {"all_to_all": 3, "ring_kv": 1, "ring_dkv": 2, "block_bwd": 2},
+            {"fwd.all_to_all": 3, "fwd.ring_kv": 1, "fwd.block": 2},
+            {"bwd.all_to_all": 3, "bwd.ring_kv": 1, "bwd.ring_dkv": 2, "bwd.block": 2},
         ),
         # double ring cp=4, window=2: KV makes 1 outer + 2 inner hops; dKV 4 inner + 2 outer
         (
             {"cp": 4, "window": 2},
-            {"ring_kv": 3, "block_fwd": 4},
-            {"ring_kv": 3, "ring_dkv": 6, "block_bwd": 4},
+            {"fwd.ring_kv": 3, "fwd.block": 4},
+            {"bwd.ring_kv": 3, "bwd.ring_dkv": 6, "bwd.block": 4},
         ),
-        ({"hp": 4}, {"all_to_all": 3, "block_fwd": 1}, {"all_to_all": 3, "block_bwd": 1}),
+        ({"hp": 4}, {"fwd.all_to_all": 3, "fwd.block": 1}, {"bwd.all_to_all": 3, "bwd.block": 1}),
     ],
 )
 def test_transfer_and_block_counts(dist_pool, cfg, forward, backward):

@@ -40,10 +40,13 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def ring_exchange(send: torch.Tensor, link: RingLink, stats: AttentionStats, *, dkv: bool = False) -> Pending:
+def ring_exchange(
+    send: torch.Tensor, link: RingLink, stats: AttentionStats, kind: str, *, dkv: bool = False
+) -> Pending:
     """Send ``send`` to the next ring member and receive the previous member's tensor.
 
-    ``dkv`` selects the gradient communicator of the ring instead of the KV one.
+    ``dkv`` selects the gradient communicator of the ring instead of the KV one;
+    ``kind`` is the label counted in ``stats``.
     """
     send = send.contiguous()
     recv = torch.empty_like(send)
@@ -52,17 +55,19 @@ def ring_exchange(send: torch.Tensor, link: RingLink, stats: AttentionStats, *, 
         dist.P2POp(dist.isend, send, peer=link.send_to, group=group),
         dist.P2POp(dist.irecv, recv, peer=link.recv_from, group=group),
     ]
-    stats.add("ring_dkv" if dkv else "ring_kv", _nbytes(send))
+    stats.add(kind, _nbytes(send))
     return Pending(dist.batch_isend_irecv(ops), recv)
 
 
-def all_to_all_start(packed: torch.Tensor, group: dist.ProcessGroup | None, stats: AttentionStats) -> Pending:
+def all_to_all_start(
+    packed: torch.Tensor, group: dist.ProcessGroup | None, stats: AttentionStats, kind: str
+) -> Pending:
     """All-to-all of ``packed`` ([world, ...], chunk ``r`` goes to group rank ``r``)."""
     if group is None:
         return Ready(packed)
     packed = packed.contiguous()
     out = torch.empty_like(packed)
-    stats.add("all_to_all", _nbytes(packed))
+    stats.add(kind, _nbytes(packed))
     work = dist.all_to_all_single(out, packed, group=group, async_op=True)
     return Pending([work], out)
 

@@ -64,9 +64,9 @@ class RingPlan:
         src = ring_source(self.context, self.cp, self.window, outer_step, inner_step)
         return block_kind(src, self.context, self.causal)
 
-    def exchange(self, tensor: Tensor, inner: bool, dkv: bool = False) -> Pending:
+    def exchange(self, tensor: Tensor, inner: bool, kind: str, dkv: bool = False) -> Pending:
         link = self.inner if inner else self.outer
-        return ring_exchange(tensor, link, self.stats, dkv=dkv)
+        return ring_exchange(tensor, link, self.stats, kind, dkv=dkv)
 
 
 def ring_forward(plan: RingPlan, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]:
@@ -78,12 +78,12 @@ def ring_forward(plan: RingPlan, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]
     acc = OutputAccumulator()
     base = kv
     for j in range(n):
-        outer = plan.exchange(base, inner=False) if j + 1 < n else None
+        outer = plan.exchange(base, inner=False, kind="fwd.ring_kv") if j + 1 < n else None
         cur = base
         for s in range(w):
-            inner = plan.exchange(cur, inner=True) if s + 1 < w else None
+            inner = plan.exchange(cur, inner=True, kind="fwd.ring_kv") if s + 1 < w else None
             forward_block(q, cur, plan.kind(j, s), plan.scale, acc)
-            plan.stats.add("block_fwd")
+            plan.stats.add("fwd.block")
             if inner is not None:
                 cur = inner.wait()
         if outer is not None:
@@ -102,12 +102,12 @@ def ring_backward(
     outer_in: Pending | None = None  # gradient sum of earlier windows for the next block
     inner_dkv: Pending | None = None
     for j in range(n):
-        outer_kv = plan.exchange(base, inner=False) if j + 1 < n else None
+        outer_kv = plan.exchange(base, inner=False, kind="bwd.ring_kv") if j + 1 < n else None
         cur = base
         for s in range(w):
-            inner_kv = plan.exchange(cur, inner=True) if s + 1 < w else None
+            inner_kv = plan.exchange(cur, inner=True, kind="bwd.ring_kv") if s + 1 < w else None
             rows, dk, dv = backward_block(dout, q, cur, out, lse, plan.kind(j, s), plan.scale, dq)
-            plan.stats.add("block_bwd")
+            plan.stats.add("bwd.block")
             if s == 0:
                 partial = torch.zeros(kv.shape, dtype=accum_dtype(kv.dtype), device=kv.device)
             else:
@@ -118,7 +118,7 @@ def ring_backward(
                 tail = None
             if w > 1:
                 # For s == w-1 this hop brings each block's window total to its position.
-                inner_dkv = plan.exchange(partial, inner=True, dkv=True)
+                inner_dkv = plan.exchange(partial, inner=True, kind="bwd.ring_dkv", dkv=True)
             if inner_kv is not None:
                 cur = inner_kv.wait()
         tail = (j, inner_dkv if w > 1 else Ready(partial))
@@ -140,22 +140,4 @@ def _finish_outer_step(plan: RingPlan, j: int, window_total: Pending, outer_in: 
         total += outer_in.wait()
     if plan.n_windows == 1:
         return Ready(total)
-    return plan.exchange(total, inner=False, dkv=True)
-
-
-class DoubleRingAttention(torch.autograd.Function):
-    """Autograd Function: ``(q, kv) -> (out, lse)`` over the context group."""
-
-    @staticmethod
-    def forward(ctx, q: Tensor, kv: Tensor, plan: RingPlan):
-        out, lse = ring_forward(plan, q, kv)
-        ctx.save_for_backward(q, kv, out, lse)
-        ctx.plan = plan
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout: Tensor, _dlse: Tensor):
-        q, kv, out, lse = ctx.saved_tensors
-        dq, dkv = ring_backward(ctx.plan, dout.contiguous(), q, kv, out, lse)
-        return dq, dkv, None
+    return plan.exchange(total, inner=False, kind="bwd.ring_dkv", dkv=True)

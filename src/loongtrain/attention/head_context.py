@@ -11,6 +11,7 @@ Per rank: ``q`` [B, S/sp, H, d] and ``k``/``v`` [B, S/sp, G, d] zigzag shards (s
 4. All-to-all back (scatter sequence, gather heads) -> [B, S/sp, H, d].
 
 ``hp == 1`` is pure ring attention and ``cp == 1`` pure Ulysses, through the same code.
+The three stages are the custom ops of :mod:`loongtrain.attention.ops`.
 """
 
 from __future__ import annotations
@@ -19,62 +20,11 @@ import math
 
 import torch
 
-from loongtrain.attention.blocks import accum_dtype
-from loongtrain.attention.comm import (
-    all_gather_flat,
-    all_to_all_start,
-    pack_head_to_seq,
-    pack_seq_to_head,
-    unpack_head_to_seq,
-    unpack_seq_to_head,
-)
-from loongtrain.attention.double_ring import DoubleRingAttention, RingPlan
+from loongtrain.attention import ops
 from loongtrain.attention.kernels import check_supported
 from loongtrain.parallel.state import ParallelState
-from loongtrain.parallel.stats import AttentionStats
 
 Tensor = torch.Tensor
-
-
-class HeadScatter(torch.autograd.Function):
-    """``(q, k, v) -> (q_h, kv_h)``: scatter heads, gather sequence over the head group."""
-
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group, hp: int, stats: AttentionStats):
-        groups = k.shape[2]
-        kv = torch.stack((k, v))
-        if hp > groups:
-            kv = kv.repeat_interleave(hp // groups, dim=-2)
-        q_pending = all_to_all_start(pack_seq_to_head(q, hp), group, stats)
-        kv_pending = all_to_all_start(pack_seq_to_head(kv, hp), group, stats)
-        ctx.group, ctx.hp, ctx.groups, ctx.stats = group, hp, groups, stats
-        return unpack_seq_to_head(q_pending.wait()), unpack_seq_to_head(kv_pending.wait())
-
-    @staticmethod
-    def backward(ctx, dq_h: Tensor, dkv_h: Tensor):
-        hp, groups = ctx.hp, ctx.groups
-        dq_pending = all_to_all_start(pack_head_to_seq(dq_h, hp), ctx.group, ctx.stats)
-        dkv_pending = all_to_all_start(pack_head_to_seq(dkv_h, hp), ctx.group, ctx.stats)
-        dq = unpack_head_to_seq(dq_pending.wait())
-        dkv = unpack_head_to_seq(dkv_pending.wait())
-        if hp > groups:
-            two, b, s, _, d = dkv.shape
-            dkv = dkv.view(two, b, s, groups, hp // groups, d).sum(dim=4, dtype=accum_dtype(dkv.dtype)).to(dkv.dtype)
-        return dq, dkv[0], dkv[1], None, None, None
-
-
-class HeadGather(torch.autograd.Function):
-    """``out_h -> out``: scatter sequence, gather heads over the head group."""
-
-    @staticmethod
-    def forward(ctx, out_h: Tensor, group, hp: int, stats: AttentionStats):
-        ctx.group, ctx.hp, ctx.stats = group, hp, stats
-        return unpack_head_to_seq(all_to_all_start(pack_head_to_seq(out_h, hp), group, stats).wait())
-
-    @staticmethod
-    def backward(ctx, dout: Tensor):
-        pending = all_to_all_start(pack_seq_to_head(dout, ctx.hp), ctx.group, ctx.stats)
-        return unpack_seq_to_head(pending.wait()), None, None, None
 
 
 def check_attention_inputs(
@@ -151,31 +101,6 @@ def check_attention_inputs(
         raise ValueError(f"head_context_attention: softmax_scale={softmax_scale} must be a positive finite number")
 
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
-
-
-def verify_same_inputs(q: Tensor, k: Tensor, state: ParallelState, causal: bool) -> None:
-    """Check with one small all-gather that every sp rank passes the same shapes and options."""
-    if state.sp_group is None:
-        return
-    meta = torch.tensor(
-        [*q.shape, k.shape[2], _DTYPE_CODES.get(q.dtype, -1), int(causal)], dtype=torch.int64, device=state.device
-    )
-    sp = state.config.sp
-    gathered = meta.new_empty((sp * meta.numel(),))
-    all_gather_flat(gathered, meta, group=state.sp_group)
-    rows = gathered.view(sp, -1).tolist()
-    if any(row != rows[0] for row in rows):
-        members = state.layout.sp_group(state.rank)
-        detail = "; ".join(
-            f"rank {r}: q={tuple(row[:4])} G={row[4]} causal={bool(row[6])}" for r, row in zip(members, rows)
-        )
-        raise ValueError(
-            "head_context_attention: the ranks of the sequence-parallel group passed different "
-            f"inputs ({detail}); every rank must pass its shard of the same batch"
-        )
-
-
 def head_context_attention(
     q: Tensor,
     k: Tensor,
@@ -194,16 +119,10 @@ def head_context_attention(
         softmax_scale: defaults to ``d ** -0.5``.
     """
     check_attention_inputs(q, k, v, state, causal, softmax_scale)
-    if state.verify_inputs:
-        verify_same_inputs(q, k, state, causal)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    hp = state.config.hp
-    plan = RingPlan.from_state(state, causal=causal, scale=scale)
-    if hp == 1:
-        q_h, kv_h = q, torch.stack((k, v))
-    else:
-        q_h, kv_h = HeadScatter.apply(q, k, v, state.head_group, hp, state.stats)
-    out_h, _lse = DoubleRingAttention.apply(q_h, kv_h, plan)
-    if hp == 1:
-        return out_h
-    return HeadGather.apply(out_h, state.head_group, hp, state.stats)
+    if state.config.hp == 1:
+        out, _lse = ops.ring_attention(q, torch.stack((k, v)), state.key, causal, scale, True)
+        return out
+    q_h, kv_h = ops.head_scatter(q, k, v, state.key, causal)
+    out_h, _lse = ops.ring_attention(q_h, kv_h, state.key, causal, scale, False)
+    return ops.head_gather(out_h, state.key)

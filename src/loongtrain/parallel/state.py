@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -48,7 +50,12 @@ class ParallelState:
     outer_ring: RingLink | None
     verify_inputs: bool = True
     stats: AttentionStats = field(default_factory=AttentionStats)
+    key: int = field(default_factory=lambda: next(_KEYS))
+    meshes: dict = field(default_factory=dict, repr=False)  # DeviceMeshes built for ZeRO, by scope
     _world_group: dist.ProcessGroup | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        _REGISTRY[self.key] = self
 
     @property
     def hp(self) -> int:
@@ -73,6 +80,20 @@ class ParallelState:
                 "loongtrain: the process group this ParallelState was built on is no longer "
                 "initialised; call torch.distributed.init_process_group and init_parallel again"
             )
+
+
+# Custom ops (the attention) take plain ints, not Python objects: each state registers
+# under a process-unique key, weakly, so dropping the state frees it.
+_KEYS = itertools.count()
+_REGISTRY: weakref.WeakValueDictionary[int, ParallelState] = weakref.WeakValueDictionary()
+
+
+def state_by_key(key: int) -> ParallelState:
+    """The live :class:`ParallelState` registered under ``key``."""
+    state = _REGISTRY.get(key)
+    if state is None:
+        raise RuntimeError(f"loongtrain: ParallelState {key} no longer exists (was it garbage-collected?)")
+    return state
 
 
 def default_device() -> torch.device:

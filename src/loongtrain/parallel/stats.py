@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 class AttentionStats:
     """Transfers started and blocks computed, by kind, since the last ``reset()``.
 
-    Kinds: ``all_to_all``, ``ring_kv``, ``ring_dkv`` (with bytes sent), ``block_fwd``,
-    ``block_bwd``. Counting is a dict update per event, cheap enough to stay on.
+    Kinds are ``<phase>.<what>``: phase ``fwd`` (the attention's forward, also when a
+    checkpoint recomputes it) or ``bwd`` (its backward); what: ``all_to_all``,
+    ``ring_kv``, ``ring_dkv`` (with bytes sent) and ``block`` (block kernels run).
+    Counting is a dict update per event, cheap enough to stay on.
     """
 
     counts: dict[str, int] = field(default_factory=dict)

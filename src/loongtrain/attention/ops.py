@@ -1,0 +1,170 @@
+"""The distributed attention as three PyTorch custom ops with hand-written backwards:
+
+- ``loongtrain::head_scatter``  (q, k, v) -> (q_h, kv_h): all-to-all over the head group
+- ``loongtrain::ring_attention`` (q_h, kv_h) -> (out_h, lse): double ring over the context group
+- ``loongtrain::head_gather``   out_h -> out: all-to-all back
+
+Being operators (not autograd Functions) makes them visible to PyTorch's selective
+activation checkpointing: a policy can mark them MUST_SAVE, so a recomputed block gets
+their outputs back with no communication and no attention compute (Selective
+Checkpoint++). Ops take the ParallelState by its registry key.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loongtrain.attention.blocks import accum_dtype
+from loongtrain.attention.comm import (
+    all_gather_flat,
+    all_to_all_start,
+    pack_head_to_seq,
+    pack_seq_to_head,
+    unpack_head_to_seq,
+    unpack_seq_to_head,
+)
+from loongtrain.attention.double_ring import RingPlan, ring_backward, ring_forward
+from loongtrain.parallel.state import ParallelState, state_by_key
+
+Tensor = torch.Tensor
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
+
+
+def verify_same_inputs(q: Tensor, kv_heads: int, state: ParallelState, causal: bool) -> None:
+    """Check with one small all-gather that every sp rank passes the same shapes and options."""
+    if state.sp_group is None:
+        return
+    meta = torch.tensor(
+        [*q.shape, kv_heads, _DTYPE_CODES.get(q.dtype, -1), int(causal)], dtype=torch.int64, device=state.device
+    )
+    sp = state.config.sp
+    gathered = meta.new_empty((sp * meta.numel(),))
+    all_gather_flat(gathered, meta, state.sp_group)
+    rows = gathered.view(sp, -1).tolist()
+    if any(row != rows[0] for row in rows):
+        members = state.layout.sp_group(state.rank)
+        detail = "; ".join(
+            f"rank {r}: q={tuple(row[:4])} G={row[4]} causal={bool(row[6])}" for r, row in zip(members, rows)
+        )
+        raise ValueError(
+            "head_context_attention: the ranks of the sequence-parallel group passed different "
+            f"inputs ({detail}); every rank must pass its shard of the same batch"
+        )
+
+
+# -- head all-to-all: scatter heads, gather sequence ---------------------------------
+@torch.library.custom_op("loongtrain::head_scatter", mutates_args=())
+def head_scatter(q: Tensor, k: Tensor, v: Tensor, state_key: int, causal: bool) -> tuple[Tensor, Tensor]:
+    """[B,S,H,d], [B,S,G,d] x2 -> q_h [B, hp*S, H/hp, d], kv_h [2, B, hp*S, max(G,hp)/hp, d]."""
+    state = state_by_key(state_key)
+    hp, groups = state.config.hp, k.shape[2]
+    if state.verify_inputs:
+        verify_same_inputs(q, groups, state, causal)
+    kv = torch.stack((k, v))
+    if hp > groups:  # GQA with fewer KV heads than head ranks: replicate each KV head
+        kv = kv.repeat_interleave(hp // groups, dim=-2)
+    q_pending = all_to_all_start(pack_seq_to_head(q, hp), state.head_group, state.stats, "fwd.all_to_all")
+    kv_pending = all_to_all_start(pack_seq_to_head(kv, hp), state.head_group, state.stats, "fwd.all_to_all")
+    return unpack_seq_to_head(q_pending.wait()), unpack_seq_to_head(kv_pending.wait())
+
+
+@head_scatter.register_fake
+def _(q, k, v, state_key, causal):
+    hp = state_by_key(state_key).config.hp
+    b, s, h, d = q.shape
+    kv_heads = max(k.shape[2], hp)
+    return q.new_empty(b, hp * s, h // hp, d), k.new_empty(2, b, hp * s, kv_heads // hp, d)
+
+
+def _head_scatter_setup(ctx, inputs, output) -> None:
+    _, k, _, state_key, _ = inputs
+    ctx.state_key, ctx.groups = state_key, k.shape[2]
+
+
+def _head_scatter_backward(ctx, dq_h: Tensor, dkv_h: Tensor):
+    state = state_by_key(ctx.state_key)
+    hp, groups = state.config.hp, ctx.groups
+    dq_pending = all_to_all_start(pack_head_to_seq(dq_h, hp), state.head_group, state.stats, "bwd.all_to_all")
+    dkv_pending = all_to_all_start(pack_head_to_seq(dkv_h, hp), state.head_group, state.stats, "bwd.all_to_all")
+    dq = unpack_head_to_seq(dq_pending.wait())
+    dkv = unpack_head_to_seq(dkv_pending.wait())
+    if hp > groups:  # sum the gradients of each KV head's replicas
+        two, b, s, _, d = dkv.shape
+        dkv = dkv.view(two, b, s, groups, hp // groups, d).sum(dim=4, dtype=accum_dtype(dkv.dtype)).to(dkv.dtype)
+    return dq, dkv[0], dkv[1], None, None
+
+
+head_scatter.register_autograd(_head_scatter_backward, setup_context=_head_scatter_setup)
+
+
+# -- double ring over the context group ----------------------------------------------
+@torch.library.custom_op("loongtrain::ring_attention", mutates_args=())
+def ring_attention(
+    q_h: Tensor, kv_h: Tensor, state_key: int, causal: bool, scale: float, verify: bool
+) -> tuple[Tensor, Tensor]:
+    """q_h [B, Sc, Hh, d], kv_h [2, B, Sc, Gh, d] -> out_h [B, Sc, Hh, d], lse [B, Sc, Hh]."""
+    state = state_by_key(state_key)
+    if verify and state.verify_inputs:
+        verify_same_inputs(q_h, kv_h.shape[3], state, causal)
+    plan = RingPlan.from_state(state, causal=causal, scale=scale)
+    return ring_forward(plan, q_h, kv_h)
+
+
+@ring_attention.register_fake
+def _(q_h, kv_h, state_key, causal, scale, verify):
+    return torch.empty_like(q_h), q_h.new_empty(q_h.shape[:3], dtype=accum_dtype(q_h.dtype))
+
+
+def _ring_setup(ctx, inputs, output) -> None:
+    q_h, kv_h, state_key, causal, scale, _ = inputs
+    out_h, lse = output
+    ctx.save_for_backward(q_h, kv_h, out_h, lse)
+    ctx.state_key, ctx.causal, ctx.scale = state_key, causal, scale
+
+
+def _ring_backward(ctx, dout_h: Tensor, _dlse):
+    q_h, kv_h, out_h, lse = ctx.saved_tensors
+    plan = RingPlan.from_state(state_by_key(ctx.state_key), causal=ctx.causal, scale=ctx.scale)
+    dq, dkv = ring_backward(plan, dout_h.contiguous(), q_h, kv_h, out_h, lse)
+    return dq, dkv, None, None, None, None
+
+
+ring_attention.register_autograd(_ring_backward, setup_context=_ring_setup)
+
+
+# -- head all-to-all back: scatter sequence, gather heads -----------------------------
+@torch.library.custom_op("loongtrain::head_gather", mutates_args=())
+def head_gather(out_h: Tensor, state_key: int) -> Tensor:
+    """[B, hp*S, H/hp, d] -> [B, S, H, d]."""
+    state = state_by_key(state_key)
+    packed = pack_head_to_seq(out_h, state.config.hp)
+    return unpack_head_to_seq(all_to_all_start(packed, state.head_group, state.stats, "fwd.all_to_all").wait())
+
+
+@head_gather.register_fake
+def _(out_h, state_key):
+    hp = state_by_key(state_key).config.hp
+    b, s, h, d = out_h.shape
+    return out_h.new_empty(b, s // hp, h * hp, d)
+
+
+def _head_gather_setup(ctx, inputs, output) -> None:
+    ctx.state_key = inputs[1]
+
+
+def _head_gather_backward(ctx, dout: Tensor):
+    state = state_by_key(ctx.state_key)
+    packed = pack_seq_to_head(dout, state.config.hp)
+    pending = all_to_all_start(packed, state.head_group, state.stats, "bwd.all_to_all")
+    return unpack_seq_to_head(pending.wait()), None
+
+
+head_gather.register_autograd(_head_gather_backward, setup_context=_head_gather_setup)
+
+#: The ops a Selective Checkpoint++ policy keeps instead of recomputing.
+ATTENTION_OPS = (
+    torch.ops.loongtrain.head_scatter.default,
+    torch.ops.loongtrain.ring_attention.default,
+    torch.ops.loongtrain.head_gather.default,
+)

@@ -1,0 +1,152 @@
+"""A Llama-style decoder: RMSNorm, RoPE from position ids, SwiGLU MLP, MHA or GQA.
+
+The model knows nothing of parallelism. Its attention calls ``attention_fn(q, k, v)``
+on ``[B, S, H, d]`` / ``[B, S, G, d]`` tensors with RoPE applied; the default is causal
+SDPA over the local sequence (one device). ``loongtrain.parallelize`` swaps in the
+distributed attention. Positions are passed in, so the same module runs on zigzag
+sequence shards: RoPE uses each token's global position.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loongtrain.model.config import ModelConfig
+
+Tensor = torch.Tensor
+AttentionFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Causal attention over the local (unsharded) sequence with PyTorch SDPA."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=k.shape[2] != q.shape[2]
+    )
+    return out.transpose(1, 2)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rope_tables(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos/sin [*positions.shape, head_dim/2] (float32) for integer ``positions``."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of ``x`` [B, S, H, d]; cos/sin are [B or 1, S, d/2]."""
+    x32 = x.float().unflatten(-1, (-1, 2))
+    a, b = x32[..., 0], x32[..., 1]
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.attention_fn: AttentionFn = sdpa_attention
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        b, s, _ = x.shape
+        q = apply_rope(self.wq(x).view(b, s, self.n_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.wk(x).view(b, s, self.n_kv_heads, self.head_dim), cos, sin)
+        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
+        out = self.attention_fn(q, k, v)
+        return self.wo(out.reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM: ``forward(tokens [B, S], positions [B, S] or [S]) -> logits [B, S, V]``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        if positions.dim() == 1:
+            positions = positions.unsqueeze(0)
+        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        h = self.norm(h)
+        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+        return F.linear(h, weight)
+
+
+def _param_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def init_value(cfg: ModelConfig, name: str, shape: torch.Size, seed: int, device: torch.device) -> Tensor:
+    """The full initial value of parameter ``name``: a function of (seed, name) only.
+
+    Norm weights are ones; the residual-branch outputs (``wo``, ``w2``) use a std scaled
+    by ``1/sqrt(2 * n_layers)``; everything else ``N(0, init_std)``. Independent of how
+    the model is sharded, so every layout starts from the same weights.
+    """
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, device=device)
+    std = cfg.init_std
+    if name.endswith(("wo.weight", "w2.weight")):
+        std = std / (2 * cfg.n_layers) ** 0.5
+    gen = torch.Generator(device=device).manual_seed(_param_seed(seed, name))
+    return torch.randn(shape, generator=gen, device=device) * std
+
+
+def build_model(cfg: ModelConfig) -> Transformer:
+    """The model on the meta device (no memory); materialise with :func:`materialize`."""
+    with torch.device("meta"):
+        return Transformer(cfg)

@@ -1,0 +1,77 @@
+"""Activation checkpointing per transformer block: ``none``, ``full`` and ``sc++``.
+
+- ``full``: the block's forward is recomputed in backward, distributed attention
+  included (its all-to-alls, ring hops and kernels run again).
+- ``sc++`` (Selective Checkpoint++): the block is recomputed but the attention ops are
+  kept (PyTorch selective checkpointing with a MUST_SAVE policy), so recompute runs the
+  projections, norms and MLP only: no attention communication, no attention kernels.
+  The cost over ``full`` is what the attention backward needs per layer: its output
+  (and lse) and, when ``hp > 1``, the head-scattered q, k, v, which is what spares the
+  all-to-all in recompute. Saved values live in the autograd graph and go with it.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from loongtrain.attention.ops import ATTENTION_OPS
+from loongtrain.model.llama import Transformer
+
+CHECKPOINT_MODES: tuple[str, ...] = ("none", "full", "sc++")
+
+# The attention ops kept by sc++: the distributed ones, and PyTorch's own SDPA kernels so
+# that sc++ means the same on a single device.
+_KEPT_OPS = frozenset(
+    [*ATTENTION_OPS]
+    + [
+        getattr(torch.ops.aten, name).default
+        for name in (
+            "_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_cudnn_attention",
+        )
+        if hasattr(torch.ops.aten, name)
+    ]
+)
+
+
+def _keep_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _sc_plus_plus_context():
+    return create_selective_checkpoint_contexts(_keep_attention)
+
+
+def check_checkpoint_mode(mode: str, every: int = 1) -> None:
+    if mode not in CHECKPOINT_MODES:
+        raise ValueError(f"unknown activation checkpoint mode {mode!r}; choose one of {list(CHECKPOINT_MODES)}")
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"checkpoint every={every!r} must be a positive integer (1 = every layer)")
+
+
+def apply_checkpoint(model: Transformer, mode: str, every: int = 1) -> None:
+    """Checkpoint layers ``0, every, 2*every, ...`` with ``mode``.
+
+    The block's ``forward`` is wrapped in place (parameter names do not change, so
+    checkpoints load across modes).
+    """
+    check_checkpoint_mode(mode, every)
+    if mode == "none":
+        return
+    context_fn = _sc_plus_plus_context if mode == "sc++" else None
+    for index, layer in enumerate(model.layers):
+        if index % every != 0:
+            continue
+        inner = layer.forward
+
+        def forward(self, *args, _inner=inner):
+            kwargs = {"context_fn": context_fn} if context_fn is not None else {}
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = types.MethodType(forward, layer)
+        layer.checkpoint_mode = mode

@@ -1,0 +1,1 @@
+"""Training: the loss and step mechanics (and, later, the trainer)."""

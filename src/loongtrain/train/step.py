@@ -1,0 +1,65 @@
+"""One optimisation step's forward/backward on sequence shards, with the loss normalised
+by the global number of target tokens (so summed gradients equal the unsharded ones)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from loongtrain.attention import shard_sequence
+from loongtrain.attention.sharding import check_sequence_length
+from loongtrain.parallel import ParallelState
+
+IGNORE_INDEX = -100
+
+
+def shard_batch(
+    tokens: torch.Tensor, labels: torch.Tensor, state: ParallelState
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's shard of ``tokens``/``labels`` [B, S] and the matching position ids."""
+    if tokens.shape != labels.shape or tokens.dim() != 2:
+        raise ValueError(f"tokens {tuple(tokens.shape)} and labels {tuple(labels.shape)} must both be [B, S]")
+    seq = tokens.shape[1]
+    check_sequence_length(seq, state.config.hp, state.config.cp)
+    positions = torch.arange(seq, device=tokens.device).unsqueeze(0)
+    return shard_sequence(tokens, state), shard_sequence(labels, state), shard_sequence(positions, state)
+
+
+def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross entropy (float32) over labels != IGNORE_INDEX."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def count_targets(labels: list[torch.Tensor], device: torch.device, group=None) -> torch.Tensor:
+    """Target tokens in ``labels`` summed over the ranks of ``group`` (default: all)."""
+    count = torch.tensor(sum(int((lab != IGNORE_INDEX).sum()) for lab in labels), dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(count, group=group)
+    return count
+
+
+def forward_backward(
+    model: torch.nn.Module,
+    state: ParallelState,
+    microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+) -> float:
+    """Forward and backward over this replica's ``microbatches`` of full sequences.
+
+    Each microbatch is ``(tokens, labels)`` [B, S] of this data-parallel replica (the same
+    on every rank of its sp group). Gradients accumulate in the parameters; returns the
+    global mean loss per target token over all replicas and microbatches.
+    """
+    shards = [shard_batch(tok, lab, state) for tok, lab in microbatches]
+    device = shards[0][0].device
+    # every sp rank sees its own shard, so this sums each replica's targets exactly once
+    total_targets = count_targets([lab for _, lab, _ in shards], device).item()
+    if total_targets == 0:
+        raise ValueError("the batch has no target tokens (every label is IGNORE_INDEX)")
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for tokens, labels, positions in shards:
+        loss = lm_loss_sum(model(tokens, positions), labels) / total_targets
+        loss.backward()
+        loss_sum += loss.detach()
+    dist.all_reduce(loss_sum)
+    return loss_sum.item()

@@ -1,0 +1,111 @@
+"""The Llama model on one device: presets, RoPE, init, bad configuration."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loongtrain.model import PRESETS, build_model, model_config
+from loongtrain.model.llama import apply_rope, rope_tables
+from loongtrain.parallelize import check_model_fits, materialize
+from loongtrain.parallelize.checkpoint import check_checkpoint_mode
+from loongtrain.parallelize.zero import check_zero_scope, zero_mesh_ranks
+
+
+@pytest.mark.parametrize(
+    "name, billions",
+    [("7b-mha", 6.74), ("7b-gqa", 5.93), ("13b", 13.02), ("llama3-8b", 8.03)],
+)
+def test_preset_sizes(name, billions):
+    cfg = PRESETS[name]
+    model = build_model(cfg)  # meta: no memory
+    counted = sum(p.numel() for p in model.parameters())
+    assert counted == cfg.num_params()
+    assert abs(counted / 1e9 - billions) < 0.01
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
+def test_rope_matches_complex_rotation():
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 3, 8)
+    pos = torch.tensor([[0, 7, 3, 100, 2], [1, 1, 1, 1, 1]])
+    cos, sin = rope_tables(pos, 8, 10000.0)
+    got = apply_rope(x, cos, sin)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8))
+    angle = pos.double()[..., None] * inv  # [B, S, 4]
+    z = torch.view_as_complex(x.double().reshape(2, 5, 3, 4, 2).contiguous())
+    ref = torch.view_as_real(z * torch.polar(torch.ones_like(angle), angle)[:, :, None]).reshape(2, 5, 3, 8)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_materialize_is_deterministic_and_trains():
+    cfg = model_config("debug")
+    a, b = build_model(cfg), build_model(cfg)
+    materialize(a, torch.device("cpu"), seed=5)
+    materialize(b, torch.device("cpu"), seed=5)
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), n
+    assert torch.equal(a.layers[0].attention_norm.weight, torch.ones(cfg.dim))
+    c = build_model(cfg)
+    materialize(c, torch.device("cpu"), seed=6)
+    assert not torch.equal(a.tok_embeddings.weight, c.tok_embeddings.weight)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16))
+    logits = a(tokens, torch.arange(16))
+    assert logits.shape == (2, 16, cfg.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_tied_embeddings_share_the_matrix():
+    cfg = model_config("debug", tie_embeddings=True)
+    model = build_model(cfg)
+    materialize(model, torch.device("cpu"))
+    assert model.output is None
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
+
+
+def test_zero_mesh_grids():
+    # world 8 = dp 2 x sp 4; global rank = d * sp + local
+    ranks, names = zero_mesh_ranks(8, 2, "sp")
+    assert names == ("replicate", "shard") and ranks.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    ranks, _ = zero_mesh_ranks(8, 2, "dp")
+    assert ranks.tolist() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    ranks, names = zero_mesh_ranks(8, 2, "dp_sp")
+    assert names == ("shard",) and ranks.tolist() == list(range(8))
+    ranks, _ = zero_mesh_ranks(8, 2, "none")
+    assert ranks.shape == (8, 1)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: model_config("70b"), "unknown model preset '70b'; choose one of"),
+        (lambda: model_config("debug", n_head=3), "unknown ModelConfig field(s) ['n_head']"),
+        (lambda: model_config("debug", n_heads=3, dim=64), "dim=64 is not divisible by n_heads=3"),
+        (lambda: model_config("debug", n_heads=4, n_kv_heads=3), "n_heads=4 is not a multiple of n_kv_heads=3"),
+        (lambda: check_zero_scope("zero3"), "unknown ZeRO scope 'zero3'; choose one of"),
+        (lambda: check_checkpoint_mode("selective"), "unknown activation checkpoint mode 'selective'"),
+        (lambda: check_checkpoint_mode("full", 0), "checkpoint every=0 must be a positive integer"),
+    ],
+)
+def test_bad_model_configuration(call, message):
+    with pytest.raises(ValueError) as info:
+        call()
+    assert message in str(info.value)
+
+
+class _FakeState:
+    class config:  # noqa: N801
+        hp = 4
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, message",
+    [
+        (6, 6, "n_heads=6, not divisible by hp=4"),
+        (12, 3, "hp=4 exceeds n_kv_heads=3 but is not a multiple of it"),
+        (24, 6, "n_kv_heads=6 is not divisible by hp=4"),
+    ],
+)
+def test_model_must_fit_the_layout(heads, kv_heads, message):
+    cfg = model_config("debug", dim=16 * heads, n_heads=heads, n_kv_heads=kv_heads)
+    with pytest.raises(ValueError, match=message):
+        check_model_fits(cfg, _FakeState)
