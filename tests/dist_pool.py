@@ -2,7 +2,7 @@
 
 Spawning a process group costs seconds per world size, so each world size is spawned
 once per test session and every test sends it a body to run on all ranks: a
-module-level function called as ``fn(*args)`` on every rank, whose return values come
+module-level function called as ``fn(*args, **kwargs)`` on every rank, whose return values come
 back as a list indexed by rank. A failure (exception on any rank, or a timeout) kills
 the pool, which is respawned for the next test, and fails the test with each rank's
 traceback.
@@ -45,9 +45,9 @@ def _worker(rank: int, world: int, port: int, jobs, results) -> None:
         job = jobs.get()
         if job is None:
             break
-        fn, args = job
+        fn, args, kwargs = job
         try:
-            results.put((rank, True, fn(*args)))
+            results.put((rank, True, fn(*args, **kwargs)))
         except BaseException:
             results.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
@@ -69,10 +69,11 @@ class WorkerPool:
         for p in self._procs:
             p.start()
 
-    def run(self, fn, *args, timeout: float = JOB_TIMEOUT_S) -> list:
-        """Run ``fn(*args)`` on every rank; return the per-rank results."""
+    def run(self, fn, *args, **kwargs) -> list:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results."""
+        timeout = JOB_TIMEOUT_S
         for q in self._jobs:
-            q.put((fn, args))
+            q.put((fn, args, kwargs))
         out: list = [None] * self.world
         errors: dict[int, str] = {}
         for _ in range(self.world):

@@ -38,19 +38,22 @@ def _batch(step: int, rows: int, seq: int, vocab: int) -> tuple[torch.Tensor, to
     return data[:, :-1], labels
 
 
-def _equivalence(cfg: dict, zero: str, ckpt: str, overrides: dict, steps: int, micro: int, every: int = 1) -> dict:
+def _equivalence(
+    cfg: dict, zero: str, ckpt: str, overrides: dict, steps: int, micro: int, every: int = 1, **options
+) -> dict:
     state = cached_state(**cfg)
     mcfg = model_config("debug", **overrides)
     device = torch.device("cpu")
     ref = build_model(mcfg)
     materialize(ref, device, SEED)
-    par = parallelize(build_model(mcfg), state, checkpoint=ckpt, checkpoint_every=every, zero=zero)
+    par = parallelize(build_model(mcfg), state, checkpoint=ckpt, checkpoint_every=every, zero=zero, **options)
     materialize(par, device, SEED)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-6)
     opt_par = torch.optim.AdamW(par.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-6)
     seq, rows_per_micro = 8 * state.sp, 2
     replica = state.coords.dp
     errors = {"loss": 0.0, "grad_step0": 0.0, "grad": 0.0, "param": 0.0}
+    grad_dtypes: set[str] = set()
     for step in range(steps):
         batches = [_batch(step * micro + m, rows_per_micro * state.dp, seq, mcfg.vocab_size) for m in range(micro)]
         # unsharded reference over the global batch (all replicas, all microbatches)
@@ -69,6 +72,7 @@ def _equivalence(cfg: dict, zero: str, ckpt: str, overrides: dict, steps: int, m
             errors["grad"] = max(errors["grad"], err)
             if step == 0:
                 errors["grad_step0"] = max(errors["grad_step0"], err)
+                grad_dtypes.add(str(p.grad.dtype))
         opt_ref.step()
         opt_par.step()
         opt_ref.zero_grad()
@@ -76,7 +80,7 @@ def _equivalence(cfg: dict, zero: str, ckpt: str, overrides: dict, steps: int, m
     ref_params = dict(ref.named_parameters())
     for name, p in par.named_parameters():
         errors["param"] = max(errors["param"], _rel(_full(p.detach()), ref_params[name].detach()))
-    errors["n_params"] = len(list(par.parameters()))
+    errors["dtypes"] = sorted({str(p.dtype) for p in par.parameters()} | grad_dtypes)
     return errors
 
 
@@ -97,6 +101,16 @@ CASES = [
     (4, {"hp": 2, "dp": 2}, "dp", "sc++", {}, 1),
     (4, {"cp": 2, "dp": 2}, "sp", "none", {}, 2),
     (4, {"hp": 2, "dp": 2}, "dp_sp", "full", {}, 1),
+]
+
+# (world, layout, zero, checkpoint, parallelize options, tolerances)
+OPTION_CASES = [
+    # ZeRO-2-like: parameters stay gathered from forward to backward
+    (4, {"hp": 2, "cp": 2}, "dp_sp", "sc++", {"reshard_after_forward": False}, TOL),
+    # every second layer checkpointed
+    (4, {"cp": 2, "dp": 2}, "sp", "full", {"every": 2}, TOL),
+    # bf16 compute, fp32 master weights and gradient reduction: bf16-level agreement
+    (4, {"hp": 2, "cp": 2}, "dp_sp", "sc++", {"param_dtype": torch.bfloat16}, {"loss": 1e-2, "grad_step0": 5e-2}),
 ]
 
 SLOW_CASES = [
@@ -124,6 +138,17 @@ def _check(dist_pool, case) -> None:
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_parallel_training_equals_unsharded(dist_pool, case):
     _check(dist_pool, case)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", OPTION_CASES, ids=lambda c: f"w{c[0]}-{c[2]}-{c[3]}-{c[4]}")
+def test_parallel_training_options(dist_pool, case):
+    world, cfg, zero, ckpt, options, tol = case
+    results = dist_pool(world).run(_equivalence, cfg, zero, ckpt, {}, 2, 1, **options)
+    for rank, errors in enumerate(results):
+        for key, bound in tol.items():
+            assert errors[key] <= bound, f"rank {rank}: {key} error {errors[key]:.2e} > {bound} ({errors})"
+        assert errors["dtypes"] == ["torch.float32"], "master weights and gradients stay fp32"
 
 
 @pytest.mark.dist

@@ -1,4 +1,4 @@
-"""The ``loongtrain`` command: ``loongtrain demo | bench attention``."""
+"""The ``loongtrain`` command: ``loongtrain demo | bench attention | bench memory``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     from loongtrain import demo
     from loongtrain.bench import attention as bench_attention
+    from loongtrain.bench import memory as bench_memory
 
     parser = argparse.ArgumentParser(prog="loongtrain", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -22,6 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_attn = benches.add_parser("attention", help="scheme times and the ring decomposition overhead")
     bench_attention.add_arguments(p_attn)
     p_attn.set_defaults(run=bench_attention.main)
+    p_mem = benches.add_parser("memory", help="peak memory per rank by sp degree, checkpoint mode, ZeRO scope")
+    bench_memory.add_arguments(p_mem)
+    p_mem.set_defaults(run=bench_memory.main)
     return parser
 
 
