@@ -64,7 +64,7 @@ def _equivalence(
             loss.backward()
             ref_loss += loss.item()
         mine = slice(replica * rows_per_micro, (replica + 1) * rows_per_micro)
-        par_loss = forward_backward(par, state, [(t[mine], lab[mine]) for t, lab in batches])
+        par_loss = forward_backward(par, state, [(t[mine], lab[mine]) for t, lab in batches]).loss
         errors["loss"] = max(errors["loss"], abs(par_loss - ref_loss) / abs(ref_loss))
         ref_params = dict(ref.named_parameters())
         for name, p in par.named_parameters():

@@ -1,4 +1,4 @@
-"""The ``loongtrain`` command: ``loongtrain demo | bench attention | bench memory``."""
+"""The ``loongtrain`` command: ``train``, ``prepare``, ``demo``, ``bench attention|memory``."""
 
 from __future__ import annotations
 
@@ -10,9 +10,19 @@ def build_parser() -> argparse.ArgumentParser:
     from loongtrain import demo
     from loongtrain.bench import attention as bench_attention
     from loongtrain.bench import memory as bench_memory
+    from loongtrain.data import prepare
+    from loongtrain.train import cli as train_cli
 
     parser = argparse.ArgumentParser(prog="loongtrain", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+
+    p_train = commands.add_parser("train", help="train a model from a TOML config (torchrun or --nproc)")
+    train_cli.add_arguments(p_train)
+    p_train.set_defaults(run=train_cli.main, takes_extra=True)
+
+    p_prep = commands.add_parser("prepare", help="turn text files into a token file")
+    prepare.add_arguments(p_prep)
+    p_prep.set_defaults(run=prepare.main)
 
     p_demo = commands.add_parser("demo", help="distributed attention on local processes vs full attention")
     demo.add_arguments(p_demo)
@@ -30,7 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if getattr(args, "takes_extra", False):
+        args.run(args, extra)
+        return
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.run(args)
 
 

@@ -24,18 +24,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pick_backend(world_size: int, local_world: int) -> str:
-    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world:
+def _pick_backend(local_world: int, device: str) -> str:
+    if device == "cuda":
+        if not torch.cuda.is_available() or torch.cuda.device_count() < local_world:
+            found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            raise RuntimeError(
+                f"device=cuda needs one GPU per local rank: {local_world} local rank(s), {found} GPU(s) visible"
+            )
+        return "nccl"
+    if device == "auto" and torch.cuda.is_available() and torch.cuda.device_count() >= local_world:
         return "nccl"
     return "gloo"
 
 
-def init_distributed(timeout_s: float = 600.0) -> torch.device:
-    """Initialise the default process group from the environment; return this rank's device."""
+def init_distributed(timeout_s: float = 600.0, device: str = "auto") -> torch.device:
+    """Initialise the default process group from the environment; return this rank's device.
+
+    ``device``: ``auto`` (NCCL on one GPU per local rank when there are enough GPUs,
+    else gloo on CPU), ``cpu`` or ``cuda``.
+    """
     world_size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    backend = _pick_backend(world_size, local_world)
+    backend = _pick_backend(local_world, device)
     device = torch.device("cpu")
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
@@ -49,7 +60,7 @@ def init_distributed(timeout_s: float = 600.0) -> torch.device:
     return device
 
 
-def _spawned_entry(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
+def _local_env(rank: int, world: int, port: int) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -58,26 +69,39 @@ def _spawned_entry(rank: int, world: int, port: int, fn: Callable, args: tuple) 
         WORLD_SIZE=str(world),
         LOCAL_WORLD_SIZE=str(world),
     )
-    device = init_distributed()
+
+
+def _run_rank(fn: Callable, args: tuple, device: str) -> None:
+    dev = init_distributed(device=device)
     try:
-        fn(device, *args)
+        fn(dev, *args)
     finally:
         dist.destroy_process_group()
 
 
-def launch(fn: Callable, nproc: int, *args) -> None:
+def _spawned_entry(rank: int, world: int, port: int, fn: Callable, args: tuple, device: str) -> None:
+    _local_env(rank, world, port)
+    _run_rank(fn, args, device)
+
+
+def launch(fn: Callable, nproc: int, *args, device: str = "auto") -> None:
     """Call ``fn(device, *args)`` on every rank of a freshly initialised process group.
 
-    Under torchrun the current process is one rank (``nproc`` is ignored); otherwise
-    ``nproc`` local processes are spawned. ``fn`` must be importable (module level).
+    Under torchrun the current process is one rank (``nproc`` is ignored); with
+    ``nproc == 1`` it runs in this process; otherwise ``nproc`` local processes are
+    spawned (``fn`` must then be importable, i.e. defined at module level).
     """
     if under_torchrun():
-        device = init_distributed()
-        try:
-            fn(device, *args)
-        finally:
-            dist.destroy_process_group()
+        _run_rank(fn, args, device)
         return
     if nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
-    mp.spawn(_spawned_entry, args=(nproc, _free_port(), fn, args), nprocs=nproc, join=True)
+    if nproc == 1:
+        _local_env(0, 1, _free_port())
+        try:
+            _run_rank(fn, args, device)
+        finally:
+            for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+                os.environ.pop(key, None)
+        return
+    mp.spawn(_spawned_entry, args=(nproc, _free_port(), fn, args, device), nprocs=nproc, join=True)

@@ -45,7 +45,7 @@ def parallelize(
 
     Every argument is validated before any communication.
     """
-    check_model_fits(model.config, state)
+    check_model_fits(model.config, state.config.hp)
     check_checkpoint_mode(checkpoint, checkpoint_every)
     check_zero_scope(zero)
     apply_attention(model, state)

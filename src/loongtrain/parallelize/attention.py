@@ -10,9 +10,8 @@ from loongtrain.model.llama import Transformer
 from loongtrain.parallel import ParallelState
 
 
-def check_model_fits(cfg: ModelConfig, state: ParallelState) -> None:
-    """Raise (before any communication) if the model's heads do not fit the layout."""
-    hp = state.config.hp
+def check_model_fits(cfg: ModelConfig, hp: int) -> None:
+    """Raise (before any communication) if the model's heads do not fit ``hp``."""
     heads, kv_heads = cfg.n_heads, cfg.n_kv_heads
     if heads % hp != 0:
         options = [x for x in range(1, heads + 1) if heads % x == 0]
@@ -31,7 +30,7 @@ def check_model_fits(cfg: ModelConfig, state: ParallelState) -> None:
 
 def apply_attention(model: Transformer, state: ParallelState) -> None:
     """Make every layer call :func:`head_context_attention` (causal) on this state."""
-    check_model_fits(model.config, state)
+    check_model_fits(model.config, state.config.hp)
     attention = partial(head_context_attention, state=state, causal=True)
     for layer in model.layers:
         layer.attention.attention_fn = attention

@@ -3,15 +3,16 @@ by the global number of target tokens (so summed gradients equal the unsharded o
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from loongtrain.attention import shard_sequence
 from loongtrain.attention.sharding import check_sequence_length
+from loongtrain.data.recall import IGNORE_INDEX
 from loongtrain.parallel import ParallelState
-
-IGNORE_INDEX = -100
 
 
 def shard_batch(
@@ -39,16 +40,27 @@ def count_targets(labels: list[torch.Tensor], device: torch.device, group=None) 
     return count
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """Global results of one step (the same on every rank)."""
+
+    loss: float  # mean loss per target token over all replicas and microbatches
+    accuracy: float  # fraction of targets whose argmax prediction is right
+    targets: int  # target tokens in the global batch
+
+
 def forward_backward(
     model: torch.nn.Module,
     state: ParallelState,
     microbatches: list[tuple[torch.Tensor, torch.Tensor]],
-) -> float:
-    """Forward and backward over this replica's ``microbatches`` of full sequences.
+    *,
+    backward: bool = True,
+) -> StepResult:
+    """Forward (and backward) over this replica's ``microbatches`` of full sequences.
 
     Each microbatch is ``(tokens, labels)`` [B, S] of this data-parallel replica (the same
-    on every rank of its sp group). Gradients accumulate in the parameters; returns the
-    global mean loss per target token over all replicas and microbatches.
+    on every rank of its sp group). With ``backward`` the gradients of the global mean
+    loss accumulate in the parameters; without it (evaluation) no graph is built.
     """
     shards = [shard_batch(tok, lab, state) for tok, lab in microbatches]
     device = shards[0][0].device
@@ -56,10 +68,16 @@ def forward_backward(
     total_targets = count_targets([lab for _, lab, _ in shards], device).item()
     if total_targets == 0:
         raise ValueError("the batch has no target tokens (every label is IGNORE_INDEX)")
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for tokens, labels, positions in shards:
-        loss = lm_loss_sum(model(tokens, positions), labels) / total_targets
-        loss.backward()
-        loss_sum += loss.detach()
-    dist.all_reduce(loss_sum)
-    return loss_sum.item()
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, correct predictions
+    with torch.set_grad_enabled(backward):
+        for tokens, labels, positions in shards:
+            logits = model(tokens, positions)
+            loss = lm_loss_sum(logits, labels) / total_targets
+            if backward:
+                loss.backward()
+            scored = labels != IGNORE_INDEX
+            sums[0] += loss.detach()
+            sums[1] += (logits.detach().argmax(dim=-1)[scored] == labels[scored]).sum()
+    dist.all_reduce(sums)
+    loss_sum, correct = sums.tolist()
+    return StepResult(loss=loss_sum, accuracy=correct / total_targets, targets=int(total_targets))

@@ -1,0 +1,285 @@
+"""Training configuration: typed dataclass sections, a TOML file, ``--section.key value``
+overrides, validation with clear errors, and a resolved copy saved in the run folder.
+
+Every field carries a one-line help text (``loongtrain train --help-config`` prints them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+
+def _f(default, help: str, choices: tuple | None = None):
+    meta = {"help": help}
+    if choices is not None:
+        meta["choices"] = choices
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class RunSection:
+    output_dir: str = _f("runs/debug", "run folder: resolved config, metrics, plots and checkpoints go here")
+    steps: int = _f(200, "optimizer steps to train (a resumed run continues up to this step)")
+    seed: int = _f(0, "seed of the initial weights (data has its own seed)")
+    log_every: int = _f(10, "print metrics every this many steps (every step goes to metrics.jsonl)")
+    eval_every: int = _f(0, "evaluate on held-out batches every this many steps (0: only at the end)")
+    eval_batches: int = _f(4, "held-out global batches per evaluation")
+    device: str = _f("auto", "auto (cuda when available, else cpu), cpu or cuda", ("auto", "cpu", "cuda"))
+    progress: str = _f("auto", "progress bar: auto (when stdout is a terminal), on or off", ("auto", "on", "off"))
+    tensorboard: bool = _f(True, "also write TensorBoard logs when the tensorboard package is installed")
+    peak_tflops: float = _f(0.0, "peak dense TFLOP/s per device for MFU; 0 looks the GPU up in a table")
+
+
+@dataclass
+class ModelSection:
+    preset: str = _f("debug", "model preset: debug, 7b-mha, 7b-gqa, 13b, llama3-8b")
+    vocab_size: int = _f(0, "override the preset's vocabulary size (0: keep)")
+    dim: int = _f(0, "override the hidden size (0: keep)")
+    n_layers: int = _f(0, "override the number of layers (0: keep)")
+    n_heads: int = _f(0, "override the number of query heads (0: keep)")
+    n_kv_heads: int = _f(0, "override the number of key/value heads (0: keep)")
+    ffn_dim: int = _f(0, "override the SwiGLU hidden size (0: keep)")
+    tie_embeddings: str = _f(
+        "preset", "tie input and output embeddings: preset, true or false", ("preset", "true", "false")
+    )
+
+    def overrides(self) -> dict:
+        out = {
+            name: getattr(self, name)
+            for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
+            if getattr(self, name)
+        }
+        if self.tie_embeddings != "preset":
+            out["tie_embeddings"] = self.tie_embeddings == "true"
+        return out
+
+
+@dataclass
+class ParallelSection:
+    hp: int = _f(1, "head-parallel degree (Ulysses all-to-all group)")
+    cp: int = _f(1, "context-parallel degree (ring group)")
+    window: int = _f(1, "Double-Ring-Attention inner ring size; divides cp (1 or cp: plain ring)")
+    placement: str = _f("head_first", "rank placement", ("head_first", "context_first"))
+    context_order: str = _f("contiguous", "window membership in the context group", ("contiguous", "interleaved"))
+    dp: int = _f(0, "data-parallel degree (0: world size // (hp*cp))")
+    zero: str = _f("dp_sp", "ZeRO sharding scope of model states", ("none", "dp", "sp", "dp_sp"))
+    checkpoint: str = _f("sc++", "activation checkpointing per block", ("none", "full", "sc++"))
+    checkpoint_every: int = _f(1, "checkpoint every k-th layer")
+    param_dtype: str = _f("float32", "compute dtype of parameters (fp32 master copy kept)", ("float32", "bfloat16"))
+    reshard_after_forward: bool = _f(True, "free gathered weights after forward (ZeRO-3); false: keep (ZeRO-2)")
+    verify_inputs: bool = _f(True, "check with a tiny all-gather per attention call that sp ranks agree on shapes")
+
+
+@dataclass
+class DataSection:
+    source: str = _f("recall", "recall (synthetic associative recall) or tokens (a token file)", ("recall", "tokens"))
+    path: str = _f("", "token file for source=tokens (made by `loongtrain prepare`)")
+    seq_len: int = _f(256, "tokens per sequence; a multiple of 2*hp*cp")
+    global_batch: int = _f(8, "sequences per optimizer step over all data-parallel replicas")
+    micro_batches: int = _f(1, "gradient accumulation: microbatches per step per replica")
+    seed: int = _f(1234, "seed of the data order / synthetic samples")
+    recall_keys: int = _f(8, "recall: distinct keys")
+    recall_values: int = _f(8, "recall: distinct values (chance accuracy = 1/recall_values)")
+    recall_facts: int = _f(4, "recall: key-value facts spread over each sequence")
+    recall_queries: int = _f(32, "recall: queries at the end of each sequence (the scored tokens)")
+    recall_filler: int = _f(16, "recall: distinct filler tokens between the facts")
+
+
+@dataclass
+class OptimSection:
+    lr: float = _f(3e-3, "peak learning rate (AdamW)")
+    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr (cosine decay)")
+    warmup_steps: int = _f(20, "linear warm-up steps")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    eps: float = _f(1e-8, "AdamW epsilon")
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this (0: no clipping)")
+
+
+@dataclass
+class CheckpointSection:
+    every: int = _f(0, "save a checkpoint every this many steps (0: only at the end)")
+    keep: int = _f(2, "keep the newest k complete checkpoints")
+    resume: bool = _f(True, "resume from the newest complete checkpoint in the run folder")
+    save_final: bool = _f(True, "save a checkpoint after the last step")
+
+
+@dataclass
+class TrainConfig:
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    data: DataSection = field(default_factory=DataSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+
+
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(TrainConfig)}
+
+
+class ConfigError(ValueError):
+    """A configuration file or override that cannot be used; the message says why."""
+
+
+def _field_type(section_cls: type, name: str) -> type:
+    return typing.get_type_hints(section_cls)[name]
+
+
+def _coerce(value, typ: type, where: str, from_text: bool):
+    """Check a TOML value against the field type, or parse a command-line string."""
+    if from_text and typ is not str:
+        text = value.strip()
+        try:
+            if typ is bool:
+                if text.lower() in ("true", "1", "yes", "on"):
+                    return True
+                if text.lower() in ("false", "0", "no", "off"):
+                    return False
+                raise ValueError
+            if typ is int:
+                return int(text)
+            if typ is float:
+                return float(text)
+        except ValueError:
+            raise ConfigError(f"{where}: {value!r} is not a valid {typ.__name__}") from None
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is int and isinstance(value, bool) or not isinstance(value, typ):
+        raise ConfigError(f"{where}: expected {typ.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _set(cfg: TrainConfig, section: str, key: str, value, where: str, from_text: bool = False) -> None:
+    if section not in SECTIONS:
+        raise ConfigError(f"{where}: unknown section [{section}]; sections are {list(SECTIONS)}")
+    sec = getattr(cfg, section)
+    names = [f.name for f in fields(sec)]
+    if key not in names:
+        raise ConfigError(f"{where}: unknown key {section}.{key}; keys of [{section}] are {names}")
+    setattr(sec, key, _coerce(value, _field_type(type(sec), key), where, from_text))
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Defaults, then the TOML file, then ``section.key=value`` overrides; validated."""
+    cfg = TrainConfig()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"{path}: top-level key {section!r} must be a [section] table")
+            for key, value in table.items():
+                _set(cfg, section, key, value, f"{path} [{section}] {key}")
+    for item in overrides or []:
+        spec = item[2:] if item.startswith("--") else item
+        if "=" not in spec or "." not in spec.split("=", 1)[0]:
+            raise ConfigError(f"override {item!r} must look like section.key=value (or --section.key value)")
+        dotted, value = spec.split("=", 1)
+        section, key = dotted.split(".", 1)
+        _set(cfg, section, key, value, f"override {item!r}", from_text=True)
+    validate(cfg)
+    return cfg
+
+
+def _check_choice(section: object, name: str) -> None:
+    meta = {f.name: f.metadata for f in fields(section)}[name]
+    value = getattr(section, name)
+    if "choices" in meta and value not in meta["choices"]:
+        raise ConfigError(
+            f"{type(section).__name__.removesuffix('Section').lower()}.{name}={value!r}; "
+            f"choose one of {list(meta['choices'])}"
+        )
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Field-level checks (the world-size-dependent ones happen at start-up)."""
+    for sec_name in SECTIONS:
+        sec = getattr(cfg, sec_name)
+        for f in fields(sec):
+            _check_choice(sec, f.name)
+            value = getattr(sec, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{sec_name}.{f.name}={value} must be finite")
+    positive = {
+        "run": ("steps", "log_every", "eval_batches"),
+        "parallel": ("hp", "cp", "window", "checkpoint_every"),
+        "data": (
+            "seq_len",
+            "global_batch",
+            "micro_batches",
+            "recall_keys",
+            "recall_values",
+            "recall_facts",
+            "recall_queries",
+            "recall_filler",
+        ),
+        "checkpoint": ("keep",),
+        "optim": ("lr",),
+    }
+    for sec_name, names in positive.items():
+        for name in names:
+            value = getattr(getattr(cfg, sec_name), name)
+            if value <= 0:
+                raise ConfigError(f"{sec_name}.{name}={value} must be positive")
+    non_negative = {
+        "run": ("eval_every", "peak_tflops"),
+        "parallel": ("dp",),
+        "optim": ("warmup_steps", "weight_decay", "grad_clip", "min_lr_ratio"),
+        "checkpoint": ("every",),
+    }
+    for sec_name, names in non_negative.items():
+        for name in names:
+            value = getattr(getattr(cfg, sec_name), name)
+            if value < 0:
+                raise ConfigError(f"{sec_name}.{name}={value} must not be negative")
+    if cfg.parallel.cp % cfg.parallel.window:
+        raise ConfigError(f"parallel.cp={cfg.parallel.cp} is not divisible by parallel.window={cfg.parallel.window}")
+    if cfg.data.source == "tokens" and not cfg.data.path:
+        raise ConfigError("data.source='tokens' needs data.path (a token file from `loongtrain prepare`)")
+    if cfg.data.recall_facts > cfg.data.recall_keys:
+        raise ConfigError(
+            f"data.recall_facts={cfg.data.recall_facts} exceeds data.recall_keys={cfg.data.recall_keys}: "
+            "keys of one sequence must be distinct"
+        )
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def to_toml(cfg: TrainConfig) -> str:
+    """The full resolved configuration as TOML (every key, with its help as a comment)."""
+    lines = []
+    for sec_name in SECTIONS:
+        sec = getattr(cfg, sec_name)
+        lines.append(f"[{sec_name}]")
+        for f in fields(sec):
+            lines.append(f"{f.name} = {_toml_value(getattr(sec, f.name))}  # {f.metadata['help']}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def describe() -> str:
+    """Every section and key with its default and help (for --help-config)."""
+    lines = []
+    for sec_name, cls in SECTIONS.items():
+        lines.append(f"[{sec_name}]")
+        for f in fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else None
+            lines.append(f"  {f.name} = {_toml_value(default)}\n      {f.metadata['help']}")
+    return "\n".join(lines)

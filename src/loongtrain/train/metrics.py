@@ -1,0 +1,144 @@
+"""Throughput arithmetic (model FLOPs, MFU), peak memory, and the metric writers."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from loongtrain.model.config import ModelConfig
+
+# Peak dense TFLOP/s per device from vendor spec sheets (bf16/fp16 tensor cores, and
+# plain fp32), matched against torch.cuda.get_device_name(). H800/H200 share H100's SXM
+# compute; A800 shares A100's.
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H200": {"bfloat16": 989.0, "float32": 67.0},
+    "H100": {"bfloat16": 989.0, "float32": 67.0},
+    "H800": {"bfloat16": 989.0, "float32": 67.0},
+    "H20": {"bfloat16": 148.0, "float32": 44.0},
+    "A100": {"bfloat16": 312.0, "float32": 19.5},
+    "A800": {"bfloat16": 312.0, "float32": 19.5},
+    "L40S": {"bfloat16": 362.0, "float32": 91.6},
+    "4090": {"bfloat16": 165.0, "float32": 82.6},
+}
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
+    """Model FLOPs of one training token (forward + backward = 3x forward; no recompute).
+
+    Per layer and token the forward does ``2 * (d*H*hd + 2*d*G*hd + H*hd*d + 3*d*ffn)``
+    in the projections and MLP, and ``2 * 2 * H * hd * ctx`` in attention (scores and the
+    weighted sum), where ``ctx`` is the keys a query sees: ``(S + 1) / 2`` on average
+    under a causal mask, ``S`` without. Plus ``2 * d * vocab`` for the output layer.
+    """
+    d, hd, heads, groups = cfg.dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    linear = 2 * (d * heads * hd + 2 * d * groups * hd + heads * hd * d + 3 * d * cfg.ffn_dim)
+    ctx = (seq_len + 1) / 2 if causal else seq_len
+    attention = 4 * heads * hd * ctx
+    forward = cfg.n_layers * (linear + attention) + 2 * d * cfg.vocab_size
+    return 3.0 * forward
+
+
+def device_peak_tflops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """Peak dense TFLOP/s of ``device`` for ``dtype`` if it is a known GPU, else None."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    key = "bfloat16" if dtype in (torch.bfloat16, torch.float16) else "float32"
+    for model, peaks in PEAK_TFLOPS.items():
+        if model in name:
+            return peaks[key]
+    return None
+
+
+def mfu(tokens_per_s_per_device: float, flops_token: float, peak_tflops: float | None) -> float | None:
+    """Model FLOPs utilisation, or None when the peak is unknown."""
+    if not peak_tflops:
+        return None
+    return tokens_per_s_per_device * flops_token / (peak_tflops * 1e12)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            pass
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated bytes on a GPU, or the process's peak resident memory on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class MetricsWriter:
+    """Appends one JSON object per record to ``metrics.jsonl``; TensorBoard when available."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            except Exception:  # noqa: BLE001 - tensorboard not installed or broken: optional
+                self._tb = None
+
+    def write(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            step = record["step"]
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(f"{record.get('kind', 'train')}/{key}", value, step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_curves(records: list[dict], path: Path, chance: float | None = None) -> None:
+    """Loss and accuracy against step (train and eval) into a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [r for r in records if r.get("kind") == "train"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train", lw=1)
+    if evals:
+        ax_loss.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="eval")
+    ax_loss.set(xlabel="step", ylabel="loss per target token", title="loss")
+    ax_loss.legend()
+    ax_acc.plot([r["step"] for r in train], [r["accuracy"] for r in train], label="train", lw=1)
+    if evals:
+        ax_acc.plot([r["step"] for r in evals], [r["accuracy"] for r in evals], "o-", label="eval")
+    if chance is not None:
+        ax_acc.axhline(chance, color="grey", ls="--", label=f"chance {chance:.3f}")
+    ax_acc.set(xlabel="step", ylabel="accuracy", title="next-token accuracy on scored targets", ylim=(0, 1))
+    ax_acc.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

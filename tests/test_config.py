@@ -1,0 +1,75 @@
+"""The training config system: TOML + overrides, types, unknown keys, round trip."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loongtrain.config import ConfigError, load_config, to_toml
+from loongtrain.train.cli import split_overrides
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_file_and_overrides(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[run]\nsteps = 7\n[parallel]\nhp = 2\ncp = 4\nwindow = 2\n[optim]\nlr = 1\n')
+    cfg = load_config(path, ["run.steps=9", "data.seq_len=64", "parallel.placement=context_first"])
+    assert cfg.run.steps == 9  # override beats file
+    assert (cfg.parallel.hp, cfg.parallel.cp, cfg.parallel.window) == (2, 4, 2)
+    assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)  # TOML int accepted for a float
+    assert cfg.data.seq_len == 64 and cfg.parallel.placement == "context_first"
+    assert cfg.data.global_batch == 8  # default kept
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(REPO / "configs" / "debug_cpu.toml", ["run.steps=3", "parallel.verify_inputs=false"])
+    saved = tmp_path / "resolved.toml"
+    saved.write_text(to_toml(cfg))
+    assert load_config(saved) == cfg
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.toml")))
+def test_shipped_configs_load(name):
+    load_config(REPO / "configs" / name)
+
+
+def test_split_overrides():
+    assert split_overrides(["--run.steps", "5", "--data.seq_len=64"]) == ["run.steps=5", "data.seq_len=64"]
+    with pytest.raises(ConfigError, match="has no value"):
+        split_overrides(["--run.steps"])
+    with pytest.raises(ConfigError, match="unexpected argument 'steps'"):
+        split_overrides(["steps"])
+
+
+@pytest.mark.parametrize(
+    "text, overrides, message",
+    [
+        ("[run]\nstepz = 3\n", [], "unknown key run.stepz; keys of [run] are"),
+        ("[trainer]\nsteps = 3\n", [], "unknown section [trainer]"),
+        ("[run]\nsteps = 'many'\n", [], "expected int, got str 'many'"),
+        ("[run]\nsteps = 3.5\n", [], "expected int, got float"),
+        ("[parallel]\nhp = true\n", [], "expected int, got bool"),
+        ("[run\nsteps = 3\n", [], "is not valid TOML"),
+        ("steps = 3\n", [], "must be a [section] table"),
+        ("", ["run.steps=abc"], "'abc' is not a valid int"),
+        ("", ["run.steps"], "must look like section.key=value"),
+        ("", ["parallel.zero=zero9"], "parallel.zero='zero9'; choose one of"),
+        ("", ["parallel.cp=6", "parallel.window=4"], "cp=6 is not divisible by parallel.window=4"),
+        ("", ["run.steps=0"], "run.steps=0 must be positive"),
+        ("", ["optim.lr=nan"], "optim.lr=nan must be finite"),
+        ("", ["data.source=tokens"], "needs data.path"),
+    ],
+)
+def test_bad_config_names_the_problem(tmp_path, text, overrides, message):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    assert message in str(info.value)
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("/nonexistent/x.toml")

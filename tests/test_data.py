@@ -1,0 +1,110 @@
+"""Token file format, prepare, the data sources and the stateful loader."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from loongtrain.data import BatchLoader, RecallTask, TokenFile, TokenFileError, TokenFileSource, write_tokens
+from loongtrain.data.prepare import prepare
+from loongtrain.data.tokens import HEADER_BYTES
+
+
+@pytest.mark.parametrize("vocab, width", [(257, 2), (2**16, 2), (128_256, 4)])
+def test_token_file_round_trip(tmp_path, vocab, width):
+    tokens = np.random.default_rng(0).integers(0, vocab, size=1000)
+    path = tmp_path / "t.tok"
+    write_tokens(path, tokens, vocab)
+    f = TokenFile(path)
+    assert (f.count, f.vocab_size, f.width) == (1000, vocab, width)
+    assert np.array_equal(np.asarray(f.tokens), tokens)
+    assert path.stat().st_size == HEADER_BYTES + 1000 * width
+
+
+def test_token_file_errors(tmp_path):
+    path = tmp_path / "t.tok"
+    write_tokens(path, np.arange(100), 300)
+    raw = path.read_bytes()
+    (tmp_path / "trunc.tok").write_bytes(raw[:-10])
+    with pytest.raises(TokenFileError, match="truncated: header says 100 tokens x 2 bytes"):
+        TokenFile(tmp_path / "trunc.tok")
+    (tmp_path / "long.tok").write_bytes(raw + b"xx")
+    with pytest.raises(TokenFileError, match="longer than its header says"):
+        TokenFile(tmp_path / "long.tok")
+    (tmp_path / "bad.tok").write_bytes(b"NOTATOKENFILE" + raw[13:])
+    with pytest.raises(TokenFileError, match="bad header"):
+        TokenFile(tmp_path / "bad.tok")
+    (tmp_path / "tiny.tok").write_bytes(b"LOONG")
+    with pytest.raises(TokenFileError, match="bad header"):
+        TokenFile(tmp_path / "tiny.tok")
+    with pytest.raises(TokenFileError, match="does not exist"):
+        TokenFile(tmp_path / "missing.tok")
+    with pytest.raises(TokenFileError, match="token id 99 is beyond the model's vocabulary of 64"):
+        TokenFile(path).check_vocab(64)
+    TokenFile(path).check_vocab(100)
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 10\)"):
+        write_tokens(path, np.array([3, 12]), 10)
+
+
+def test_prepare_bytes(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("héllo")
+    (tmp_path / "docs" / "b.md").write_text("ok")
+    info = prepare([str(tmp_path / "docs")], str(tmp_path / "out.tok"))
+    f = TokenFile(tmp_path / "out.tok")
+    expected = list("héllo".encode()) + [256] + list(b"ok") + [256]
+    assert info["tokens"] == len(expected) and f.vocab_size == 257
+    assert np.asarray(f.tokens).tolist() == expected
+    with pytest.raises(FileNotFoundError, match="neither a file nor a folder"):
+        prepare([str(tmp_path / "nope")], str(tmp_path / "x.tok"))
+
+
+def test_token_source_windows(tmp_path):
+    write_tokens(tmp_path / "t.tok", np.arange(1001), 2000)
+    src = TokenFileSource(TokenFile(tmp_path / "t.tok"), seq_len=10, seed=1)
+    assert (src.train_windows, src.eval_windows) == (99, 1)
+    seen = set()
+    for i in range(99):
+        tokens, labels = src.sample(i)
+        assert torch.equal(labels[:-1], tokens[1:])  # next-token labels
+        seen.add(int(tokens[0]))
+    assert len(seen) == 99  # one epoch visits every training window once
+    assert torch.equal(src.sample(5)[0], src.sample(5)[0])
+    ev, _ = src.sample(0, "eval")
+    assert int(ev[0]) == 990  # the held-out tail
+    with pytest.raises(TokenFileError, match="need at least 2"):
+        TokenFileSource(TokenFile(tmp_path / "t.tok"), seq_len=600)
+
+
+def test_recall_samples_are_answerable():
+    task = RecallTask(seq_len=128, keys=8, values=8, facts=4, queries=16, filler=16, seed=3)
+    tokens, labels = task.sample(11)
+    body = tokens[: 128 - 16]
+    facts = body[body >= task.filler]
+    assert len(facts) == 4
+    table = {int(f - task.filler) // task.values: int(f - task.filler) % task.values for f in facts}
+    for t, lab in zip(tokens[-16:], labels[-16:]):
+        key = int(t) - task.query0
+        assert int(lab) - task.answer0 == table[key]
+    assert (labels[:-16] == -100).all()
+    assert torch.equal(task.sample(11)[0], tokens) and not torch.equal(task.sample(12)[0], tokens)
+    assert not torch.equal(task.sample(11, "eval")[0], tokens)
+    assert task.vocab_size == 16 + 64 + 8 + 8 and task.chance == 1 / 8
+
+
+def test_loader_is_layout_independent_and_resumable():
+    task = RecallTask(seq_len=32, queries=4, seed=0)
+    single = BatchLoader(task, global_batch=8, micro_batches=2, dp=1, dp_rank=0)
+    replicas = [BatchLoader(task, global_batch=8, micro_batches=2, dp=2, dp_rank=d) for d in range(2)]
+    for _ in range(3):
+        whole = torch.cat([t for t, _ in single.next()])
+        parts = [r.next() for r in replicas]
+        # microbatch m of replica d holds rows of the same global sample range
+        merged = torch.cat([torch.cat([parts[0][m][0], parts[1][m][0]]) for m in range(2)])
+        assert torch.equal(torch.sort(whole.sum(1)).values, torch.sort(merged.sum(1)).values)
+    resumed = BatchLoader(task, global_batch=8, micro_batches=2, dp=1, dp_rank=0)
+    resumed.load_state_dict(single.state_dict())
+    assert torch.equal(resumed.next()[0][0], single.next()[0][0])
+    with pytest.raises(ValueError, match="global_batch=6 is not divisible by dp\\*micro_batches = 2\\*2 = 4"):
+        BatchLoader(task, global_batch=6, micro_batches=2, dp=2, dp_rank=0)

@@ -1,0 +1,46 @@
+"""Throughput arithmetic and the learning-rate schedule, against hand computations."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from loongtrain.model import PRESETS, model_config
+from loongtrain.train.metrics import flops_per_token, mfu
+from loongtrain.train.schedule import lr_at
+
+
+def test_flops_per_token_by_hand():
+    cfg = model_config("debug", vocab_size=100, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=16)
+    # per layer: q 8x8, k 8x4, v 8x4, o 8x8, mlp 3 x 8x16 -> 64+32+32+64+384 = 576 MACs
+    # attention at S=9, causal: 2 heads x 4 dims x mean context 5 x 2 matmuls = 80 MACs
+    # output layer 8x100 = 800 MACs; FLOPs = 2 x MACs, training = 3 x forward
+    forward_macs = 2 * (576 + 80) + 800
+    assert flops_per_token(cfg, 9) == 3 * 2 * forward_macs
+    full_attention = 2 * (576 + 2 * 4 * 9 * 2) + 800
+    assert flops_per_token(cfg, 9, causal=False) == 3 * 2 * full_attention
+
+
+def test_7b_flops_match_6n_plus_attention():
+    cfg = PRESETS["7b-mha"]
+    seq = 4096
+    non_embedding = cfg.num_params() - 2 * cfg.vocab_size * cfg.dim - cfg.dim - 2 * cfg.n_layers * cfg.dim
+    expected = 6 * (non_embedding + cfg.vocab_size * cfg.dim) + 6 * cfg.n_layers * cfg.dim * (seq + 1)
+    assert flops_per_token(cfg, seq) == pytest.approx(expected, rel=1e-12)
+
+
+def test_mfu():
+    assert mfu(1000.0, 6e9, 312.0) == pytest.approx(1000 * 6e9 / 312e12)
+    assert mfu(1000.0, 6e9, None) is None
+
+
+def test_lr_schedule():
+    kw = dict(lr=1.0, warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
+    assert lr_at(0, **kw) == pytest.approx(0.1)
+    assert lr_at(9, **kw) == pytest.approx(1.0)
+    assert lr_at(10, **kw) == pytest.approx(1.0)
+    assert lr_at(60, **kw) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lr_at(110, **kw) == pytest.approx(0.1)
+    assert all(lr_at(s, **kw) >= lr_at(s + 1, **kw) for s in range(10, 110))
+    assert math.isclose(lr_at(0, lr=2.0, warmup_steps=0, total_steps=5, min_lr_ratio=0.0), 2.0)

@@ -1,0 +1,128 @@
+"""The trainer end to end on gloo ranks: bit-exact resume, resume on another layout,
+and the same losses under different layouts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from loongtrain.config import ConfigError, load_config
+from loongtrain.data import TokenFileError, write_tokens
+from loongtrain.train.checkpoint import STATE_FILE, CheckpointError, CheckpointManager
+from loongtrain.train.trainer import preflight, train
+
+from dist_pool import cached_state  # noqa: F401  (keeps the worker import path in one place)
+
+BASE = [
+    "run.log_every=100", "run.eval_batches=1", "run.tensorboard=false", "run.progress=off",
+    "data.seq_len=64", "data.global_batch=8", "data.recall_queries=8", "optim.warmup_steps=2",
+    "checkpoint.every=0", "checkpoint.save_final=false",
+]  # fmt: skip
+
+
+def _train(overrides: list[str]) -> dict:
+    cfg = load_config(None, BASE + overrides)
+    world = torch.distributed.get_world_size()
+    result = train(torch.device("cpu"), cfg, preflight(cfg, world))
+    return {"losses": result.losses, "eval": result.eval_loss}
+
+
+def _layout(hp=1, cp=1, window=1, dp=0, placement="head_first") -> list[str]:
+    return [f"parallel.hp={hp}", f"parallel.cp={cp}", f"parallel.window={window}", f"parallel.dp={dp}",
+            f"parallel.placement={placement}"]  # fmt: skip
+
+
+@pytest.mark.dist
+def test_resume_is_bit_exact_and_keeps_latest(dist_pool, tmp_path):
+    pool = dist_pool(4)
+    layout = _layout(hp=2, cp=2, window=2) + ["parallel.checkpoint=sc++", "parallel.zero=dp_sp"]
+    full = pool.run(_train, layout + ["run.steps=6", f"run.output_dir={tmp_path / 'a'}"])[0]["losses"]
+    first = pool.run(_train, layout + ["run.steps=3", "checkpoint.every=1", "checkpoint.keep=2",
+                                       f"run.output_dir={tmp_path / 'b'}"])[0]["losses"]  # fmt: skip
+    assert [p.name for p in sorted((tmp_path / "b" / "checkpoints").iterdir())] == ["step-2", "step-3"]
+    rest = pool.run(_train, layout + ["run.steps=6", f"run.output_dir={tmp_path / 'b'}"])[0]["losses"]
+    assert first + rest == full, "resumed run must continue bit-exactly"
+    lines = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
+    assert (tmp_path / "b" / "curves.png").stat().st_size > 0
+    assert (tmp_path / "b" / "config.toml").is_file()
+
+
+@pytest.mark.dist
+def test_resume_on_other_layouts_and_world_sizes(dist_pool, tmp_path):
+    base = ["parallel.checkpoint=full"]
+    ref = dist_pool(4).run(_train, base + _layout(hp=2, cp=2) + ["run.steps=5", f"run.output_dir={tmp_path / 'r'}"])
+    ref_losses = ref[0]["losses"]
+    for name, world, layout in [
+        ("cp4w2", 4, _layout(cp=4, window=2)),
+        ("dp2", 4, _layout(hp=2, dp=2, placement="context_first") + ["parallel.zero=sp"]),
+        ("world2", 2, _layout(cp=2)),
+    ]:
+        out = tmp_path / name
+        dist_pool(4).run(_train, base + _layout(hp=2, cp=2) + ["run.steps=2", "checkpoint.save_final=true",
+                                                               f"run.output_dir={out}"])  # fmt: skip
+        resumed = dist_pool(world).run(_train, base + layout + ["run.steps=5", f"run.output_dir={out}"])[0]["losses"]
+        assert len(resumed) == 3
+        np.testing.assert_allclose(resumed, ref_losses[2:], rtol=2e-5, err_msg=name)
+
+
+@pytest.mark.dist
+def test_same_losses_unsharded_and_2d(dist_pool, tmp_path):
+    common = ["run.steps=4", "parallel.checkpoint=none"]
+    plain = dist_pool(4).run(_train, common + _layout(dp=4) + [f"run.output_dir={tmp_path / 'p'}"])[0]
+    twod = dist_pool(4).run(_train, common + _layout(hp=2, cp=2, window=2) + [f"run.output_dir={tmp_path / 'q'}"])[0]
+    np.testing.assert_allclose(twod["losses"], plain["losses"], rtol=1e-5)
+    assert twod["losses"][-1] < twod["losses"][0]  # it trains
+
+
+def test_checkpoint_manager_ignores_incomplete(tmp_path):
+    folder = tmp_path / "checkpoints"
+    for name, complete in [("step-2", True), ("step-5", True), ("step-9", False), ("step-12.partial", True)]:
+        (folder / name).mkdir(parents=True)
+        if complete:
+            (folder / name / STATE_FILE).write_text("{}")
+    manager = CheckpointManager(folder, keep=2)
+    assert [s for s, _ in manager.complete()] == [2, 5]
+    assert manager.latest()[0] == 5
+
+
+def test_preflight_errors(tmp_path):
+    with pytest.raises(ConfigError, match="world size 6 is not divisible by sp = hp\\*cp = 2\\*2 = 4"):
+        preflight(load_config(None, ["parallel.hp=2", "parallel.cp=2"]), 6)
+    with pytest.raises(ConfigError, match="n_heads=4, not divisible by hp=8"):
+        preflight(load_config(None, ["parallel.hp=8"]), 8)
+    with pytest.raises(ConfigError, match="sequence length 100 is not divisible by 2\\*sp"):
+        preflight(load_config(None, ["data.seq_len=100", "parallel.cp=4"]), 4)
+    with pytest.raises(ConfigError, match="unknown model preset 'gpt5'"):
+        preflight(load_config(None, ["model.preset=gpt5"]), 1)
+    with pytest.raises(ConfigError, match="recall task needs 168 token ids but the model's vocabulary is 128"):
+        preflight(load_config(None, ["model.vocab_size=128", "data.recall_keys=16", "data.recall_values=8"]), 1)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match="cannot be written"):
+        preflight(load_config(None, [f"run.output_dir={blocker / 'run'}"]), 1)
+    tokens = tmp_path / "t.tok"
+    write_tokens(tokens, np.arange(5000) % 300, 300)
+    with pytest.raises(TokenFileError, match="beyond the model's vocabulary of 256"):
+        preflight(load_config(None, ["data.source=tokens", f"data.path={tokens}", f"run.output_dir={tmp_path}"]), 1)
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-3").mkdir(parents=True)
+    (run / "checkpoints" / "step-3" / STATE_FILE).write_text(json.dumps({"step": 3, "model_shape": {"dim": 32}}))
+    with pytest.raises(CheckpointError, match="different model shape"):
+        preflight(load_config(None, [f"run.output_dir={run}"]), 1)
+
+
+def test_cli_reports_bad_config_without_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "loongtrain", "train", "--config", str(tmp_path / "none.toml")],
+        capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "loongtrain train: config file" in proc.stderr and "does not exist" in proc.stderr
+    assert "Traceback" not in proc.stderr
