@@ -223,6 +223,11 @@ def train(device: torch.device, cfg: TrainConfig, plan: Plan) -> TrainResult:
         )
         if latest is not None:
             describe += f"\nresumed from {latest[1]} at step {start}"
+            if start >= cfg.run.steps:
+                describe += (
+                    f"; run.steps={cfg.run.steps} is already reached, so nothing is trained (raise run.steps to "
+                    "continue, or set checkpoint.resume=false or another run.output_dir to start over)"
+                )
         print(describe, flush=True)
 
     tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
