@@ -108,3 +108,18 @@ def test_loader_is_layout_independent_and_resumable():
     assert torch.equal(resumed.next()[0][0], single.next()[0][0])
     with pytest.raises(ValueError, match="global_batch=6 is not divisible by dp\\*micro_batches = 2\\*2 = 4"):
         BatchLoader(task, global_batch=6, micro_batches=2, dp=2, dp_rank=0)
+
+
+def test_prepare_with_a_tokenizer_json(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")  # a dev dependency: installed by scripts/setup.sh
+    from tokenizers import models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["the cat sat on the mat"] * 20, trainers.BpeTrainer(special_tokens=["<unk>", "</s>"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "a.txt").write_text("the cat sat")
+    info = prepare([str(tmp_path / "a.txt")], str(tmp_path / "out.tok"), str(tmp_path / "tokenizer.json"))
+    ids = np.asarray(TokenFile(tmp_path / "out.tok").tokens).tolist()
+    assert ids == tok.encode("the cat sat").ids + [tok.token_to_id("</s>")]
+    assert info["vocab_size"] == tok.get_vocab_size()

@@ -48,7 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", nargs="+", help="text files or folders (searched recursively)")
     parser.add_argument("-o", "--output", required=True, help="token file to write")
     parser.add_argument(
-        "--tokenizer", default=None, help="local Hugging Face tokenizer folder or cached name (default: bytes)"
+        "--tokenizer",
+        default=None,
+        help="a tokenizer.json file, or a local Hugging Face tokenizer folder or cached name "
+        "(never downloaded; default: UTF-8 bytes)",
     )
 
 

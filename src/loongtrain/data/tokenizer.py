@@ -1,6 +1,10 @@
-"""Tokenizers for `loongtrain prepare`: bytes (no download), or a local Hugging Face one."""
+"""Tokenizers for `loongtrain prepare`: bytes (no download), or a local Hugging Face one
+(a ``tokenizer.json`` file through the ``tokenizers`` package, or a tokenizer folder or
+cached name through ``transformers``; never downloaded)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 
@@ -16,6 +20,29 @@ class ByteTokenizer:
 
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+
+
+class TokenizerJson:
+    """A ``tokenizer.json`` file (Hugging Face ``tokenizers`` format)."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as e:
+            raise RuntimeError(f"reading {path!r} needs the `tokenizers` package (pip install tokenizers)") from e
+        self._tok = Tokenizer.from_file(path)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eos = next(
+            (self._tok.token_to_id(t) for t in ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
+             if self._tok.token_to_id(t) is not None),
+            None,
+        )  # fmt: skip
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids])
 
 
 class HFTokenizer:
@@ -46,7 +73,10 @@ class HFTokenizer:
 
 
 def make_tokenizer(name: str | None):
-    """``None`` or ``"bytes"``: the byte tokenizer; else a local Hugging Face tokenizer."""
+    """``None`` or ``"bytes"``: the byte tokenizer; a ``.json`` file: ``tokenizers``; else a
+    local Hugging Face tokenizer folder or cached name (``transformers``)."""
     if name in (None, "", "bytes"):
         return ByteTokenizer()
+    if Path(name).is_file() and name.endswith(".json"):
+        return TokenizerJson(name)
     return HFTokenizer(name)
