@@ -95,9 +95,9 @@ def test_bad_model_configuration(call, message):
 @pytest.mark.parametrize(
     "heads, kv_heads, message",
     [
-        (6, 6, "n_heads=6, not divisible by hp=4"),
-        (12, 3, "hp=4 exceeds n_kv_heads=3 but is not a multiple of it"),
-        (24, 6, "n_kv_heads=6 is not divisible by hp=4"),
+        (6, 6, "query heads H=6 are not divisible by hp=4"),
+        (12, 3, "hp=4 exceeds the key/value heads G=3 but is not a multiple of G"),
+        (24, 6, "key/value heads G=6 are not divisible by hp=4"),
     ],
 )
 def test_model_must_fit_the_layout(heads, kv_heads, message):

@@ -179,6 +179,6 @@ def _bad_parallel_inputs() -> dict:
 @pytest.mark.dist
 def test_bad_parallel_inputs_raise_on_every_rank(dist_pool):
     for found in dist_pool(4).run(_bad_parallel_inputs):
-        assert "n_heads=2, not divisible by hp=4" in found["heads"]
+        assert "(n_heads=2, n_kv_heads=2) does not fit: query heads H=2 are not divisible by hp=4" in found["heads"]
         assert "unknown ZeRO scope 'zero3'" in found["scope"]
         assert "sequence length 12 is not divisible by 2*sp = 2*4*1 = 8" in found["seq"]

@@ -95,7 +95,7 @@ def test_checkpoint_manager_ignores_incomplete(tmp_path):
 def test_preflight_errors(tmp_path):
     with pytest.raises(ConfigError, match="world size 6 is not divisible by sp = hp\\*cp = 2\\*2 = 4"):
         preflight(load_config(None, ["parallel.hp=2", "parallel.cp=2"]), 6)
-    with pytest.raises(ConfigError, match="n_heads=4, not divisible by hp=8"):
+    with pytest.raises(ConfigError, match="query heads H=4 are not divisible by hp=8"):
         preflight(load_config(None, ["parallel.hp=8"]), 8)
     with pytest.raises(ConfigError, match="sequence length 100 is not divisible by 2\\*sp"):
         preflight(load_config(None, ["data.seq_len=100", "parallel.cp=4"]), 4)

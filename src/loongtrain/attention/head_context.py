@@ -22,6 +22,7 @@ import torch
 
 from loongtrain.attention import ops
 from loongtrain.attention.kernels import check_supported
+from loongtrain.parallel.layout import check_head_split
 from loongtrain.parallel.state import ParallelState
 
 Tensor = torch.Tensor
@@ -69,28 +70,10 @@ def check_attention_inputs(
         )
     check_supported(q.device, q.dtype)
     groups, hp, cp = k.shape[2], state.config.hp, state.config.cp
-    if heads % groups != 0:
-        raise ValueError(
-            f"head_context_attention: query heads H={heads} are not a multiple of key/value heads "
-            f"G={groups} (GQA needs H % G == 0)"
-        )
-    if heads % hp != 0:
-        options = [x for x in range(1, heads + 1) if heads % x == 0]
-        raise ValueError(
-            f"head_context_attention: query heads H={heads} are not divisible by hp={hp}; "
-            f"choose hp among {options} or change the model's head count"
-        )
-    if hp > groups and hp % groups != 0:
-        raise ValueError(
-            f"head_context_attention: hp={hp} exceeds the key/value heads G={groups} but is not a "
-            f"multiple of G, so KV heads cannot be replicated evenly; use hp a multiple of {groups} "
-            f"or a divisor of {groups}"
-        )
-    if hp <= groups and groups % hp != 0:
-        raise ValueError(
-            f"head_context_attention: key/value heads G={groups} are not divisible by hp={hp}; "
-            f"use hp dividing {groups} or a multiple of {groups}"
-        )
+    try:
+        check_head_split(heads, groups, hp)
+    except ValueError as e:
+        raise ValueError(f"head_context_attention: {e}") from None
     if causal and cp > 1 and (s * hp) % 2 != 0:
         raise ValueError(
             f"head_context_attention: causal ring attention needs an even number of tokens per "

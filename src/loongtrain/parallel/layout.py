@@ -14,6 +14,32 @@ from dataclasses import dataclass
 from loongtrain.parallel.config import ParallelConfig
 
 
+def check_head_split(heads: int, kv_heads: int, hp: int) -> None:
+    """Raise ValueError unless ``heads`` query and ``kv_heads`` key/value heads split over ``hp``
+    head ranks: ``heads % hp == 0``, and ``kv_heads % hp == 0`` or (replication)
+    ``hp % kv_heads == 0``."""
+    if heads % kv_heads != 0:
+        raise ValueError(
+            f"query heads H={heads} are not a multiple of key/value heads G={kv_heads} (GQA needs H % G == 0)"
+        )
+    if heads % hp != 0:
+        options = [x for x in range(1, heads + 1) if heads % x == 0]
+        raise ValueError(
+            f"query heads H={heads} are not divisible by hp={hp}; choose hp among {options} "
+            f"or change the model's head count"
+        )
+    if hp > kv_heads and hp % kv_heads != 0:
+        raise ValueError(
+            f"hp={hp} exceeds the key/value heads G={kv_heads} but is not a multiple of G, so KV heads "
+            f"cannot be replicated evenly; use hp a multiple of {kv_heads} or a divisor of {kv_heads}"
+        )
+    if hp <= kv_heads and kv_heads % hp != 0:
+        raise ValueError(
+            f"key/value heads G={kv_heads} are not divisible by hp={hp}; "
+            f"use hp dividing {kv_heads} or a multiple of {kv_heads}"
+        )
+
+
 @dataclass(frozen=True)
 class RankCoords:
     """Coordinates of one global rank in the ``dp x hp x cp`` layout."""

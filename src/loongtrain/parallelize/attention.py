@@ -8,24 +8,15 @@ from loongtrain.attention import head_context_attention
 from loongtrain.model.config import ModelConfig
 from loongtrain.model.llama import Transformer
 from loongtrain.parallel import ParallelState
+from loongtrain.parallel.layout import check_head_split
 
 
 def check_model_fits(cfg: ModelConfig, hp: int) -> None:
-    """Raise (before any communication) if the model's heads do not fit ``hp``."""
-    heads, kv_heads = cfg.n_heads, cfg.n_kv_heads
-    if heads % hp != 0:
-        options = [x for x in range(1, heads + 1) if heads % x == 0]
-        raise ValueError(
-            f"model has n_heads={heads}, not divisible by hp={hp}; choose hp among {options} "
-            f"or a model with a multiple of {hp} heads"
-        )
-    if hp > kv_heads and hp % kv_heads != 0:
-        raise ValueError(
-            f"hp={hp} exceeds n_kv_heads={kv_heads} but is not a multiple of it, so KV heads cannot be "
-            f"replicated evenly; use hp a multiple of {kv_heads} or a divisor of it"
-        )
-    if hp <= kv_heads and kv_heads % hp != 0:
-        raise ValueError(f"n_kv_heads={kv_heads} is not divisible by hp={hp}; use hp dividing {kv_heads}")
+    """Raise (before any communication) if the model's heads do not split over ``hp``."""
+    try:
+        check_head_split(cfg.n_heads, cfg.n_kv_heads, hp)
+    except ValueError as e:
+        raise ValueError(f"the model (n_heads={cfg.n_heads}, n_kv_heads={cfg.n_kv_heads}) does not fit: {e}") from None
 
 
 def apply_attention(model: Transformer, state: ParallelState) -> None:
