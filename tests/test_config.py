@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_defaults_file_and_overrides(tmp_path):
     path = tmp_path / "c.toml"
-    path.write_text('[run]\nsteps = 7\n[parallel]\nhp = 2\ncp = 4\nwindow = 2\n[optim]\nlr = 1\n')
+    path.write_text("[run]\nsteps = 7\n[parallel]\nhp = 2\ncp = 4\nwindow = 2\n[optim]\nlr = 1\n")
     cfg = load_config(path, ["run.steps=9", "data.seq_len=64", "parallel.placement=context_first"])
     assert cfg.run.steps == 9  # override beats file
     assert (cfg.parallel.hp, cfg.parallel.cp, cfg.parallel.window) == (2, 4, 2)
@@ -73,3 +73,15 @@ def test_bad_config_names_the_problem(tmp_path, text, overrides, message):
 def test_missing_config_file():
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("/nonexistent/x.toml")
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.toml")))
+def test_shipped_configs_fit_their_layout(name, tmp_path):
+    """Every shipped config passes the start-up checks at the world size of its layout
+    (the GPU configs with synthetic data, since their token file is the user's)."""
+    from loongtrain.train.trainer import preflight
+
+    cfg = load_config(REPO / "configs" / name, [f"run.output_dir={tmp_path}", "data.source=recall"])
+    p = cfg.parallel
+    plan = preflight(cfg, p.hp * p.cp * max(p.dp, 1))
+    assert plan.layout.sp == p.hp * p.cp

@@ -1,4 +1,4 @@
-"""The ``loongtrain`` command: ``train``, ``prepare``, ``demo``, ``bench attention|memory``."""
+"""The ``loongtrain`` command: ``train``, ``plan``, ``prepare``, ``demo``, ``bench attention|memory``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ def build_parser() -> argparse.ArgumentParser:
     from loongtrain.bench import attention as bench_attention
     from loongtrain.bench import memory as bench_memory
     from loongtrain.data import prepare
+    from loongtrain.planner import cli as plan_cli
     from loongtrain.train import cli as train_cli
 
     parser = argparse.ArgumentParser(prog="loongtrain", description=__doc__)
@@ -19,6 +20,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_train = commands.add_parser("train", help="train a model from a TOML config (torchrun or --nproc)")
     train_cli.add_arguments(p_train)
     p_train.set_defaults(run=train_cli.main, takes_extra=True)
+
+    p_plan = commands.add_parser("plan", help="rank layouts for a cluster, model and length (cost model)")
+    plan_cli.add_arguments(p_plan)
+    p_plan.set_defaults(run=plan_cli.main)
 
     p_prep = commands.add_parser("prepare", help="turn text files into a token file")
     prepare.add_arguments(p_prep)

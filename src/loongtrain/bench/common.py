@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -100,7 +101,7 @@ def run_sharded_attention(
         if rep > 0:
             fwd_times.append(t1 - t0)
             bwd_times.append(t2 - t1)
-    medians = [sorted(fwd_times)[len(fwd_times) // 2], sorted(bwd_times)[len(bwd_times) // 2]]
+    medians = [statistics.median(fwd_times), statistics.median(bwd_times)]
     times = torch.tensor(medians, dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     return TimedRun(out.detach(), ql.grad, kl.grad, vl.grad, times[0].item(), times[1].item())
@@ -114,4 +115,4 @@ def median_time(fn, reps: int) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    return statistics.median(times)

@@ -1,0 +1,329 @@
+"""``loongtrain plan --calibrate``: measure this machine and write the ``local`` cluster file.
+
+Spawns ``nproc`` local gloo processes (``loongtrain.launch``) and measures, with the code
+paths the attention uses and every rank busy at once (as in a real run):
+
+- point to point: ``ring_exchange`` (``batch_isend_irecv``) between two ranks, and around
+  a ring of all ranks at once (-> per-device and whole-node bandwidth, latency);
+- all-to-all: ``all_to_all_start`` on packed buffers, over pairs and over all ranks;
+- attention: the ring step functions (``forward_block``/``backward_block``: the CPU
+  flash kernels plus the fp32 merge/accumulation) on non-causal half blocks and causal
+  diagonal blocks of several sizes, on every rank at once (ranks share the cores);
+- matmul: ``torch.mm`` alone in one process (the "peak") and on every rank at once;
+- overlap: a block computed while a ring transfer is in flight.
+
+Each measurement is the median over repetitions of the slowest rank. Latency and
+bandwidth (or kernel overhead and throughput) come from least-squares line fits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from loongtrain.planner.cost import BWD_FLOP_RATIO
+from loongtrain.planner.fit import fit_line, fit_two
+from loongtrain.planner.specs import ClusterSpec, cluster_to_toml, default_local_path
+
+COMM_SIZES = (2**16, 2**18, 2**20, 2**22, 2**23, 2**24)
+NONCAUSAL_TOKENS = (512, 1024, 2048, 4096)  # tokens per context rank (two zigzag chunks)
+CAUSAL_TOKENS = (1024, 2048, 4096)
+
+
+def _median_of_slowest(fn, reps: int) -> float:
+    """Median over ``reps`` runs (after a warm-up) of the slowest rank's time of ``fn()``."""
+    fn()
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    t = torch.tensor([sorted(times)[len(times) // 2]], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _ring_link(members: list[int], rank: int):
+    from loongtrain.parallel.state import RingLink
+
+    groups = [dist.new_group(members), dist.new_group(members)]
+    if rank not in members:
+        return None
+    pos = members.index(rank)
+    return RingLink(groups[0], groups[1], members[(pos + 1) % len(members)], members[pos - 1], len(members))
+
+
+def measure_comm(reps: int) -> dict:
+    """Pair and whole-ring exchanges, all-to-alls over pairs and over all ranks."""
+    from loongtrain.attention.comm import all_to_all_start, ring_exchange
+    from loongtrain.parallel.stats import AttentionStats
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    stats = AttentionStats()
+    pair = _ring_link([0, 1], rank)
+    ring = _ring_link(list(range(world)), rank)
+    pair_groups = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
+    my_pair = pair_groups[rank // 2] if rank < 2 * (world // 2) else None
+    out: dict = {"pair": [], "ring": [], "a2a": []}
+    for nbytes in COMM_SIZES:
+        x = torch.randn(nbytes // 4)
+
+        def exchange(link=None, x=x):
+            if link is not None:
+                ring_exchange(x, link, stats, "calib").wait()
+
+        out["pair"].append((nbytes, _median_of_slowest(lambda: exchange(pair), reps)))
+        out["ring"].append((nbytes, _median_of_slowest(lambda: exchange(ring), reps)))
+        for size, group in ((2, my_pair), (world, dist.group.WORLD)):
+            packed = torch.randn(size, nbytes // 4 // size)
+
+            def a2a(packed=packed, group=group):
+                if group is not None:
+                    all_to_all_start(packed, group, stats, "calib").wait()
+
+            out["a2a"].append((size, nbytes, _median_of_slowest(a2a, reps)))
+    return out
+
+
+def _time_block(tokens: int, kind, heads: int, head_dim: int, reps: int, gen) -> tuple[float, float]:
+    """Forward and backward seconds of one ring step of ``kind`` on ``tokens`` local tokens."""
+    from loongtrain.attention.blocks import OutputAccumulator, add_kv_grad, backward_block, forward_block
+    from loongtrain.attention.schedule import BlockKind
+
+    scale = head_dim**-0.5
+    q = torch.randn(1, tokens, heads, head_dim, generator=gen)
+    kv = torch.randn(2, 1, tokens, heads, head_dim, generator=gen)
+    dout = torch.randn_like(q)
+    acc = OutputAccumulator()
+    forward_block(q, kv, BlockKind.DIAGONAL, scale, acc)  # later blocks merge into it
+    fwd_s = _median_of_slowest(lambda: forward_block(q, kv, kind, scale, acc), reps)
+    out, lse = acc.out.clone(), acc.lse.clone()
+    dq, partial = torch.zeros_like(q), torch.zeros_like(kv)
+
+    def backward():
+        rows, dk, dv = backward_block(dout, q, kv, out, lse, kind, scale, dq)
+        add_kv_grad(partial, rows, dk, dv)
+
+    return fwd_s, _median_of_slowest(backward, reps)
+
+
+def measure_blocks(heads: int, head_dim: int, reps: int) -> dict:
+    """Ring-step forward/backward times on every rank at once: ``[(fwd FLOPs, seconds, causal)]``."""
+    from loongtrain.attention.schedule import BlockKind
+
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    out: dict = {"fwd": [], "bwd": []}
+    shapes = [(s, BlockKind.KV_FIRST_HALF) for s in NONCAUSAL_TOKENS] + [(s, BlockKind.DIAGONAL) for s in CAUSAL_TOKENS]
+    for tokens, kind in shapes:
+        flops = 2.0 * tokens * tokens * heads * head_dim  # half of a tokens x tokens block
+        fwd_s, bwd_s = _time_block(tokens, kind, heads, head_dim, reps, gen)
+        out["fwd"].append((flops, fwd_s, kind is BlockKind.DIAGONAL))
+        out["bwd"].append((flops, bwd_s, kind is BlockKind.DIAGONAL))
+    return out
+
+
+def measure_matmul(reps: int, n: int = 1024) -> dict:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    flops = 2.0 * n**3
+    alone = _median_of_slowest(lambda: (a @ b) if dist.get_rank() == 0 else None, reps)
+    together = _median_of_slowest(lambda: a @ b, reps)
+    return {"matmul_alone": flops / alone, "matmul_all": flops / together}
+
+
+def measure_overlap(heads: int, head_dim: int, reps: int, tokens: int = 2048, nbytes: int = 2**26) -> dict:
+    """A non-causal block alone, a whole-ring transfer alone, and both at once."""
+    from loongtrain.attention.blocks import OutputAccumulator, forward_block
+    from loongtrain.attention.comm import ring_exchange
+    from loongtrain.attention.schedule import BlockKind
+    from loongtrain.parallel.stats import AttentionStats
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    link, stats = _ring_link(list(range(world)), rank), AttentionStats()
+    q = torch.randn(1, tokens, heads, head_dim)
+    kv = torch.randn(2, 1, tokens, heads, head_dim)
+    x = torch.randn(nbytes // 4)
+    acc = OutputAccumulator()
+    forward_block(q, kv, BlockKind.DIAGONAL, head_dim**-0.5, acc)
+
+    def compute():
+        forward_block(q, kv, BlockKind.KV_FIRST_HALF, head_dim**-0.5, acc)
+
+    def both():
+        pending = ring_exchange(x, link, stats, "calib")
+        compute()
+        pending.wait()
+
+    return {
+        "compute": _median_of_slowest(compute, reps),
+        "transfer": _median_of_slowest(lambda: ring_exchange(x, link, stats, "calib").wait(), reps),
+        "both": _median_of_slowest(both, reps),
+    }
+
+
+def _load() -> float:
+    """One-minute load average (0 where unknown)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
+
+
+def _memory_gib() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return 8.0
+
+
+# -- the fit (pure) ---------------------------------------------------------------------
+def fit_cluster(meas: dict, name: str = "local") -> tuple[ClusterSpec, dict[str, str]]:
+    """Turn raw measurements into a one-node :class:`ClusterSpec` and per-field comments."""
+    n = meas["nproc"]
+    a_pair, b_pair = fit_line(*zip(*meas["pair"]))
+    _, b_ring = fit_line(*zip(*meas["ring"]))
+    if meas["a2a"]:
+        rows = [(g - 1, (g - 1) / g * nbytes) for g, nbytes, _ in meas["a2a"]]
+        a_a2a, b_a2a = fit_two(rows, [t for *_, t in meas["a2a"]])
+    else:  # one process: nothing to exchange
+        a_a2a, b_a2a = a_pair, b_pair
+    fwd = [(f, t) for f, t, causal in meas["fwd"] if not causal]
+    bwd = [(f * BWD_FLOP_RATIO, t) for f, t, causal in meas["bwd"] if not causal]
+    t0, s_fwd = fit_line(*zip(*fwd))
+    # backward: the forward's per-call overhead, slope refitted (relative error, as fit_line)
+    s_bwd = sum(f * (t - t0) / t**2 for f, t in bwd) / sum(f * f / t**2 for f, t in bwd)
+
+    def causal_tiles(rows, slope, ratio):
+        # a causal block of S tokens costs (1 + tile/S) x its FLOPs: solve for tile
+        tiles = []
+        for f, t, causal in rows:
+            if causal:
+                tokens = (f / (2.0 * meas["calib_heads"] * meas["calib_head_dim"])) ** 0.5
+                tiles.append(tokens * ((t - t0) / (f * ratio * slope) - 1.0))
+        return sorted(tiles)[len(tiles) // 2]
+
+    tile = (causal_tiles(meas["fwd"], s_fwd, 1.0) + causal_tiles(meas["bwd"], s_bwd, BWD_FLOP_RATIO)) / 2
+    ov = meas["overlap"]
+    hidden = (ov["compute"] + ov["transfer"] - ov["both"]) / min(ov["compute"], ov["transfer"])
+    overlap = min(1.0, max(0.05, hidden))
+    intra_bw = 1e-9 / b_pair
+    spec = ClusterSpec(
+        name=name,
+        nodes=1,
+        devices_per_node=n,
+        device_memory_gib=round(meas["memory_gib"] / n, 2),
+        usable_memory_fraction=0.8,
+        peak_tflops=meas["matmul_alone"] / 1e12,
+        matmul_tflops=meas["matmul_all"] / 1e12,
+        attn_fwd_tflops=1e-12 / s_fwd,
+        attn_bwd_tflops=1e-12 / s_bwd,
+        causal_tile=max(1.0, tile),
+        kernel_overhead_us=t0 * 1e6,
+        intra_bw_gbs=intra_bw,
+        intra_node_bw_gbs=max(intra_bw, n * 1e-9 / b_ring),
+        intra_latency_us=a_pair * 1e6,
+        a2a_bw_gbs=1e-9 / b_a2a,
+        a2a_latency_us=a_a2a * 1e6,
+        nics_per_node=1,
+        nic_bw_gbs=intra_bw,
+        inter_latency_us=a_pair * 1e6,
+        overlap=overlap,
+        description=f"this machine: {n} gloo processes on {meas.get('cpus', '?')} CPUs, "
+        f"{meas.get('threads', '?')} thread(s) each, calibrated {meas.get('date', '')}",
+    )
+    comments = {
+        "devices_per_node": "processes of the calibration (compute rates are per process with all busy)",
+        "device_memory_gib": "RAM / processes",
+        "peak_tflops": "torch.mm 1024^3 fp32, one process alone (MFU denominator)",
+        "matmul_tflops": "torch.mm 1024^3 fp32, every process at once",
+        "attn_fwd_tflops": "forward_block, non-causal half blocks, all at once (fit)",
+        "attn_bwd_tflops": "backward_block, 2.5x forward FLOPs, all at once (fit)",
+        "causal_tile": "extra work of causal diagonal blocks, (1 + tile/S) (median)",
+        "kernel_overhead_us": "intercept of the block-time fit",
+        "intra_bw_gbs": "ring_exchange between two ranks (fit)",
+        "intra_node_bw_gbs": "ring_exchange around all ranks at once, summed (fit)",
+        "intra_latency_us": "intercept of the two-rank fit",
+        "a2a_bw_gbs": "all_to_all_start over pairs and all ranks (fit)",
+        "a2a_latency_us": "per peer (fit)",
+        "nics_per_node": "one node: never used",
+        "nic_bw_gbs": "one node: never used",
+        "inter_latency_us": "one node: never used",
+        "overlap": f"block alone {ov['compute'] * 1e3:.0f} ms, transfer alone {ov['transfer'] * 1e3:.0f} ms, "
+        f"both {ov['both'] * 1e3:.0f} ms",
+    }
+    return spec, comments
+
+
+def _raw_lines(meas: dict) -> list[str]:
+    lines = ["raw measurements (median of the slowest rank):"]
+    for key in ("pair", "ring"):
+        pts = ", ".join(f"{b / 2**20:g} MiB {t * 1e3:.2f} ms" for b, t in meas[key])
+        lines.append(f"  {key}: {pts}")
+    for g, b, t in meas["a2a"]:
+        lines.append(f"  all-to-all group {g}: {b / 2**20:g} MiB {t * 1e3:.2f} ms")
+    for key in ("fwd", "bwd"):
+        for f, t, causal in meas[key]:
+            kind = "causal diagonal" if causal else "non-causal half"
+            lines.append(f"  {key} {kind}: {f / 1e9:.2f} GFLOP (fwd count) {t * 1e3:.1f} ms")
+    return lines
+
+
+def _calibrate_rank(device: torch.device, args: argparse.Namespace) -> None:
+    rank = dist.get_rank()
+    t_start = time.perf_counter()
+    if rank == 0:
+        print(f"calibrating with {dist.get_world_size()} processes ({torch.get_num_threads()} thread(s) each) ...")
+    meas: dict = {
+        "nproc": dist.get_world_size(),
+        "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "memory_gib": _memory_gib(),
+        "calib_heads": args.calib_heads,
+        "calib_head_dim": args.calib_head_dim,
+        "date": datetime.date.today().isoformat(),
+        "load_start": _load(),
+    }
+    meas.update(measure_comm(args.reps))
+    if rank == 0:
+        print(f"  communication measured ({time.perf_counter() - t_start:.0f} s)", flush=True)
+    meas.update(measure_blocks(args.calib_heads, args.calib_head_dim, args.reps))
+    if rank == 0:
+        print(f"  attention blocks measured ({time.perf_counter() - t_start:.0f} s)", flush=True)
+    meas.update(measure_matmul(args.reps))
+    meas["overlap"] = measure_overlap(args.calib_heads, args.calib_head_dim, args.reps)
+    if rank != 0:
+        return
+    path = Path(args.out) if args.out else default_local_path()
+    spec, comments = fit_cluster(meas, name=path.stem)
+    header = "\n".join(
+        [
+            f"The '{path.stem}' cluster: this machine, measured by `loongtrain plan --calibrate`.",
+            f"{platform.node()} {platform.machine()}, torch {torch.__version__}, {meas['date']}; "
+            f"attention measured with H={args.calib_heads}, d={args.calib_head_dim}, fp32; load average "
+            f"{meas['load_start']:.1f} before, {_load():.1f} after (other processes share the cores).",
+            *_raw_lines(meas),
+            "",
+        ]
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(cluster_to_toml(spec, comments, header))
+    print(path.read_text())
+    print(f"wrote {path} ({time.perf_counter() - t_start:.0f} s)")
+
+
+def run(args: argparse.Namespace) -> None:
+    """Spawn ``args.nproc`` processes, measure, write the cluster file (rank 0)."""
+    from loongtrain.launch import launch
+
+    launch(_calibrate_rank, args.nproc, args)

@@ -1,0 +1,118 @@
+"""Why the winner wins: compare it with the baselines and with its nearest alternatives. Pure."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from loongtrain.planner.estimate import Estimate
+from loongtrain.planner.search import PlanResult
+from loongtrain.planner.topology import Topology
+
+GiB = 2**30
+COMPONENTS = (("compute_s", "compute"), ("a2a_s", "all-to-all"), ("ring_s", "exposed ring"), ("zero_s", "ZeRO"))
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1e3:.0f} ms"
+
+
+def _main_difference(better: Estimate, worse: Estimate) -> str:
+    """The component that accounts for most of ``worse``'s extra time."""
+    deltas = [(getattr(worse, attr) - getattr(better, attr), name) for attr, name in COMPONENTS]
+    delta, name = max(deltas)
+    return f"{name} +{_ms(delta)}"
+
+
+def describe_topology(t: Topology, hp: int, cp: int, window: int) -> str:
+    """One line on where the layout's transfers go."""
+    parts = []
+    if hp > 1:
+        parts.append(
+            "the head all-to-all stays inside a node"
+            if t.head.off_peers == 0
+            else f"the head all-to-all sends to {t.head.off_peers} of {hp - 1} peers on other nodes"
+        )
+    if 1 < window < cp:
+        rings = [(t.inner, f"inner ring ({window} ranks)"), (t.outer, f"outer ring ({cp // window} windows)")]
+    elif cp > 1:
+        rings = [(t.outer if window == 1 else t.inner, f"the ring ({cp} ranks)")]
+    else:
+        rings = []
+    for ring, label in rings:
+        where = f"crosses nodes ({ring.off_node} hops per node share its NICs)" if ring.crosses else "stays in a node"
+        parts.append(f"{label} {where}")
+    return "; ".join(parts) if parts else "no attention communication"
+
+
+def _variant_line(result: PlanResult, best: Estimate, knob: str, label: str) -> str | None:
+    """Best layout differing from the winner only in ``knob`` (hp moves cp with it)."""
+    pool = result.ranked + result.too_big
+    lay = best.layout
+
+    def same_but(e: Estimate) -> bool:
+        x = e.layout
+        if knob == "hp":
+            return x.hp != lay.hp and replace(x, hp=lay.hp, cp=lay.cp, window=lay.window) == lay
+        if knob == "window" and lay.cp > 1:
+            return x.window != lay.window and replace(x, window=lay.window) == lay
+        return getattr(x, knob) != getattr(lay, knob) and replace(x, **{knob: getattr(lay, knob)}) == lay
+
+    options = sorted((e for e in pool if same_but(e)), key=lambda e: e.step_s)
+    if not options:
+        return None
+    alt = options[0]
+    value = {
+        "window": f"window={alt.layout.window}" if alt.layout.window > 1 else "a plain ring",
+        "placement": alt.layout.placement,
+        "checkpoint": f"checkpoint {alt.layout.checkpoint}",
+        "zero": f"ZeRO scope {alt.layout.zero}",
+        "hp": f"hp={alt.layout.hp}, cp={alt.layout.cp}",
+    }[knob]
+    if not alt.fits:
+        if alt.step_s < best.step_s:
+            return (
+                f"{label}: {value} would take {_ms(alt.step_s)} but needs {alt.memory.total / GiB:.1f} GiB "
+                f"> {alt.memory_limit / GiB:.1f} GiB"
+            )
+        return f"{label}: {value} does not fit ({alt.memory.total / GiB:.1f} GiB)"
+    slower = alt.step_s / best.step_s - 1
+    return f"{label}: {value} is {slower:.1%} slower ({_main_difference(best, alt)})"
+
+
+def explain(result: PlanResult) -> list[str]:
+    """Short lines on why ``result.best`` wins."""
+    best = result.best
+    lay = best.layout
+    lines = [
+        f"{lay.label()}: {_ms(best.step_s)} per step = compute {_ms(best.compute_s)} + all-to-all "
+        f"{_ms(best.a2a_s)} + exposed ring {_ms(best.ring_s)} + ZeRO {_ms(best.zero_s)}; "
+        f"{best.memory.total / GiB:.1f} of {best.memory_limit / GiB:.1f} GiB",
+        f"placement: {describe_topology(best.topology, lay.hp, lay.cp, lay.window)}",
+    ]
+    close = [e for e in result.ranked[1:] if e.step_s <= best.step_s * 1.01]
+    if close:
+        lines.append(
+            f"{len(close)} other layout(s) are within 1% (below the model's accuracy), e.g. "
+            + "; ".join(e.layout.label() for e in close[:2])
+        )
+    for name, base in result.baselines.items():
+        if base is None:
+            lines.append(f"vs {name}: no layout of that family is valid and fits")
+        elif base.layout == lay:
+            lines.append(f"vs {name}: the winner is in that family")
+        else:
+            lines.append(
+                f"vs {name} (best {base.layout.label()}): {base.step_s / best.step_s:.2f}x the time "
+                f"({_main_difference(best, base)})"
+            )
+    for knob, label in (
+        ("hp", "head/context split"),
+        ("window", "double ring"),
+        ("placement", "placement"),
+        ("checkpoint", "checkpointing"),
+        ("zero", "ZeRO"),
+    ):
+        line = _variant_line(result, best, knob, label)
+        if line:
+            lines.append(line)
+    return lines

@@ -1,0 +1,287 @@
+"""Cluster and model descriptions for the planner: ``ClusterSpec``, presets, cluster files.
+
+A cluster file is TOML with one flat table of the :class:`ClusterSpec` fields (see
+``clusters/local.toml``, written by ``loongtrain plan --calibrate``). Bandwidths are
+achievable values in GB/s (1e9 bytes/s) per direction, latencies in microseconds,
+FLOP/s in TFLOP/s (1e12) per device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from loongtrain.model.config import PRESETS, ModelConfig
+
+
+class PlanError(ValueError):
+    """A request the planner cannot serve; the message names the values and the fix."""
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """One kind of machine: nodes of identical devices joined by NICs.
+
+    Compute: ``peak_tflops`` is the spec-sheet dense rate that MFU divides by; the
+    ``*_tflops`` below it are what kernels achieve and what times are computed from.
+    Communication: inside a node every device has a link of ``intra_bw_gbs`` to the
+    fabric, which carries at most ``intra_node_bw_gbs`` at once (NVSwitch: non-blocking,
+    ``devices_per_node * intra_bw_gbs``); between nodes a transfer goes through one NIC
+    of ``nic_bw_gbs``, and the node's ``nics_per_node`` NICs are shared by the devices
+    that send off the node at the same time.
+    """
+
+    name: str
+    nodes: int  # nodes in the cluster: at most nodes * devices_per_node devices
+    devices_per_node: int
+    device_memory_gib: float
+    usable_memory_fraction: float  # of device memory left for tensors (runtime, allocator slack)
+    peak_tflops: float  # dense bf16 spec-sheet rate per device (MFU denominator)
+    matmul_tflops: float  # achieved by the linear layers
+    attn_fwd_tflops: float  # achieved by the attention kernel, forward
+    attn_bwd_tflops: float  # achieved by the attention kernel, backward (2.5x forward FLOPs)
+    kernel_overhead_us: float  # fixed time per attention block call (launch, merge)
+    intra_bw_gbs: float  # point to point inside a node, per device and direction
+    intra_node_bw_gbs: float  # all transfers inside one node together
+    intra_latency_us: float
+    a2a_bw_gbs: float  # all-to-all inside a node, per device (bytes sent to peers / time)
+    a2a_latency_us: float  # per peer of an all-to-all
+    nics_per_node: int
+    nic_bw_gbs: float  # per NIC and direction
+    inter_latency_us: float
+    causal_tile: float = 128.0  # tokens: a causal diagonal block of S tokens costs (1 + tile/S) x its FLOPs
+    overlap: float = 1.0  # fraction of a transfer that proceeds while the device computes
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("name", "description"):
+                if not isinstance(value, str):
+                    raise PlanError(f"cluster {self.name!r}: {f.name} must be a string, got {value!r}")
+                continue
+            if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+                raise PlanError(f"cluster {self.name!r}: {f.name}={value!r} must be an integer")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise PlanError(f"cluster {self.name!r}: {f.name}={value!r} must be a finite number")
+            if value <= 0:
+                raise PlanError(f"cluster {self.name!r}: {f.name}={value!r} must be positive")
+        for name in ("usable_memory_fraction", "overlap"):
+            if getattr(self, name) > 1:
+                raise PlanError(f"cluster {self.name!r}: {name}={getattr(self, name)} must be in (0, 1]")
+        if self.nics_per_node < 1 or self.devices_per_node < 1 or self.nodes < 1:
+            raise PlanError(f"cluster {self.name!r}: nodes, devices_per_node and nics_per_node must be at least 1")
+
+    @property
+    def max_devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        return self.device_memory_gib * 2**30 * self.usable_memory_fraction
+
+
+CLUSTER_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(ClusterSpec))
+_OPTIONAL = ("name", "causal_tile", "overlap", "description")
+_REQUIRED = tuple(name for name in CLUSTER_FIELDS if name not in _OPTIONAL)
+
+# Achievable fractions assumed for every GPU preset (not measured here):
+#   linear layers (cuBLAS bf16 GEMM at these shapes): 75% of peak on A100, 70% on Hopper;
+#   FlashAttention-2: forward 65% / backward 55% of peak on A100 (FA2 paper: 50-73%),
+#   40% / 35% on Hopper (FA2 is not tuned for Hopper; FlashAttention-3 would reach ~75%);
+#   NVLink point to point: 80% of the per-direction spec; all-to-all: 70%;
+#   causal diagonal blocks compute whole 128-token tiles on the diagonal (FA2 block size);
+#   InfiniBand: 90% of line rate; NCCL latency: 10 us inside a node, 15 us between nodes.
+#   nodes=128 (1024 devices) is a planning size, not a real machine's.
+_GPU_COMMON = dict(
+    nodes=128, devices_per_node=8, usable_memory_fraction=0.9, kernel_overhead_us=20.0, causal_tile=128.0
+)
+
+CLUSTER_PRESETS: dict[str, ClusterSpec] = {
+    # NVIDIA A100 SXM4 80GB spec sheet: 312 TFLOP/s bf16 dense; NVLink 3 600 GB/s
+    # bidirectional (300 GB/s per direction); DGX-A100-like node with 4 x 200 Gb/s HDR
+    # InfiniBand NICs (25 GB/s each): the LoongTrain paper's cluster.
+    "a100": ClusterSpec(
+        name="a100",
+        device_memory_gib=80.0,
+        peak_tflops=312.0,
+        matmul_tflops=0.75 * 312.0,
+        attn_fwd_tflops=0.65 * 312.0,
+        attn_bwd_tflops=0.55 * 312.0,
+        intra_bw_gbs=0.8 * 300.0,
+        intra_node_bw_gbs=8 * 0.8 * 300.0,
+        intra_latency_us=10.0,
+        a2a_bw_gbs=0.7 * 300.0,
+        a2a_latency_us=10.0,
+        nics_per_node=4,
+        nic_bw_gbs=0.9 * 25.0,
+        inter_latency_us=15.0,
+        description="A100-80GB SXM, 8 per node, NVLink 600 GB/s, 4 x 200 Gb/s IB per node",
+        **_GPU_COMMON,
+    ),
+    # NVIDIA H100 SXM5 80GB: 989 TFLOP/s bf16 dense; NVLink 4 900 GB/s bidirectional
+    # (450 per direction); DGX-H100 node: 8 x 400 Gb/s NDR InfiniBand (50 GB/s each).
+    "h100": ClusterSpec(
+        name="h100",
+        device_memory_gib=80.0,
+        peak_tflops=989.0,
+        matmul_tflops=0.70 * 989.0,
+        attn_fwd_tflops=0.40 * 989.0,
+        attn_bwd_tflops=0.35 * 989.0,
+        intra_bw_gbs=0.8 * 450.0,
+        intra_node_bw_gbs=8 * 0.8 * 450.0,
+        intra_latency_us=10.0,
+        a2a_bw_gbs=0.7 * 450.0,
+        a2a_latency_us=10.0,
+        nics_per_node=8,
+        nic_bw_gbs=0.9 * 50.0,
+        inter_latency_us=15.0,
+        description="H100-80GB SXM, 8 per node, NVLink 900 GB/s, 8 x 400 Gb/s IB per node",
+        **_GPU_COMMON,
+    ),
+    # NVIDIA H800 SXM5 80GB: H100 compute (989 TFLOP/s bf16 dense) with NVLink cut to
+    # 400 GB/s bidirectional (200 per direction; DeepSeek-V3 report: ~160 GB/s achieved);
+    # 8 x 400 Gb/s InfiniBand per node (DeepSeek-V3 report: 50 GB/s per GPU).
+    "h800": ClusterSpec(
+        name="h800",
+        device_memory_gib=80.0,
+        peak_tflops=989.0,
+        matmul_tflops=0.70 * 989.0,
+        attn_fwd_tflops=0.40 * 989.0,
+        attn_bwd_tflops=0.35 * 989.0,
+        intra_bw_gbs=0.8 * 200.0,
+        intra_node_bw_gbs=8 * 0.8 * 200.0,
+        intra_latency_us=10.0,
+        a2a_bw_gbs=0.7 * 200.0,
+        a2a_latency_us=10.0,
+        nics_per_node=8,
+        nic_bw_gbs=0.9 * 50.0,
+        inter_latency_us=15.0,
+        description="H800-80GB SXM, 8 per node, NVLink 400 GB/s, 8 x 400 Gb/s IB per node",
+        **_GPU_COMMON,
+    ),
+    # NVIDIA H200 SXM 141GB (HBM3e; ~140 GiB usable by CUDA): H100 compute (989 TFLOP/s
+    # bf16 dense), NVLink 4 900 GB/s bidirectional, 8 x 400 Gb/s InfiniBand per node.
+    "h200": ClusterSpec(
+        name="h200",
+        device_memory_gib=140.0,
+        peak_tflops=989.0,
+        matmul_tflops=0.70 * 989.0,
+        attn_fwd_tflops=0.40 * 989.0,
+        attn_bwd_tflops=0.35 * 989.0,
+        intra_bw_gbs=0.8 * 450.0,
+        intra_node_bw_gbs=8 * 0.8 * 450.0,
+        intra_latency_us=10.0,
+        a2a_bw_gbs=0.7 * 450.0,
+        a2a_latency_us=10.0,
+        nics_per_node=8,
+        nic_bw_gbs=0.9 * 50.0,
+        inter_latency_us=15.0,
+        description="H200-141GB SXM, 8 per node, NVLink 900 GB/s, 8 x 400 Gb/s IB per node",
+        **_GPU_COMMON,
+    ),
+}
+
+#: Where ``--cluster local`` is looked for (first hit wins): the working directory's
+#: ``clusters/``, then the repository's.
+LOCAL_NAME = "local"
+
+
+def _local_candidates() -> list[Path]:
+    repo = Path(__file__).resolve().parents[3]
+    return [Path.cwd() / "clusters" / "local.toml", repo / "clusters" / "local.toml"]
+
+
+def default_local_path() -> Path:
+    """Where ``--calibrate`` writes the ``local`` cluster by default (the repository's ``clusters/``)."""
+    return _local_candidates()[-1]
+
+
+def _load_toml(path: Path) -> dict:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        try:
+            import tomli as tomllib
+        except ModuleNotFoundError as exc:
+            raise PlanError(f"reading {path} needs Python 3.11 (tomllib) or `pip install tomli`") from exc
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise PlanError(f"cluster file {path} is not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise PlanError(f"cannot read cluster file {path}: {exc.strerror}") from None
+
+
+def cluster_from_dict(data: dict, source: str) -> ClusterSpec:
+    """Build a :class:`ClusterSpec` from a file's table, naming unknown, missing and bad keys."""
+    unknown = sorted(set(data) - set(CLUSTER_FIELDS))
+    if unknown:
+        raise PlanError(f"{source}: unknown key(s) {unknown}; known keys: {list(CLUSTER_FIELDS)}")
+    missing = [k for k in _REQUIRED if k not in data]
+    if missing:
+        raise PlanError(f"{source}: missing key(s) {missing} (see docs/planner.md for their meaning)")
+    values = dict(data)
+    values.setdefault("name", Path(source).stem)
+    try:
+        return ClusterSpec(**values)
+    except PlanError as exc:
+        raise PlanError(f"{source}: {exc}") from None
+
+
+def load_cluster_file(path: str | Path) -> ClusterSpec:
+    """Read and validate a TOML cluster file."""
+    path = Path(path)
+    if not path.is_file():
+        raise PlanError(f"cluster file {path} does not exist")
+    return cluster_from_dict(_load_toml(path), str(path))
+
+
+def cluster_spec(name_or_path: str) -> ClusterSpec:
+    """A preset (``a100``, ``h100``, ``h800``, ``h200``), ``local`` (calibrated), or a TOML file."""
+    if name_or_path in CLUSTER_PRESETS:
+        return CLUSTER_PRESETS[name_or_path]
+    if name_or_path == LOCAL_NAME:
+        for path in _local_candidates():
+            if path.is_file():
+                return load_cluster_file(path)
+        raise PlanError(
+            "the 'local' cluster has not been calibrated on this machine: run "
+            "`loongtrain plan --calibrate` (it measures gloo and the CPU kernels and writes "
+            f"{default_local_path()})"
+        )
+    if name_or_path.endswith(".toml") or "/" in name_or_path or Path(name_or_path).is_file():
+        return load_cluster_file(name_or_path)
+    raise PlanError(
+        f"unknown cluster {name_or_path!r}; use a preset {sorted(CLUSTER_PRESETS)}, 'local' "
+        "(after --calibrate), or the path of a TOML cluster file"
+    )
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, float):
+        return repr(float(f"{value:.6g}"))  # six significant digits, always a TOML float
+    return str(value)
+
+
+def cluster_to_toml(spec: ClusterSpec, comments: dict[str, str] | None = None, header: str = "") -> str:
+    """TOML text of ``spec``; ``comments`` adds a trailing comment to a key's line."""
+    comments = comments or {}
+    lines = [f"# {line}" if line else "#" for line in header.splitlines()]
+    for key, value in asdict(spec).items():
+        line = f"{key} = {_toml_value(value)}"
+        if key in comments:
+            line = f"{line:<40s} # {comments[key]}"
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def model_spec(name: str) -> ModelConfig:
+    """The model preset ``name`` from :data:`loongtrain.model.config.PRESETS`."""
+    if name not in PRESETS:
+        raise PlanError(f"unknown model {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]

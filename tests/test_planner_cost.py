@@ -1,0 +1,234 @@
+"""Planner cost formulas against hand-computed cases: FLOPs per ring step, communication
+volumes per scheme, link and ring-schedule times, ZeRO collectives, memory by scope,
+and the calibration fits. Pure: no processes."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from loongtrain.model.config import PRESETS, ModelConfig
+from loongtrain.planner.cost import (
+    Layout,
+    Workload,
+    all_to_all_seconds,
+    attention_flops_fwd,
+    comm_volume,
+    dkv_hops,
+    linear_flops_fwd,
+    linear_params_per_layer,
+    overlapped,
+    params_per_layer,
+    ring_backward_seconds,
+    ring_forward_seconds,
+    ring_hop_seconds,
+    ring_step_flops,
+)
+from loongtrain.planner.fit import fit_line, fit_two
+from loongtrain.planner.memory import layer_activation_bytes, memory_bytes
+from loongtrain.planner.specs import CLUSTER_PRESETS
+from loongtrain.planner.topology import HeadTraffic, RingTraffic
+from loongtrain.planner.zero import collective_seconds, group_shape, shard_degree
+
+# H=4 query heads, G=2 KV heads, head_dim 16
+M = ModelConfig(vocab_size=100, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128)
+A100 = CLUSTER_PRESETS["a100"]
+
+
+def test_ring_step_flops_by_hand():
+    w = Workload(M, seq_len=64)
+    # hp=2, cp=4: half of a (64/4 = 16) x 16 block on 4/2 = 2 heads of dim 16: 4*16*16*2*16 / 2
+    assert ring_step_flops(w, 2, 4) == 16384
+    assert ring_step_flops(replace(w, causal=False), 2, 4) == 32768
+    # every rank's cp steps together are the causal attention of the sequence (2*S^2*H*d) / sp
+    for hp, cp in [(1, 1), (1, 4), (2, 2), (4, 1), (2, 4), (4, 8)]:
+        assert attention_flops_fwd(w, hp, cp) * hp * cp == 2 * 64 * 64 * 4 * 16
+
+
+def test_linear_flops_and_params_by_hand():
+    # q, o: 64*64 each; k, v: 64*32 each; SwiGLU: 3*64*128
+    assert linear_params_per_layer(M) == 4096 + 2 * 2048 + 4096 + 3 * 8192 == 36864
+    assert params_per_layer(M) == 36864 + 2 * 64  # + two norms
+    assert M.num_params() == M.n_layers * params_per_layer(M) + 2 * 100 * 64 + 64
+    assert linear_flops_fwd(Workload(M, seq_len=64), sp=4) == 2 * 16 * 36864
+
+
+@pytest.mark.parametrize(
+    "hp, cp, window, expected",
+    [
+        # 2D, hp=4 > G=2 (KV replicated to 4 heads), S/sp = 8 tokens, bf16:
+        # q 8*4*16*2 = 1024 B, kv 2*8*4*16*2 = 2048 B, out 1024 B; ring block 2*32*(4/4)*16 = 1024
+        # elements (2048 B bf16, 4096 B fp32), 1 KV hop, 2 dK/dV hops
+        (
+            4,
+            2,
+            1,
+            {
+                "fwd.all_to_all": (3, 4096),
+                "bwd.all_to_all": (3, 4096),
+                "fwd.ring_kv": (1, 2048),
+                "bwd.ring_kv": (1, 2048),
+                "bwd.ring_dkv": (2, 8192),
+            },
+        ),
+        # double ring cp=8, w=2: block 2*8*2*16 = 512 elements; 7 KV hops; dK/dV 8 inner + 4 outer hops
+        (1, 8, 2, {"fwd.ring_kv": (7, 7168), "bwd.ring_kv": (7, 7168), "bwd.ring_dkv": (12, 24576)}),
+        # Ulysses hp=2: S/sp = 32 tokens: q 32*4*16*2 = 4096, kv 2*32*2*16*2 = 4096, out 4096
+        (2, 1, 1, {"fwd.all_to_all": (3, 12288), "bwd.all_to_all": (3, 12288)}),
+    ],
+)
+def test_comm_volume_by_hand(hp, cp, window, expected):
+    assert comm_volume(Workload(M, seq_len=64), hp, cp, window).kinds == expected
+
+
+@pytest.mark.parametrize(
+    "cp, window, hops", [(1, 1, 0), (4, 1, 4), (4, 4, 4), (4, 2, 6), (8, 2, 12), (8, 4, 10), (16, 8, 18)]
+)
+def test_dkv_hops(cp, window, hops):
+    assert dkv_hops(cp, window) == hops
+
+
+def test_ring_forward_schedule_by_hand():
+    # one window of 4: three inner hops each hidden behind (or exposing past) one block
+    assert ring_forward_seconds(1, 4, 1.0, 0.5, 0.0) == 4.0
+    assert ring_forward_seconds(1, 4, 1.0, 2.0, 0.0) == 3 * 2.0 + 1.0
+    # plain ring of 4 windows of 1: three outer hops of 3 s behind 1 s blocks
+    assert ring_forward_seconds(4, 1, 1.0, 0.0, 3.0) == 3 * 3.0 + 1.0
+    # two windows of 2: the outer hop (3 s) hides behind 2 blocks + 1 inner hop, partly
+    assert ring_forward_seconds(2, 2, 1.0, 0.5, 3.0) == 3.0 + 2.0
+    # no overlap at all: every transfer adds to the compute
+    assert ring_forward_seconds(1, 2, 1.0, 0.5, 0.0, overlap=0.0) == 2.5
+    assert overlapped(1.0, 0.4, 0.5) == 1.2
+
+
+def test_ring_backward_schedule_by_hand():
+    def hop(nbytes):  # one second per byte
+        return nbytes
+
+    assert ring_backward_seconds(1, 1, 1.0, hop, hop, 0.5, 1.0) == 1.0  # one block, nothing to send
+    # plain ring of 2: KV hop hidden, then the dK/dV hop during the next block, then the last one exposed
+    assert ring_backward_seconds(2, 1, 1.0, hop, hop, 0.5, 1.0) == 1.0 + 1.0 + 1.0
+    # inner ring of 2: step 0 sends KV (hidden), step 1 sends dK/dV (1 s), last dK/dV hop exposed
+    assert ring_backward_seconds(1, 2, 1.0, hop, hop, 0.5, 1.0) == 1.0 + 1.0 + 1.0
+    # inner ring of 3: step 1 carries KV and dK/dV together (1.5 s > 1 s block)
+    assert ring_backward_seconds(1, 3, 1.0, hop, hop, 0.5, 1.0) == 1.0 + 1.5 + 1.0 + 1.0
+
+
+def test_ring_hop_time_by_link_and_nic_sharing():
+    one_gb = 1e9
+    across = RingTraffic(size=16, crosses=True, off_node=1, on_node=7)
+    crowded = RingTraffic(size=8, crosses=True, off_node=8, on_node=0)
+    inside = RingTraffic(size=8, crosses=False, off_node=0, on_node=8)
+    # one transfer leaving the node uses one NIC at 22.5 GB/s
+    assert ring_hop_seconds(A100, across, None, one_gb) == pytest.approx(15e-6 + 1 / 22.5)
+    # eight transfers share the node's four NICs: 11.25 GB/s each
+    assert ring_hop_seconds(A100, crowded, None, one_gb) == pytest.approx(15e-6 + 1 / 11.25)
+    # inside the node: NVLink, 240 GB/s per device (non-blocking switch)
+    assert ring_hop_seconds(A100, inside, None, one_gb) == pytest.approx(10e-6 + 1 / 240)
+    # a concurrent outer ring's eight flows also leave the node: 16 flows on 4 NICs
+    assert ring_hop_seconds(A100, crowded, crowded, one_gb) == pytest.approx(15e-6 + 1 / 5.625)
+
+
+def test_all_to_all_time_inside_and_across_nodes():
+    nbytes = 8e9  # packed buffer: 1 GB to each of 8 head ranks (own chunk included)
+    inside = HeadTraffic(size=8, off_peers=0, ranks_off=0)
+    across = HeadTraffic(size=8, off_peers=7, ranks_off=8)
+    assert all_to_all_seconds(A100, inside, nbytes) == pytest.approx(7 * 10e-6 + 7 / 210)
+    # every device of the node sends 7 GB off the node through 4 NICs of 22.5 GB/s
+    assert all_to_all_seconds(A100, across, nbytes) == pytest.approx(7 * 15e-6 + 7 / 11.25)
+
+
+def test_zero_collectives_and_shard_degree():
+    # all-gather of 8 GB over 8 devices of one node: 7/8 of it at 240 GB/s
+    node = group_shape(tuple(range(8)), 8)
+    assert node == (8, 1, 8)
+    assert collective_seconds(A100, node, 8e9, "ag") == pytest.approx(7 / 240 + 7 * 10e-6)
+    # over 16 devices (2 nodes, one group): the node's NICs carry it at 90 GB/s
+    two = group_shape(tuple(range(16)), 8)
+    assert collective_seconds(A100, two, 16e9, "rs") == pytest.approx(15 / 90 + 15 * 15e-6)
+    assert collective_seconds(A100, two, 16e9, "ar") == pytest.approx(2 * (15 / 90 + 15 * 15e-6))
+    # 8 groups of 2 (one member per node) share the NICs: 11.25 GB/s each
+    strided = group_shape((0, 8), 8)
+    assert strided == (2, 2, 1)
+    assert collective_seconds(A100, strided, 2e9, "ag") == pytest.approx(1 / 11.25 + 15e-6)
+    degrees = {zero: shard_degree(Layout(2, 2, 2, zero=zero)) for zero in ("none", "dp", "sp", "dp_sp")}
+    assert degrees == {"none": 1, "dp": 2, "sp": 4, "dp_sp": 8}
+
+
+def test_memory_states_by_zero_scope():
+    w = Workload(PRESETS["7b-gqa"], seq_len=8192)
+    params = PRESETS["7b-gqa"].num_params()
+    for zero, degree in (("none", 1), ("dp", 2), ("sp", 4), ("dp_sp", 8)):
+        assert memory_bytes(w, Layout(2, 2, 2, zero=zero)).states == 16 * params / degree
+
+
+def test_activation_bytes_by_checkpoint_mode_by_hand():
+    # bf16; D=64, H=4, G=2, d=16, F=128
+    assert layer_activation_bytes(M, 1, "full", 2) == 2 * 64
+    # sc++ keeps the block input, the ring output and its fp32 lse
+    assert layer_activation_bytes(M, 1, "sc++", 2) == 128 + 2 * 4 * 16 + 4 * 4
+    # ... and with hp > 1 also the head-scattered q, kv (G=2 -> 2 heads) and the gathered output
+    assert layer_activation_bytes(M, 2, "sc++", 2) == 272 + 2 * (4 + 2 * 2) * 16 + 2 * 4 * 16
+    # none: fp32 + bf16 norms, two projection inputs, q/kv/out/lse, four SwiGLU tensors
+    assert layer_activation_bytes(M, 1, "none", 2) == 2 * 6 * 64 + 2 * 2 * 64 + 400 + 4 * 2 * 128
+    for name in ("7b-mha", "7b-gqa"):
+        m = PRESETS[name]
+        none, sc, full = (layer_activation_bytes(m, 4, mode, 2) for mode in ("none", "sc++", "full"))
+        assert none > sc > full
+
+
+def test_memory_shrinks_with_more_sequence_parallelism():
+    w = Workload(PRESETS["7b-mha"], seq_len=256 * 1024)
+    totals = [memory_bytes(w, Layout(1, 1, cp, checkpoint="full")).total for cp in (8, 16, 32)]
+    assert totals[0] > totals[1] > totals[2]
+
+
+def test_fit_line_and_fit_two_recover_known_coefficients():
+    xs = [1e5, 1e6, 4e6, 1.6e7]
+    assert fit_line(xs, [2e-3 + 3e-9 * x for x in xs]) == pytest.approx((2e-3, 3e-9))
+    rows = [(1, 0.5e6), (3, 0.75e6), (1, 8e6), (3, 12e6)]
+    assert fit_two(rows, [1e-3 * u + 2e-9 * v for u, v in rows]) == pytest.approx((1e-3, 2e-9))
+    with pytest.raises(ValueError, match="noise"):
+        fit_line(xs, [1.0 - 1e-9 * x for x in xs])
+
+
+def test_fit_cluster_from_synthetic_measurements():
+    from loongtrain.planner.calibrate import fit_cluster
+
+    sizes = [2**18, 2**20, 2**22, 2**24]
+    heads, head_dim = 8, 64
+
+    def causal_flops(tokens):
+        return 2.0 * tokens * tokens * heads * head_dim
+
+    meas = {
+        "nproc": 4,
+        "memory_gib": 16.0,
+        "calib_heads": heads,
+        "calib_head_dim": head_dim,
+        "pair": [(b, 1e-3 + b / 1e9) for b in sizes],
+        "ring": [(b, 1e-3 + b / 0.5e9) for b in sizes],
+        "a2a": [(g, b, 1e-4 * (g - 1) + (g - 1) / g * b / 0.8e9) for g in (2, 4) for b in sizes],
+        "fwd": [(causal_flops(s), 2e-4 + causal_flops(s) / 20e9, False) for s in (512, 1024, 2048)]
+        + [(causal_flops(s), 2e-4 + causal_flops(s) * (1 + 256 / s) / 20e9, True) for s in (1024, 4096)],
+        "bwd": [(causal_flops(s), 2e-4 + 2.5 * causal_flops(s) / 25e9, False) for s in (512, 1024, 2048)]
+        + [(causal_flops(s), 2e-4 + 2.5 * causal_flops(s) * (1 + 256 / s) / 25e9, True) for s in (1024, 4096)],
+        "matmul_alone": 50e9,
+        "matmul_all": 20e9,
+        "overlap": {"compute": 0.1, "transfer": 0.1, "both": 0.15},
+    }
+    spec, comments = fit_cluster(meas)
+    assert (spec.nodes, spec.devices_per_node, spec.device_memory_gib) == (1, 4, 4.0)
+    assert spec.intra_bw_gbs == pytest.approx(1.0)
+    assert spec.intra_latency_us == pytest.approx(1000)
+    assert spec.intra_node_bw_gbs == pytest.approx(2.0)
+    assert spec.a2a_bw_gbs == pytest.approx(0.8)
+    assert spec.a2a_latency_us == pytest.approx(100)
+    assert spec.attn_fwd_tflops == pytest.approx(0.02)
+    assert spec.attn_bwd_tflops == pytest.approx(0.025)
+    assert spec.kernel_overhead_us == pytest.approx(200)
+    assert spec.causal_tile == pytest.approx(256)
+    assert spec.overlap == pytest.approx(0.5)
+    assert (spec.peak_tflops, spec.matmul_tflops) == pytest.approx((0.05, 0.02))
+    assert set(comments) <= set(spec.__dataclass_fields__)

@@ -1,0 +1,35 @@
+"""The layout the planner picks for N devices (up to 1024) is the layout ``init_parallel``
+builds: its groups are instantiated on PyTorch's fake backend in this one process and
+compared with the plan (group members, ring order, and which hops leave a node)."""
+
+from __future__ import annotations
+
+import pytest
+
+from loongtrain.model.config import PRESETS
+from loongtrain.planner.cost import Layout, Workload
+from loongtrain.planner.groups import check_groups
+from loongtrain.planner.search import plan
+from loongtrain.planner.specs import CLUSTER_PRESETS
+
+A100 = CLUSTER_PRESETS["a100"]
+
+
+@pytest.mark.parametrize(
+    "model, seq, devices, batch",
+    [
+        ("7b-gqa", 1024 * 1024, 64, 1),
+        ("7b-mha", 256 * 1024, 256, 1),
+        ("7b-gqa", 1024 * 1024, 1024, 1),
+        ("7b-gqa", 128 * 1024, 1024, 16),
+    ],
+)
+def test_planned_layout_groups_are_built(model, seq, devices, batch):
+    best = plan(A100, Workload(PRESETS[model], seq, batch=batch), devices).best
+    lines = check_groups(best.layout, A100.devices_per_node)
+    assert len(lines) == 4 and all(line.startswith("rank ") for line in lines)
+
+
+def test_double_ring_context_first_groups_at_1024():
+    lines = check_groups(Layout(2, 8, 64, 8, "context_first"), 8, ranks=[0, 511, 777, 1023])
+    assert any("other node" in line for line in lines)

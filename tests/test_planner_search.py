@@ -1,0 +1,304 @@
+"""Planner topology, feasibility rules, search on cases with a known optimum, baselines,
+bad input (clear errors, exit status 2) and the CLI. Pure: no processes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import replace
+
+import pytest
+
+from loongtrain.model.config import PRESETS, ModelConfig
+from loongtrain.parallel import ParallelConfig, RankLayout
+from loongtrain.planner import cli
+from loongtrain.planner.cost import Layout, Workload
+from loongtrain.planner.estimate import estimate
+from loongtrain.planner.explain import explain
+from loongtrain.planner.search import BASELINES, check_layout, enumerate_layouts, plan
+from loongtrain.planner.specs import (
+    CLUSTER_FIELDS,
+    CLUSTER_PRESETS,
+    PlanError,
+    cluster_spec,
+    cluster_to_toml,
+    load_cluster_file,
+    model_spec,
+)
+from loongtrain.planner.topology import analyze
+
+A100 = CLUSTER_PRESETS["a100"]
+M1 = 2**20
+
+
+# -- topology ---------------------------------------------------------------------------
+def test_topology_by_hand():
+    ring = analyze(1, 16, 1, "head_first", 8)  # 16 consecutive ranks: one hop per node leaves it
+    assert (ring.outer.crosses, ring.outer.off_node, ring.outer.on_node, ring.inner.size) == (True, 1, 7, 1)
+    hf = analyze(8, 8, 1, "head_first", 8)  # head group = a node; every ring hop leaves it
+    assert hf.head.off_peers == 0 and (hf.outer.crosses, hf.outer.off_node) == (True, 8)
+    cf = analyze(8, 8, 1, "context_first", 8)  # ring = a node; all-to-all across 8 nodes
+    assert (cf.head.off_peers, cf.head.ranks_off) == (7, 8) and not cf.outer.crosses
+    dr = analyze(1, 64, 8, "head_first", 8)  # windows of 8 = nodes: inner NVLink, outer all 8 ranks
+    assert not dr.inner.crosses and (dr.outer.crosses, dr.outer.off_node) == (True, 8)
+    assert dr.double_ring_concurrent
+    twod = analyze(2, 32, 4, "head_first", 8)  # a window of 4 contexts x 2 heads fills a node
+    assert twod.head.off_peers == 0 and not twod.inner.crosses and twod.outer.off_node == 8
+
+
+@pytest.mark.parametrize(
+    "hp, cp, window, placement, dpn",
+    [
+        (1, 16, 4, "head_first", 8),
+        (2, 8, 2, "context_first", 8),
+        (4, 4, 2, "head_first", 2),
+        (2, 6, 3, "head_first", 4),
+    ],
+)
+def test_topology_matches_brute_force_over_all_rings(hp, cp, window, placement, dpn):
+    topo = analyze(hp, cp, window, placement, dpn)
+    world = 2 * hp * cp
+    layout = RankLayout.build(ParallelConfig(hp=hp, cp=cp, window=window, placement=placement), world)
+    for rings, traffic in ((layout.all_inner_rings(), topo.inner), (layout.all_outer_rings(), topo.outer)):
+        off, on = {}, {}
+        for ring in rings:
+            for pos, src in enumerate(ring if len(ring) > 1 else ()):
+                dst = ring[(pos + 1) % len(ring)]
+                table = off if dst // dpn != src // dpn else on
+                table[src // dpn] = table.get(src // dpn, 0) + 1
+        assert traffic.crosses == bool(off)
+        assert traffic.off_node == max(off.values(), default=0)
+        assert traffic.on_node == max(on.values(), default=0)
+    worst = max(sum(1 for o in g if o // dpn != r // dpn) for g in layout.all_head_groups() for r in g)
+    assert topo.head.off_peers == worst
+
+
+# -- enumeration and feasibility --------------------------------------------------------
+def test_enumeration_count_small_case_by_hand():
+    debug = PRESETS["debug"]  # H=4, G=2
+    # batch 1 -> dp=1, sp=4: hp=1 (cp=4: windows 1, 2), hp=2 (cp=2: window 1, two placements),
+    # hp=4 (cp=1; 4 is a multiple of G=2); ZeRO none/dp_sp; 3 checkpoint modes
+    assert len(enumerate_layouts(debug, Workload(debug, 1024, batch=1), 4)) == (2 + 2 + 1) * 2 * 3 == 30
+    # batch 4 adds dp=4 (sp=1: zero none/dp) and dp=2 (sp=2: hp=1 or 2, all four scopes)
+    assert len(enumerate_layouts(debug, Workload(debug, 1024, batch=4), 4)) == 30 + 2 * 3 + 2 * 4 * 3 == 60
+
+
+def test_enumeration_count_1024_devices():
+    m = PRESETS["7b-gqa"]  # H=32, G=8: hp in 1, 2, 4, 8 (divide G), 16, 32 (multiples of G)
+    # batch 1 -> dp=1, sp=1024, cp = 1024/hp; windows: the divisors of cp below cp (log2 cp of them);
+    # placements 2 when hp > 1; ZeRO none/dp_sp; 3 modes
+    expected = (10 * 1 + 9 * 2 + 8 * 2 + 7 * 2 + 6 * 2 + 5 * 2) * 2 * 3
+    w = Workload(m, M1)
+    assert len(enumerate_layouts(m, w, 1024)) == expected == 480
+    result = plan(A100, w, 1024)
+    assert result.candidates == 480 and len(result.ranked) + len(result.too_big) == 480
+    assert result.elapsed_s > 0  # printed by the CLI; not asserted against a bound (machine noise)
+
+
+def test_feasibility_rules():
+    w = Workload(PRESETS["7b-gqa"], 64 * 1024)
+    check_layout(w, Layout(1, 8, 8, 4, "context_first"), 64)
+    bad = [
+        (Layout(1, 8, 4), "dp\\*hp\\*cp"),
+        (Layout(1, 8, 8, 3), "not divisible by window=3"),
+        (Layout(1, 8, 8, 1, "diagonal"), "placement"),
+        (Layout(1, 8, 8, 1, zero="all"), "zero="),
+        (Layout(1, 8, 8, 1, checkpoint="some"), "ckpt="),
+        (Layout(2, 4, 8), "batch=1"),
+    ]
+    for layout, message in bad:
+        with pytest.raises(PlanError, match=message):
+            check_layout(w, layout, 64)
+    with pytest.raises(PlanError, match="hp=3 does not fit the model's heads"):
+        check_layout(w, Layout(1, 3, 8), 24)
+    with pytest.raises(PlanError, match="2\\*sp"):
+        check_layout(Workload(PRESETS["7b-gqa"], 1000), Layout(1, 8, 8), 64)
+
+
+# -- search: cases with a known optimum -------------------------------------------------
+H8 = ModelConfig(vocab_size=1000, dim=1024, n_layers=4, n_heads=8, n_kv_heads=8, ffn_dim=2048)
+NODE8 = replace(A100, name="node8", nodes=1)
+
+
+def test_compute_bound_cluster_keeps_every_activation():
+    fast = replace(
+        NODE8,
+        intra_bw_gbs=1e6,
+        intra_node_bw_gbs=8e6,
+        a2a_bw_gbs=1e6,
+        intra_latency_us=1e-3,
+        a2a_latency_us=1e-3,
+        kernel_overhead_us=1e-3,
+        device_memory_gib=1e4,
+    )
+    best = plan(fast, Workload(H8, 64 * 1024), 8).best
+    assert best.layout.checkpoint == "none"  # nothing to recompute, nothing to wait for
+    assert best.ring_s + best.a2a_s < 1e-3 * best.step_s
+
+
+def test_memory_limit_picks_selective_checkpoint():
+    w = Workload(H8, 256 * 1024)
+    result = plan(replace(NODE8, device_memory_gib=1e4), w, 8)
+    need_none = min(e.memory.total for e in result.ranked if e.layout.checkpoint == "none")
+    need_sc = min(e.memory.total for e in result.ranked if e.layout.checkpoint == "sc++")
+    assert need_sc < need_none
+    limit_gib = (need_sc + need_none) / 2 / 2**30 / NODE8.usable_memory_fraction
+    best = plan(replace(NODE8, device_memory_gib=limit_gib), w, 8).best
+    assert best.layout.checkpoint == "sc++"  # none does not fit; sc++ recomputes less than full
+
+
+def test_slow_all_to_all_picks_the_ring_and_slow_p2p_picks_ulysses():
+    w = Workload(H8, 64 * 1024)
+    slow_a2a = plan(replace(NODE8, a2a_bw_gbs=1e-3), w, 8).best
+    assert slow_a2a.layout.hp == 1
+    slow_p2p = plan(replace(NODE8, intra_bw_gbs=1e-3, intra_node_bw_gbs=8e-3), w, 8).best
+    assert slow_p2p.layout.cp == 1 and slow_p2p.layout.hp == 8
+
+
+def test_double_ring_wins_when_the_ring_crosses_nodes():
+    # one head (hp must be 1): only the ring can spread the sequence; 2 nodes of 8
+    one_head = ModelConfig(vocab_size=1000, dim=1024, n_layers=4, n_heads=1, n_kv_heads=1, ffn_dim=2048)
+    result = plan(replace(A100, nic_bw_gbs=5.0), Workload(one_head, 64 * 1024), 16)
+    best = result.best
+    assert 1 < best.layout.window < 16  # inner ring on NVLink, outer hop hidden behind window blocks
+    plain = min((e for e in result.ranked if e.layout.window == 1), key=lambda e: e.step_s)
+    assert plain.ring_s > 1.5 * best.ring_s and plain.step_s > 1.5 * best.step_s
+    assert any("double ring" in line for line in explain(result))
+
+
+def test_baselines_are_their_families_and_never_beat_loongtrain():
+    result = plan(A100, Workload(PRESETS["7b-mha"], 256 * 1024), 64)
+    assert result.baselines["DeepSpeed-Ulysses"] is None  # sp=64 > H=32 with batch 1
+    for name, base in result.baselines.items():
+        if base is not None:
+            assert BASELINES[name](base.layout)
+            assert base.layout.checkpoint != "sc++"
+            assert result.best.step_s <= base.step_s
+    megatron = result.baselines["Megatron-CP"].layout
+    assert (megatron.hp, megatron.window) == (1, 1)
+    gqa = plan(A100, Workload(PRESETS["7b-gqa"], 128 * 1024), 32)
+    assert gqa.baselines["DeepSpeed-Ulysses"].layout.cp == 1
+
+
+def test_estimate_reports_consistent_numbers():
+    w = Workload(PRESETS["7b-gqa"], 128 * 1024, batch=4)
+    e = estimate(A100, w, Layout(2, 4, 4, 2, "head_first", "dp_sp", "sc++"))
+    assert e.microbatches == 2
+    assert e.step_s == pytest.approx(e.compute_s + e.a2a_s + e.ring_s + e.zero_s)
+    assert e.tokens_per_s_per_device == pytest.approx(4 * 128 * 1024 / (e.step_s * 32))
+    assert 0 < e.mfu < 1
+
+
+# -- bad input ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "cluster, model, seq, devices, message",
+    [
+        ("a100", "7b-gqa", M1, 60, "devices=60 is not a multiple of devices_per_node=8"),
+        ("a100", "7b-gqa", M1, 2048, "exceeds cluster 'a100'"),
+        ("a100", "7b-mha", 16 * M1, 8, "does not fit on 8 devices"),
+        ("a100", "7b-mha", 1000, 64, "seq_len=1000 is not a multiple of 2\\*sp"),
+    ],
+)
+def test_impossible_requests_explain_themselves(cluster, model, seq, devices, message):
+    with pytest.raises(PlanError, match=message):
+        plan(cluster_spec(cluster), Workload(model_spec(model), seq), devices)
+
+
+def test_too_long_sequence_suggests_more_devices():
+    with pytest.raises(PlanError, match="devices would fit"):
+        plan(A100, Workload(PRESETS["7b-mha"], 4 * M1), 8)
+
+
+def test_unknown_presets():
+    with pytest.raises(PlanError, match="unknown cluster 'tpu'"):
+        cluster_spec("tpu")
+    with pytest.raises(PlanError, match="unknown model '70b'"):
+        model_spec("70b")
+
+
+def test_cluster_file_round_trip_and_errors(tmp_path):
+    good = tmp_path / "a100.toml"
+    good.write_text(cluster_to_toml(A100, {"nic_bw_gbs": "4 x HDR"}, header="test cluster"))
+    loaded = load_cluster_file(good)
+    for name in CLUSTER_FIELDS:  # numbers are written with six significant digits
+        want = getattr(A100, name)
+        assert getattr(loaded, name) == (want if isinstance(want, str) else pytest.approx(want, rel=1e-6)), name
+    assert cluster_spec(str(good)).name == "a100"
+    text = good.read_text()
+    cases = {
+        "unknown.toml": (text + "gpus = 8\n", "unknown key\\(s\\) \\['gpus'\\]"),
+        "missing.toml": (text.replace("nic_bw_gbs", "# nic_bw_gbs"), "missing key\\(s\\) \\['nic_bw_gbs'\\]"),
+        "negative.toml": (text.replace("nodes = 128", "nodes = -1"), "nodes=-1 must be positive"),
+        "zero_bw.toml": (text.replace("intra_bw_gbs = 240.0", "intra_bw_gbs = 0.0"), "intra_bw_gbs=0.0 must be"),
+        "text.toml": (text.replace("nodes = 128", 'nodes = "many"'), "nodes='many' must be an integer"),
+        "broken.toml": ("nodes = = 3\n", "not valid TOML"),
+    }
+    for name, (content, message) in cases.items():
+        path = tmp_path / name
+        path.write_text(content)
+        with pytest.raises(PlanError, match=message):
+            load_cluster_file(path)
+    with pytest.raises(PlanError, match="does not exist"):
+        cluster_spec(str(tmp_path / "absent.toml"))
+    assert set(CLUSTER_FIELDS) >= {"nics_per_node", "nic_bw_gbs", "intra_bw_gbs", "peak_tflops", "device_memory_gib"}
+
+
+def test_presets_are_valid_and_named():
+    for name, spec in CLUSTER_PRESETS.items():
+        assert spec.name == name and spec.devices_per_node == 8
+        assert spec.matmul_tflops < spec.peak_tflops and spec.attn_fwd_tflops < spec.peak_tflops
+    assert CLUSTER_PRESETS["a100"].peak_tflops == 312 and CLUSTER_PRESETS["h800"].peak_tflops == 989
+    assert CLUSTER_PRESETS["h800"].intra_bw_gbs < CLUSTER_PRESETS["h100"].intra_bw_gbs
+
+
+# -- CLI -----------------------------------------------------------------------------------
+def _cli(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="loongtrain plan")
+    cli.add_arguments(parser)
+    cli.main(parser.parse_args(argv))
+
+
+@pytest.mark.parametrize("text, tokens", [("128K", 131072), ("1M", 1048576), ("4096", 4096), ("0.5M", 524288)])
+def test_parse_length(text, tokens):
+    assert cli.parse_length(text) == tokens
+
+
+@pytest.mark.parametrize("text", ["12Q", "M", "-4K", "1.3K", ""])
+def test_parse_length_rejects(text):
+    with pytest.raises(ValueError, match="length"):
+        cli.parse_length(text)
+
+
+def test_cli_table_and_json(capsys):
+    _cli(["--model", "7b-gqa", "--seq-len", "256K", "--devices", "32", "--top", "3"])
+    out = capsys.readouterr().out
+    assert "MFU" in out and "Megatron-CP" in out and "why:" in out and "planned in" in out
+    _cli(["--model", "7b-gqa", "--seq-len", "256K", "--devices", "32", "--json", "--layout", "hp=8,cp=4,ckpt=full"])
+    data = json.loads(capsys.readouterr().out)
+    assert data["candidates"] > 0 and len(data["ranked"]) == 10
+    assert data["layout"]["hp"] == 8 and data["layout"]["checkpoint"] == "full"
+    assert set(data["baselines"]) == set(BASELINES)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--seq-len", "1M", "--devices", "60"], "devices=60 is not a multiple"),
+        (["--seq-len", "1M", "--devices", "64", "--cluster", "tpu"], "unknown cluster"),
+        (["--seq-len", "1M", "--devices", "64", "--model", "70b"], "unknown model"),
+        (["--seq-len", "64M", "--devices", "8", "--model", "7b-mha"], "does not fit"),
+        (["--devices", "8"], "--seq-len and --devices are required"),
+        (["--seq-len", "1M", "--devices", "64", "--layout", "hp=3"], "hp\\*cp = 3\\*1 = 3 does not divide"),
+        (["--seq-len", "1M", "--devices", "64", "--layout", "hp=4,cp=16,w=3"], "window=3"),
+        (["--seq-len", "1M", "--devices", "64", "--layout", "heads=4"], "cannot read 'heads=4'"),
+    ],
+)
+def test_cli_errors_exit_2_without_traceback(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _cli(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.startswith("loongtrain plan: error:")
+    assert re.search(message, err)

@@ -1,0 +1,68 @@
+"""The event-driven schedule simulator against the closed-form ring model and the
+transfer counts of the real schedule; the timeline picture. Pure: no processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from loongtrain.model.config import PRESETS
+from loongtrain.planner.cost import Layout, Workload, attention_seconds, comm_volume, dkv_hops
+from loongtrain.planner.simulate import simulate_layer
+from loongtrain.planner.specs import CLUSTER_PRESETS
+from loongtrain.planner.timeline import draw_timelines
+from loongtrain.planner.topology import analyze
+
+A100 = CLUSTER_PRESETS["a100"]
+
+LAYOUTS = [
+    Layout(1, 1, 16),  # plain ring across two nodes
+    Layout(1, 1, 16, 2),
+    Layout(1, 1, 16, 8),  # windows = nodes
+    Layout(1, 1, 16, 16),  # the same ring as window 1
+    Layout(1, 8, 8, 1, "head_first"),
+    Layout(1, 8, 8, 2, "head_first"),
+    Layout(1, 4, 8, 4, "context_first"),
+    Layout(1, 32, 1),  # Ulysses
+]
+
+
+@pytest.mark.parametrize("model, seq", [("7b-gqa", 128 * 1024), ("7b-mha", 1024 * 1024)])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.label())
+def test_simulator_agrees_with_closed_form(model, seq, layout):
+    w = Workload(PRESETS[model], seq)
+    fwd, bwd = simulate_layer(A100, w, layout)
+    closed = attention_seconds(A100, w, layout, analyze(layout.hp, layout.cp, layout.window, layout.placement, 8))
+    assert fwd.makespan == pytest.approx(closed.fwd, rel=0.05)
+    assert bwd.makespan == pytest.approx(closed.bwd, rel=0.05)
+    # exposed time is what the ring and the all-to-alls add on top of the block kernels
+    assert fwd.busy(0) == pytest.approx(closed.kernels_fwd, rel=1e-9)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.label())
+def test_simulated_transfers_match_the_schedule(layout):
+    w = Workload(PRESETS["7b-gqa"], 64 * 1024)
+    fwd, bwd = simulate_layer(A100, w, layout)
+    vol = comm_volume(w, layout.hp, layout.cp, layout.window)
+    for rank in (0, layout.cp - 1):
+        kv_fwd = sum(fwd.count(lane, "kv", rank) for lane in ("inner link", "outer link"))
+        kv_bwd = sum(bwd.count(lane, "kv", rank) for lane in ("inner link", "outer link"))
+        dkv = sum(bwd.count(lane, "dkv", rank) for lane in ("inner link", "outer link"))
+        assert kv_fwd == kv_bwd == vol.count("fwd.ring_kv") == max(0, layout.cp - 1)
+        assert dkv == vol.count("bwd.ring_dkv") == dkv_hops(layout.cp, layout.window)
+        assert fwd.count("compute", "fwd", rank) == bwd.count("compute", "bwd", rank) == layout.cp
+        assert fwd.count("compute", "fwd diagonal", rank) == 1  # the causal block of its own chunks
+
+
+def test_double_ring_hides_what_the_plain_ring_exposes():
+    w = Workload(PRESETS["7b-mha"], 1024 * 1024)
+    plain, _ = simulate_layer(A100, w, Layout(1, 1, 64))
+    double, _ = simulate_layer(A100, w, Layout(1, 1, 64, 4))
+    assert plain.exposed(0) > 10 * double.exposed(0)
+
+
+def test_timeline_png(tmp_path):
+    layout = Layout(1, 2, 8, 4, "context_first")
+    fwd, bwd = simulate_layer(A100, Workload(PRESETS["7b-gqa"], 256 * 1024), layout)
+    path = draw_timelines(fwd, bwd, tmp_path / "sub" / "timeline.png", layout.label(), ranks=(0, 1))
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
