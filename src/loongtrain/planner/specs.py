@@ -98,6 +98,31 @@ _GPU_COMMON = dict(
     nodes=128, devices_per_node=8, usable_memory_fraction=0.9, kernel_overhead_us=20.0, causal_tile=128.0
 )
 
+
+def _hopper(name: str, memory_gib: float, nvlink_gbs: float, description: str) -> ClusterSpec:
+    """An 8-GPU Hopper node (989 TFLOP/s bf16 dense) with 8 x 400 Gb/s NICs; ``nvlink_gbs``
+    is NVLink per direction. Achievable fractions: matmul 70%, attention 40% / 35%
+    (forward / backward), links 80% (all-to-all 70%), NICs 90%."""
+    return ClusterSpec(
+        name=name,
+        device_memory_gib=memory_gib,
+        peak_tflops=989.0,
+        matmul_tflops=0.70 * 989.0,
+        attn_fwd_tflops=0.40 * 989.0,
+        attn_bwd_tflops=0.35 * 989.0,
+        intra_bw_gbs=0.8 * nvlink_gbs,
+        intra_node_bw_gbs=8 * 0.8 * nvlink_gbs,
+        intra_latency_us=10.0,
+        a2a_bw_gbs=0.7 * nvlink_gbs,
+        a2a_latency_us=10.0,
+        nics_per_node=8,
+        nic_bw_gbs=0.9 * 50.0,
+        inter_latency_us=15.0,
+        description=description,
+        **_GPU_COMMON,
+    )
+
+
 CLUSTER_PRESETS: dict[str, ClusterSpec] = {
     # NVIDIA A100 SXM4 80GB spec sheet: 312 TFLOP/s bf16 dense; NVLink 3 600 GB/s
     # bidirectional (300 GB/s per direction); DGX-A100-like node with 4 x 200 Gb/s HDR
@@ -122,65 +147,14 @@ CLUSTER_PRESETS: dict[str, ClusterSpec] = {
     ),
     # NVIDIA H100 SXM5 80GB: 989 TFLOP/s bf16 dense; NVLink 4 900 GB/s bidirectional
     # (450 per direction); DGX-H100 node: 8 x 400 Gb/s NDR InfiniBand (50 GB/s each).
-    "h100": ClusterSpec(
-        name="h100",
-        device_memory_gib=80.0,
-        peak_tflops=989.0,
-        matmul_tflops=0.70 * 989.0,
-        attn_fwd_tflops=0.40 * 989.0,
-        attn_bwd_tflops=0.35 * 989.0,
-        intra_bw_gbs=0.8 * 450.0,
-        intra_node_bw_gbs=8 * 0.8 * 450.0,
-        intra_latency_us=10.0,
-        a2a_bw_gbs=0.7 * 450.0,
-        a2a_latency_us=10.0,
-        nics_per_node=8,
-        nic_bw_gbs=0.9 * 50.0,
-        inter_latency_us=15.0,
-        description="H100-80GB SXM, 8 per node, NVLink 900 GB/s, 8 x 400 Gb/s IB per node",
-        **_GPU_COMMON,
-    ),
-    # NVIDIA H800 SXM5 80GB: H100 compute (989 TFLOP/s bf16 dense) with NVLink cut to
-    # 400 GB/s bidirectional (200 per direction; DeepSeek-V3 report: ~160 GB/s achieved);
-    # 8 x 400 Gb/s InfiniBand per node (DeepSeek-V3 report: 50 GB/s per GPU).
-    "h800": ClusterSpec(
-        name="h800",
-        device_memory_gib=80.0,
-        peak_tflops=989.0,
-        matmul_tflops=0.70 * 989.0,
-        attn_fwd_tflops=0.40 * 989.0,
-        attn_bwd_tflops=0.35 * 989.0,
-        intra_bw_gbs=0.8 * 200.0,
-        intra_node_bw_gbs=8 * 0.8 * 200.0,
-        intra_latency_us=10.0,
-        a2a_bw_gbs=0.7 * 200.0,
-        a2a_latency_us=10.0,
-        nics_per_node=8,
-        nic_bw_gbs=0.9 * 50.0,
-        inter_latency_us=15.0,
-        description="H800-80GB SXM, 8 per node, NVLink 400 GB/s, 8 x 400 Gb/s IB per node",
-        **_GPU_COMMON,
-    ),
-    # NVIDIA H200 SXM 141GB (HBM3e; ~140 GiB usable by CUDA): H100 compute (989 TFLOP/s
-    # bf16 dense), NVLink 4 900 GB/s bidirectional, 8 x 400 Gb/s InfiniBand per node.
-    "h200": ClusterSpec(
-        name="h200",
-        device_memory_gib=140.0,
-        peak_tflops=989.0,
-        matmul_tflops=0.70 * 989.0,
-        attn_fwd_tflops=0.40 * 989.0,
-        attn_bwd_tflops=0.35 * 989.0,
-        intra_bw_gbs=0.8 * 450.0,
-        intra_node_bw_gbs=8 * 0.8 * 450.0,
-        intra_latency_us=10.0,
-        a2a_bw_gbs=0.7 * 450.0,
-        a2a_latency_us=10.0,
-        nics_per_node=8,
-        nic_bw_gbs=0.9 * 50.0,
-        inter_latency_us=15.0,
-        description="H200-141GB SXM, 8 per node, NVLink 900 GB/s, 8 x 400 Gb/s IB per node",
-        **_GPU_COMMON,
-    ),
+    "h100": _hopper("h100", 80.0, 450.0, "H100-80GB SXM, 8 per node, NVLink 900 GB/s, 8 x 400 Gb/s IB per node"),
+    # NVIDIA H800 SXM5 80GB: H100 compute with NVLink cut to 400 GB/s bidirectional (200
+    # per direction; DeepSeek-V3 report: ~160 GB/s achieved); 8 x 400 Gb/s InfiniBand per
+    # node (DeepSeek-V3 report: 50 GB/s per GPU).
+    "h800": _hopper("h800", 80.0, 200.0, "H800-80GB SXM, 8 per node, NVLink 400 GB/s, 8 x 400 Gb/s IB per node"),
+    # NVIDIA H200 SXM 141GB (HBM3e; ~140 GiB usable by CUDA): H100 compute, NVLink 4
+    # 900 GB/s bidirectional, 8 x 400 Gb/s InfiniBand per node.
+    "h200": _hopper("h200", 140.0, 450.0, "H200-141GB SXM, 8 per node, NVLink 900 GB/s, 8 x 400 Gb/s IB per node"),
 }
 
 #: Where ``--cluster local`` is looked for (first hit wins): the working directory's
