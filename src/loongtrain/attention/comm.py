@@ -11,21 +11,24 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from loongtrain.parallel.state import RingLink
+from loongtrain.parallel.state import ParallelState, RingLink
 from loongtrain.parallel.stats import AttentionStats
 
 
 class Pending:
-    """An in-flight transfer; ``wait()`` returns the received tensor."""
+    """An in-flight transfer; ``wait()`` returns the received tensor (through ``finish``)."""
 
-    def __init__(self, works: list, result: torch.Tensor) -> None:
+    def __init__(self, works: list, result: torch.Tensor, finish=None) -> None:
         self._works = works
         self._result = result
+        self._finish = finish
 
     def wait(self) -> torch.Tensor:
         for work in self._works:
             work.wait()
         self._works = []
+        if self._finish is not None:
+            self._result, self._finish = self._finish(self._result), None
         return self._result
 
 
@@ -60,16 +63,30 @@ def ring_exchange(
 
 
 def all_to_all_start(
-    packed: torch.Tensor, group: dist.ProcessGroup | None, stats: AttentionStats, kind: str
+    packed: torch.Tensor, group: dist.ProcessGroup | None, stats: AttentionStats, kind: str, finish=None
 ) -> Pending:
-    """All-to-all of ``packed`` ([world, ...], chunk ``r`` goes to group rank ``r``)."""
+    """All-to-all of ``packed`` ([world, ...], chunk ``r`` goes to group rank ``r``);
+    ``finish`` is applied to the received tensor on ``wait()``."""
     if group is None:
-        return Ready(packed)
+        return Pending([], packed, finish)
     packed = packed.contiguous()
     out = torch.empty_like(packed)
     stats.add(kind, _nbytes(packed))
     work = dist.all_to_all_single(out, packed, group=group, async_op=True)
-    return Pending([work], out)
+    return Pending([work], out, finish)
+
+
+def seq_to_head(x: torch.Tensor, state: ParallelState, kind: str) -> Pending:
+    """Start the head all-to-all scattering heads and gathering sequence:
+    [*b, S, H, d] -> (on ``wait()``) [*b, hp*S, H/hp, d]."""
+    hp = state.config.hp
+    return all_to_all_start(pack_seq_to_head(x, hp), state.head_group, state.stats, kind, unpack_seq_to_head)
+
+
+def head_to_seq(x: torch.Tensor, state: ParallelState, kind: str) -> Pending:
+    """Start the inverse all-to-all: [*b, hp*S, Hh, d] -> (on ``wait()``) [*b, S, hp*Hh, d]."""
+    hp = state.config.hp
+    return all_to_all_start(pack_head_to_seq(x, hp), state.head_group, state.stats, kind, unpack_head_to_seq)
 
 
 def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> None:

@@ -15,14 +15,7 @@ from __future__ import annotations
 import torch
 
 from loongtrain.attention.blocks import accum_dtype
-from loongtrain.attention.comm import (
-    all_gather_flat,
-    all_to_all_start,
-    pack_head_to_seq,
-    pack_seq_to_head,
-    unpack_head_to_seq,
-    unpack_seq_to_head,
-)
+from loongtrain.attention.comm import all_gather_flat, head_to_seq, seq_to_head
 from loongtrain.attention.double_ring import RingPlan, ring_backward, ring_forward
 from loongtrain.parallel.state import ParallelState, state_by_key
 
@@ -64,9 +57,9 @@ def head_scatter(q: Tensor, k: Tensor, v: Tensor, state_key: int, causal: bool) 
     kv = torch.stack((k, v))
     if hp > groups:  # GQA with fewer KV heads than head ranks: replicate each KV head
         kv = kv.repeat_interleave(hp // groups, dim=-2)
-    q_pending = all_to_all_start(pack_seq_to_head(q, hp), state.head_group, state.stats, "fwd.all_to_all")
-    kv_pending = all_to_all_start(pack_seq_to_head(kv, hp), state.head_group, state.stats, "fwd.all_to_all")
-    return unpack_seq_to_head(q_pending.wait()), unpack_seq_to_head(kv_pending.wait())
+    q_pending = seq_to_head(q, state, "fwd.all_to_all")
+    kv_pending = seq_to_head(kv, state, "fwd.all_to_all")
+    return q_pending.wait(), kv_pending.wait()
 
 
 @head_scatter.register_fake
@@ -85,10 +78,9 @@ def _head_scatter_setup(ctx, inputs, output) -> None:
 def _head_scatter_backward(ctx, dq_h: Tensor, dkv_h: Tensor):
     state = state_by_key(ctx.state_key)
     hp, groups = state.config.hp, ctx.groups
-    dq_pending = all_to_all_start(pack_head_to_seq(dq_h, hp), state.head_group, state.stats, "bwd.all_to_all")
-    dkv_pending = all_to_all_start(pack_head_to_seq(dkv_h, hp), state.head_group, state.stats, "bwd.all_to_all")
-    dq = unpack_head_to_seq(dq_pending.wait())
-    dkv = unpack_head_to_seq(dkv_pending.wait())
+    dq_pending = head_to_seq(dq_h, state, "bwd.all_to_all")
+    dkv_pending = head_to_seq(dkv_h, state, "bwd.all_to_all")
+    dq, dkv = dq_pending.wait(), dkv_pending.wait()
     if hp > groups:  # sum the gradients of each KV head's replicas
         two, b, s, _, d = dkv.shape
         dkv = dkv.view(two, b, s, groups, hp // groups, d).sum(dim=4, dtype=accum_dtype(dkv.dtype)).to(dkv.dtype)
@@ -137,9 +129,7 @@ ring_attention.register_autograd(_ring_backward, setup_context=_ring_setup)
 @torch.library.custom_op("loongtrain::head_gather", mutates_args=())
 def head_gather(out_h: Tensor, state_key: int) -> Tensor:
     """[B, hp*S, H/hp, d] -> [B, S, H, d]."""
-    state = state_by_key(state_key)
-    packed = pack_head_to_seq(out_h, state.config.hp)
-    return unpack_head_to_seq(all_to_all_start(packed, state.head_group, state.stats, "fwd.all_to_all").wait())
+    return head_to_seq(out_h, state_by_key(state_key), "fwd.all_to_all").wait()
 
 
 @head_gather.register_fake
@@ -154,10 +144,7 @@ def _head_gather_setup(ctx, inputs, output) -> None:
 
 
 def _head_gather_backward(ctx, dout: Tensor):
-    state = state_by_key(ctx.state_key)
-    packed = pack_seq_to_head(dout, state.config.hp)
-    pending = all_to_all_start(packed, state.head_group, state.stats, "bwd.all_to_all")
-    return unpack_seq_to_head(pending.wait()), None
+    return seq_to_head(dout, state_by_key(ctx.state_key), "bwd.all_to_all").wait(), None
 
 
 head_gather.register_autograd(_head_gather_backward, setup_context=_head_gather_setup)

@@ -14,7 +14,7 @@ import torch
 
 from loongtrain.attention.blocks import OutputAccumulator, accum_dtype, add_kv_grad, backward_block, forward_block
 from loongtrain.attention.schedule import block_kind, ring_source
-from loongtrain.attention.sharding import shard_ranges
+from loongtrain.attention.sharding import restore_order, shard_ranges, take_ranges
 
 Tensor = torch.Tensor
 
@@ -29,24 +29,11 @@ class RingReplay:
 
     def shard(self, x: Tensor) -> list[Tensor]:
         """Zigzag shards of full-sequence ``x`` [*, S, ...] (dim 1), one per context rank."""
-        seq_len = x.shape[1]
-        out = []
-        for c in range(self.cp):
-            parts = [x.narrow(1, start, n) for start, n in shard_ranges(seq_len, 1, self.cp, 0, c)]
-            out.append(torch.cat(parts, dim=1))
-        return out
+        return [take_ranges(x, 1, shard_ranges(x.shape[1], 1, self.cp, 0, c)) for c in range(self.cp)]
 
     def unshard(self, shards: list[Tensor]) -> Tensor:
         """Inverse of :meth:`shard` along dim 1."""
-        seq_len = sum(s.shape[1] for s in shards)
-        pieces = []
-        for c, shard in enumerate(shards):
-            offset = 0
-            for start, n in shard_ranges(seq_len, 1, self.cp, 0, c):
-                pieces.append((start, shard.narrow(1, offset, n)))
-                offset += n
-        pieces.sort(key=lambda p: p[0])
-        return torch.cat([p for _, p in pieces], dim=1)
+        return restore_order(torch.cat(shards, dim=1), 1, [(0, c) for c in range(self.cp)], 1, self.cp)
 
     def _schedule(self, c: int):
         n = self.cp // self.window

@@ -56,6 +56,26 @@ def shard_positions(seq_len: int, hp: int, cp: int, head: int, context: int) -> 
     return [p for s, n in shard_ranges(seq_len, hp, cp, head, context) for p in range(s, s + n)]
 
 
+def take_ranges(x: torch.Tensor, dim: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """The ``(start, length)`` ranges of ``x`` along ``dim``, concatenated (a new tensor)."""
+    parts = [x.narrow(dim, start, length) for start, length in ranges]
+    return torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0].contiguous()
+
+
+def restore_order(shards: torch.Tensor, dim: int, members: list[tuple[int, int]], hp: int, cp: int) -> torch.Tensor:
+    """Inverse of sharding: ``shards`` holds the shards of the ``(head, context)`` ranks
+    ``members`` one after another along ``dim``; returns the sequence in global order."""
+    seq_len = shards.shape[dim]
+    segments: list[tuple[int, int, int]] = []  # (global start, offset in shards, length)
+    offset = 0
+    for head, context in members:
+        for start, length in shard_ranges(seq_len, hp, cp, head, context):
+            segments.append((start, offset, length))
+            offset += length
+    segments.sort()
+    return take_ranges(shards, dim, [(off, n) for _, off, n in segments])
+
+
 def _normalize_dim(x: torch.Tensor, dim: int) -> int:
     if not -x.dim() <= dim < x.dim():
         raise ValueError(f"dim={dim} is out of range for a tensor of shape {tuple(x.shape)}")
@@ -71,9 +91,9 @@ def shard_sequence(x: torch.Tensor, state: ParallelState, dim: int = 1) -> torch
     """
     dim = _normalize_dim(x, dim)
     coords = state.coords
-    ranges = shard_ranges(x.shape[dim], state.config.hp, state.config.cp, coords.head, coords.context)
-    parts = [x.narrow(dim, start, length) for start, length in ranges]
-    return torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0].contiguous()
+    return take_ranges(
+        x, dim, shard_ranges(x.shape[dim], state.config.hp, state.config.cp, coords.head, coords.context)
+    )
 
 
 def unshard_sequence(x_local: torch.Tensor, state: ParallelState, dim: int = 1) -> torch.Tensor:
@@ -84,24 +104,13 @@ def unshard_sequence(x_local: torch.Tensor, state: ParallelState, dim: int = 1) 
     """
     dim = _normalize_dim(x_local, dim)
     layout = state.layout
-    sp = layout.sp
     local_len = x_local.shape[dim]
-    seq_len = local_len * sp
-    check_sequence_length(seq_len, layout.hp, layout.cp)
+    check_sequence_length(local_len * layout.sp, layout.hp, layout.cp)
     moved = x_local.detach().movedim(dim, 0).contiguous()
     if state.sp_group is None:
         gathered = moved
     else:
-        gathered = moved.new_empty((sp * local_len, *moved.shape[1:]))
+        gathered = moved.new_empty((layout.sp * local_len, *moved.shape[1:]))
         all_gather_flat(gathered, moved, group=state.sp_group)
-    # place every member's ranges at their global positions
-    segments: list[tuple[int, int, int]] = []  # (global start, offset in gathered, length)
-    for member_idx, member in enumerate(layout.sp_group(state.rank)):
-        c = layout.coords(member)
-        offset = member_idx * local_len
-        for start, length in shard_ranges(seq_len, layout.hp, layout.cp, c.head, c.context):
-            segments.append((start, offset, length))
-            offset += length
-    segments.sort()
-    full = torch.cat([gathered.narrow(0, off, n) for _, off, n in segments], dim=0)
-    return full.movedim(0, dim).contiguous()
+    members = [(c.head, c.context) for c in map(layout.coords, layout.sp_group(state.rank))]
+    return restore_order(gathered, 0, members, layout.hp, layout.cp).movedim(0, dim).contiguous()

@@ -30,7 +30,7 @@ def decomposition_overhead(
     """Fused vs replayed ring attention (forward + backward) in this process."""
     q, k, v, dout = make_inputs(1, seq, heads, kv_heads, head_dim, dtype)
     scale = head_dim**-0.5
-    out, lse = block_forward(q, k, v, causal=True, scale=scale)
+    out, _ = block_forward(q, k, v, causal=True, scale=scale)
 
     def fused():
         o, l_ = block_forward(q, k, v, causal=True, scale=scale)

@@ -24,17 +24,10 @@ from loongtrain.launch import launch
 from loongtrain.model import build_model, model_config
 from loongtrain.parallel import ParallelConfig, init_parallel
 from loongtrain.parallelize import materialize, parallelize
+from loongtrain.train.metrics import current_memory_bytes, peak_memory_bytes, reset_peak_memory
 from loongtrain.train.step import forward_backward
 
 MiB = 2**20
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def _release_free_memory() -> None:
@@ -43,11 +36,6 @@ def _release_free_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except OSError:
         pass
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def measure_step(layout: ParallelConfig, mode: str, zero: str, args: argparse.Namespace, device) -> dict:
@@ -68,17 +56,10 @@ def measure_step(layout: ParallelConfig, mode: str, zero: str, args: argparse.Na
     gen = torch.Generator().manual_seed(state.coords.dp)
     data = torch.randint(0, mcfg.vocab_size, (1, args.seq + 1), generator=gen).to(device)
     _release_free_memory()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        forward_backward(model, state, [(data[:, :-1], data[:, 1:])])
-        peak_bytes = torch.cuda.max_memory_allocated(device) - before
-    else:
-        before = _status_kib("VmRSS")
-        _reset_peak()
-        forward_backward(model, state, [(data[:, :-1], data[:, 1:])])
-        peak_bytes = (_status_kib("VmHWM") - before) * 1024
+    before = current_memory_bytes(device)
+    reset_peak_memory(device)
+    forward_backward(model, state, [(data[:, :-1], data[:, 1:])])
+    peak_bytes = peak_memory_bytes(device) - before
     del model
     _release_free_memory()
     return {

@@ -55,6 +55,17 @@ class TokenFileSource:
         return self._window(int(self._perm[1][pos]))
 
 
+def rows_per_microbatch(global_batch: int, dp: int, micro_batches: int) -> int:
+    """Sequences per microbatch per replica; raises unless the batch splits evenly."""
+    per_step = dp * micro_batches
+    if global_batch % per_step != 0:
+        raise ValueError(
+            f"data.global_batch={global_batch} is not divisible by dp*micro_batches = "
+            f"{dp}*{micro_batches} = {per_step}; every replica needs whole microbatches"
+        )
+    return global_batch // per_step
+
+
 @dataclass
 class BatchLoader:
     """Hands each replica its microbatches of full sequences; ``state_dict`` resumes it."""
@@ -67,13 +78,7 @@ class BatchLoader:
     next_index: int = 0
 
     def __post_init__(self) -> None:
-        per_step = self.dp * self.micro_batches
-        if self.global_batch % per_step != 0:
-            raise ValueError(
-                f"data.global_batch={self.global_batch} is not divisible by dp*micro_batches = "
-                f"{self.dp}*{self.micro_batches} = {per_step}; every replica needs whole microbatches"
-            )
-        self.rows = self.global_batch // per_step
+        self.rows = rows_per_microbatch(self.global_batch, self.dp, self.micro_batches)
 
     def _rows(self, base: int, split: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
         out = []

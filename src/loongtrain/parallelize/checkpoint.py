@@ -74,4 +74,3 @@ def apply_checkpoint(model: Transformer, mode: str, every: int = 1) -> None:
             return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
 
         layer.forward = types.MethodType(forward, layer)
-        layer.checkpoint_mode = mode

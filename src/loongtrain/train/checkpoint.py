@@ -37,6 +37,17 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be loaded into this run; the message says why."""
 
 
+def check_model_shape(path: Path, trainer_state: dict, model_shape: dict) -> None:
+    """Raise CheckpointError if the checkpoint at ``path`` holds another model shape."""
+    saved = trainer_state.get("model_shape") or {}
+    if saved != model_shape:
+        diff = {k: (saved.get(k), v) for k, v in model_shape.items() if saved.get(k) != v}
+        raise CheckpointError(
+            f"checkpoint {path} was written for a different model shape (saved vs this run: {diff}); use the "
+            f"same model settings, set checkpoint.resume=false, or choose another run.output_dir"
+        )
+
+
 class CheckpointManager:
     def __init__(self, folder: Path, keep: int) -> None:
         self.folder = Path(folder)
@@ -91,13 +102,7 @@ class CheckpointManager:
         written for a different model shape.
         """
         trainer_state = self.read_state(path)
-        saved_shape = trainer_state.get("model_shape")
-        if saved_shape != model_shape:
-            diff = {k: (saved_shape.get(k), v) for k, v in model_shape.items() if saved_shape.get(k) != v}
-            raise CheckpointError(
-                f"checkpoint {path} was written for a different model shape (saved vs this run: {diff}); "
-                f"use the same model settings, or a new run folder (run.output_dir) to start fresh"
-            )
+        check_model_shape(path, trainer_state, model_shape)
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
         dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(model, state["model"])

@@ -70,17 +70,29 @@ def reset_peak_memory(device: torch.device) -> None:
             pass
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak allocated bytes on a GPU, or the process's peak resident memory on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
+def _proc_status_bytes(field: str) -> int:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated bytes on a GPU, or the process's peak resident memory on CPU
+    (since the last :func:`reset_peak_memory`)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return _proc_status_bytes("VmHWM")
+
+
+def current_memory_bytes(device: torch.device) -> int:
+    """Allocated bytes on a GPU, or the process's resident memory on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return _proc_status_bytes("VmRSS")
 
 
 class MetricsWriter:

@@ -34,7 +34,9 @@ def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def count_targets(labels: list[torch.Tensor], device: torch.device, group=None) -> torch.Tensor:
     """Target tokens in ``labels`` summed over the ranks of ``group`` (default: all)."""
-    count = torch.tensor(sum(int((lab != IGNORE_INDEX).sum()) for lab in labels), dtype=torch.float64, device=device)
+    count = torch.zeros((), dtype=torch.float64, device=device)
+    for lab in labels:
+        count += (lab != IGNORE_INDEX).sum()
     if dist.is_initialized():
         dist.all_reduce(count, group=group)
     return count

@@ -19,11 +19,12 @@ import torch.distributed as dist
 
 from loongtrain.attention.sharding import check_sequence_length
 from loongtrain.config import ConfigError, TrainConfig, to_toml
-from loongtrain.data import BatchLoader, RecallTask, TokenFile, TokenFileSource
+from loongtrain.data import BatchLoader, RecallTask, TokenFile, TokenFileError, TokenFileSource
+from loongtrain.data.loader import rows_per_microbatch
 from loongtrain.model import ModelConfig, build_model, model_config
 from loongtrain.parallel import ParallelConfig, init_parallel
 from loongtrain.parallelize import check_model_fits, materialize, parallelize
-from loongtrain.train.checkpoint import CheckpointError, CheckpointManager
+from loongtrain.train.checkpoint import CheckpointManager, check_model_shape
 from loongtrain.train.metrics import (
     MetricsWriter,
     device_peak_tflops,
@@ -45,10 +46,8 @@ class Plan:
     """What ``preflight`` resolved: the layout, the model shape and the data source."""
 
     layout: ParallelConfig
-    dp: int
     model: ModelConfig
-    task: RecallTask | None
-    token_file: str | None
+    task: RecallTask | None  # the synthetic task, or None for a token file
 
 
 def parallel_config(cfg: TrainConfig) -> ParallelConfig:
@@ -58,12 +57,15 @@ def parallel_config(cfg: TrainConfig) -> ParallelConfig:
     )
 
 
-def _recall_task(cfg: TrainConfig) -> RecallTask:
+def make_source(cfg: TrainConfig) -> RecallTask | TokenFileSource:
+    """The configured data source (a token file is memory-mapped, so this is cheap)."""
     d = cfg.data
-    return RecallTask(
-        seq_len=d.seq_len, keys=d.recall_keys, values=d.recall_values, facts=d.recall_facts,
-        queries=d.recall_queries, filler=d.recall_filler, seed=d.seed,
-    )  # fmt: skip
+    if d.source == "recall":
+        return RecallTask(
+            seq_len=d.seq_len, keys=d.recall_keys, values=d.recall_values, facts=d.recall_facts,
+            queries=d.recall_queries, filler=d.recall_filler, seed=d.seed,
+        )  # fmt: skip
+    return TokenFileSource(TokenFile(d.path), d.seq_len, d.seed)
 
 
 def model_shape(mcfg: ModelConfig) -> dict:
@@ -89,43 +91,26 @@ def preflight(cfg: TrainConfig, world_size: int) -> Plan:
         mcfg = model_config(cfg.model.preset, **cfg.model.overrides())
         check_model_fits(mcfg, layout.hp)
         check_sequence_length(cfg.data.seq_len, layout.hp, layout.cp)
+        rows_per_microbatch(cfg.data.global_batch, dp, cfg.data.micro_batches)
+        source = make_source(cfg)
+    except TokenFileError:
+        raise
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    per_step = dp * cfg.data.micro_batches
-    if cfg.data.global_batch % per_step:
+    if isinstance(source, RecallTask) and source.vocab_size > mcfg.vocab_size:
         raise ConfigError(
-            f"data.global_batch={cfg.data.global_batch} is not divisible by dp*micro_batches = "
-            f"{dp}*{cfg.data.micro_batches} = {per_step}"
+            f"the recall task needs {source.vocab_size} token ids but the model's vocabulary is "
+            f"{mcfg.vocab_size}; set model.vocab_size >= {source.vocab_size} or use fewer keys/values/filler"
         )
-    task = token_file = None
-    if cfg.data.source == "recall":
-        try:
-            task = _recall_task(cfg)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        if task.vocab_size > mcfg.vocab_size:
-            raise ConfigError(
-                f"the recall task needs {task.vocab_size} token ids but the model's vocabulary is "
-                f"{mcfg.vocab_size}; set model.vocab_size >= {task.vocab_size} or use fewer keys/values/filler"
-            )
-    else:
-        token_file = cfg.data.path
-        tf = TokenFile(token_file)
-        tf.check_vocab(mcfg.vocab_size)
-        TokenFileSource(tf, cfg.data.seq_len, cfg.data.seed)  # enough tokens for seq_len?
+    if isinstance(source, TokenFileSource):
+        source.file.check_vocab(mcfg.vocab_size)
     run_dir = Path(cfg.run.output_dir)
     check_run_dir(run_dir)
     if cfg.checkpoint.resume:
         latest = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep).latest()
         if latest is not None:
-            saved = CheckpointManager.read_state(latest[1]).get("model_shape")
-            if saved != model_shape(mcfg):
-                diff = {k: (saved.get(k), v) for k, v in model_shape(mcfg).items() if saved.get(k) != v}
-                raise CheckpointError(
-                    f"{latest[1]} was written for a different model shape (saved vs this run: {diff}); use "
-                    f"the same model settings, set checkpoint.resume=false, or choose another run.output_dir"
-                )
-    return Plan(layout=layout, dp=dp, model=mcfg, task=task, token_file=token_file)
+            check_model_shape(latest[1], CheckpointManager.read_state(latest[1]), model_shape(mcfg))
+    return Plan(layout=layout, model=mcfg, task=source if isinstance(source, RecallTask) else None)
 
 
 @dataclass
@@ -199,9 +184,7 @@ def train(device: torch.device, cfg: TrainConfig, plan: Plan) -> TrainResult:
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
     )
-    source = plan.task if plan.task is not None else TokenFileSource(TokenFile(plan.token_file), cfg.data.seq_len,
-                                                                      cfg.data.seed)  # fmt: skip
-    loader = BatchLoader(source, cfg.data.global_batch, cfg.data.micro_batches, state.dp, state.coords.dp)
+    loader = BatchLoader(make_source(cfg), cfg.data.global_batch, cfg.data.micro_batches, state.dp, state.coords.dp)
     checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep)
     start = 0
     latest = checkpoints.latest() if cfg.checkpoint.resume else None
