@@ -168,7 +168,7 @@ def measure_overlap(heads: int, head_dim: int, reps: int, tokens: int = 2048, nb
     }
 
 
-def _load() -> float:
+def load_average() -> float:
     """One-minute load average (0 where unknown)."""
     try:
         return os.getloadavg()[0]
@@ -292,7 +292,7 @@ def _calibrate_rank(device: torch.device, args: argparse.Namespace) -> None:
         "calib_heads": args.calib_heads,
         "calib_head_dim": args.calib_head_dim,
         "date": datetime.date.today().isoformat(),
-        "load_start": _load(),
+        "load_start": load_average(),
     }
     meas.update(measure_comm(args.reps))
     if rank == 0:
@@ -311,7 +311,7 @@ def _calibrate_rank(device: torch.device, args: argparse.Namespace) -> None:
             f"The '{path.stem}' cluster: this machine, measured by `loongtrain plan --calibrate`.",
             f"{platform.node()} {platform.machine()}, torch {torch.__version__}, {meas['date']}; "
             f"attention measured with H={args.calib_heads}, d={args.calib_head_dim}, fp32; load average "
-            f"{meas['load_start']:.1f} before, {_load():.1f} after (other processes share the cores).",
+            f"{meas['load_start']:.1f} before, {load_average():.1f} after (other processes share the cores).",
             *_raw_lines(meas),
             "",
         ]

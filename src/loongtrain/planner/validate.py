@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 
 import torch
 import torch.distributed as dist
 
 from loongtrain.model.config import ModelConfig
+from loongtrain.planner.calibrate import load_average
 from loongtrain.planner.cost import Layout, Workload, attention_seconds
 from loongtrain.planner.search import head_degree_ok
 from loongtrain.planner.specs import ClusterSpec
@@ -62,7 +62,7 @@ def _validate_rank(device: torch.device, args: argparse.Namespace, cluster: Clus
     dtype = getattr(torch, args.dtype)
     e = torch.empty((), dtype=dtype).element_size()
     layouts = validation_layouts(world, args.heads, args.kv_heads)
-    load_start = _load()
+    load_start = load_average()
     full = make_inputs(1, args.seq, args.heads, args.kv_heads, args.head_dim, dtype)
     if rank == 0:
         print(
@@ -105,7 +105,7 @@ def _validate_rank(device: torch.device, args: argparse.Namespace, cluster: Clus
     if rank != 0:
         return
     summary = summarize(rows)
-    print(f"load average {load_start:.1f} before, {_load():.1f} after (other processes share the cores)")
+    print(f"load average {load_start:.1f} before, {load_average():.1f} after (other processes share the cores)")
     print(
         f"median |error| {summary['median_abs_error']:.1%} (target <= {MEDIAN_ERROR_TARGET:.0%}: "
         f"{'met' if summary['median_ok'] else 'MISSED'}); predicted fastest: {summary['predicted_fastest']}; "
@@ -114,13 +114,6 @@ def _validate_rank(device: torch.device, args: argparse.Namespace, cluster: Clus
     )
     if getattr(args, "json", False):
         print(json.dumps({"rows": rows, "summary": summary}, indent=1))
-
-
-def _load() -> float:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return 0.0
 
 
 def summarize(rows: list[dict]) -> dict:

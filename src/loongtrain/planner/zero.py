@@ -13,7 +13,7 @@ import functools
 from dataclasses import dataclass
 
 from loongtrain.model.config import ModelConfig
-from loongtrain.parallel.layout import RankLayout
+from loongtrain.parallelize.zero import zero_mesh_ranks
 from loongtrain.planner.cost import Layout, params_per_layer
 from loongtrain.planner.specs import ClusterSpec
 from loongtrain.planner.topology import group_span
@@ -34,11 +34,10 @@ def group_shape(members: tuple[int, ...], devices_per_node: int) -> GroupShape:
 
 @functools.lru_cache(maxsize=1024)
 def _groups(dp: int, hp: int, cp: int, zero: str, devices_per_node: int) -> tuple[GroupShape, GroupShape]:
-    """Shapes of rank 0's (shard group, replicate group), as ``zero_mesh_ranks`` lays them out."""
-    layout = RankLayout.build(Layout(dp, hp, cp).parallel_config(), dp * hp * cp)
-    world = tuple(range(layout.world_size))
-    sp, dpg = layout.sp_group(0), layout.dp_group(0)
-    shard, replicate = {"none": ((0,), world), "dp": (dpg, sp), "sp": (sp, dpg), "dp_sp": (world, (0,))}[zero]
+    """Shapes of rank 0's (shard group, replicate group) in the mesh ``apply_zero`` builds."""
+    ranks, _ = zero_mesh_ranks(dp * hp * cp, dp, zero)
+    grid = ranks.view(1, -1) if ranks.dim() == 1 else ranks  # [replicate, shard]
+    shard, replicate = tuple(grid[0].tolist()), tuple(grid[:, 0].tolist())
     return group_shape(shard, devices_per_node), group_shape(replicate, devices_per_node)
 
 
