@@ -278,10 +278,16 @@ def train(device: torch.device, cfg: TrainConfig, plan: Plan) -> TrainResult:
         chance = plan.task.chance if plan.task is not None else None
         plot_curves(read_metrics(run_dir / "metrics.jsonl"), run_dir / "curves.png", chance)
         ran = cfg.run.steps - start
+        done = (
+            f"{ran} step(s) in {wall:.1f} s ({tps:,.0f} tokens/s per device after the first step)"
+            if ran
+            else ("no steps to run")
+        )
+        chance_text = f" (chance {chance:.3f})" if chance is not None else ""
         print(
-            f"done: {ran} step(s) in {wall:.1f} s ({tps:,.0f} tokens/s per device after the first step)\n"
+            f"done: {done}\n"
             f"final evaluation on {cfg.run.eval_batches} held-out batch(es): loss {ev_loss:.4f}, "
-            f"accuracy {ev_acc:.3f}" + (f" (chance {chance:.3f})" if chance is not None else "") + "\n"
+            f"accuracy {ev_acc:.3f}{chance_text}\n"
             f"run folder: {run_dir} (config.toml, metrics.jsonl, curves.png, checkpoints/)",
             flush=True,
         )
