@@ -47,11 +47,12 @@ class ModelSection:
     tie_embeddings: str = _f(
         "preset", "tie input and output embeddings: preset, true or false", ("preset", "true", "false")
     )
+    sliding_window: int = _f(0, "sliding-window attention: token i sees j only if i - j < this (0: keep the preset's)")
 
     def overrides(self) -> dict:
         out = {
             name: getattr(self, name)
-            for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
+            for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "sliding_window")
             if getattr(self, name)
         }
         if self.tie_embeddings != "preset":
@@ -66,6 +67,11 @@ class ParallelSection:
     window: int = _f(1, "Double-Ring-Attention inner ring size; divides cp (1 or cp: plain ring)")
     placement: str = _f("head_first", "rank placement", ("head_first", "context_first"))
     context_order: str = _f("contiguous", "window membership in the context group", ("contiguous", "interleaved"))
+    balance: str = _f(
+        "zigzag",
+        "sequence layout over the sp group: zigzag (balanced for one document) or documents (from each packed batch)",
+        ("zigzag", "documents"),
+    )
     dp: int = _f(0, "data-parallel degree (0: world size // (hp*cp))")
     zero: str = _f("dp_sp", "ZeRO sharding scope of model states", ("none", "dp", "sp", "dp_sp"))
     checkpoint: str = _f("sc++", "activation checkpointing per block", ("none", "full", "sc++"))
@@ -80,13 +86,21 @@ class DataSection:
     source: str = _f("recall", "recall (synthetic associative recall) or tokens (a token file)", ("recall", "tokens"))
     path: str = _f("", "token file for source=tokens (made by `loongtrain prepare`)")
     seq_len: int = _f(256, "tokens per sequence; a multiple of 2*hp*cp")
+    pack: bool = _f(
+        False,
+        "packed documents: attention, RoPE positions and targets stop at document boundaries (tokens: documents "
+        "end after data.eos_id; recall: the packed variant with conflicting facts across documents)",
+    )
+    eos_id: int = _f(-1, "pack with source=tokens: end-of-document token id (-1: the one the token file records)")
+    document_masks: bool = _f(True, "pack: mask attention at document boundaries (false: an ablation, positions only)")
+    doc_len: int = _f(64, "pack with source=recall: mean document length (documents of doc_len/2 to 3*doc_len/2)")
     global_batch: int = _f(8, "sequences per optimizer step over all data-parallel replicas")
     micro_batches: int = _f(1, "gradient accumulation: microbatches per step per replica")
     seed: int = _f(1234, "seed of the data order / synthetic samples")
     recall_keys: int = _f(8, "recall: distinct keys")
     recall_values: int = _f(8, "recall: distinct values (chance accuracy = 1/recall_values)")
     recall_facts: int = _f(4, "recall: key-value facts spread over each sequence")
-    recall_queries: int = _f(32, "recall: queries at the end of each sequence (the scored tokens)")
+    recall_queries: int = _f(32, "recall: queries at the end of each sequence (or document when packed), scored")
     recall_filler: int = _f(16, "recall: distinct filler tokens between the facts")
 
 
@@ -223,6 +237,7 @@ def validate(cfg: TrainConfig) -> None:
             "recall_facts",
             "recall_queries",
             "recall_filler",
+            "doc_len",
         ),
         "checkpoint": ("keep",),
         "optim": ("lr",),
@@ -233,6 +248,7 @@ def validate(cfg: TrainConfig) -> None:
             if value <= 0:
                 raise ConfigError(f"{sec_name}.{name}={value} must be positive")
     non_negative = {
+        "model": ("sliding_window",),
         "run": ("eval_every", "peak_tflops"),
         "parallel": ("dp",),
         "optim": ("warmup_steps", "weight_decay", "grad_clip", "min_lr_ratio"),

@@ -121,7 +121,7 @@ def head_context_attention(
     softmax_scale: float | None = None,
     cu_seqlens: Tensor | Sequence[int] | None = None,
     window_size: int | None = None,
-    balance: str = "zigzag",
+    balance: str | None = None,
 ) -> Tensor:
     """2D head-context attention on sequence shards; returns [B, S/sp, H, d].
 
@@ -138,9 +138,11 @@ def head_context_attention(
         window_size: sliding window: ``i`` sees ``j`` only if ``i - j < window_size``
             (``|i - j| < window_size`` when not causal), as in HF Mistral/Qwen.
         balance: the sharding the inputs were made with (``shard_sequence(...,
-            cu_seqlens=..., balance=...)``): ``"zigzag"`` or ``"documents"``.
+            cu_seqlens=..., balance=...)``): ``"zigzag"`` or ``"documents"``; ``None``
+            takes ``state.config.balance``.
     """
     check_attention_inputs(q, k, v, state, causal, softmax_scale)
+    balance = balance or state.config.balance
     cu = check_mask_inputs(q.shape[1] * state.sp, state, cu_seqlens, window_size, balance)
     window = window_size or 0
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5

@@ -27,12 +27,11 @@ from loongtrain.attention.balance import balance_documents
 from loongtrain.attention.comm import all_gather_flat
 from loongtrain.attention.documents import Boundaries, as_boundaries
 from loongtrain.attention.schedule import zigzag_chunks
+from loongtrain.parallel.config import BALANCES
 
 if TYPE_CHECKING:
     from loongtrain.parallel.state import ParallelState
 
-#: Ways to assign sequence chunks to context ranks.
-BALANCES: tuple[str, ...] = ("zigzag", "documents")
 
 Ranges = tuple[tuple[int, int], ...]  # (global start, length), in local order
 
@@ -172,7 +171,7 @@ def shard_sequence(
     state: ParallelState,
     dim: int = 1,
     cu_seqlens: torch.Tensor | Sequence[int] | None = None,
-    balance: str = "zigzag",
+    balance: str | None = None,
 ) -> torch.Tensor:
     """Return this rank's shard of the full-sequence tensor ``x`` along ``dim``.
 
@@ -180,12 +179,13 @@ def shard_sequence(
     (inputs, labels and RoPE position ids are all sharded with this function). The
     result is a new contiguous tensor of length ``S / sp`` along ``dim``.
     ``balance="documents"`` assigns tokens from the document boundaries ``cu_seqlens``
-    (see :mod:`loongtrain.attention.balance`); pass the same ``cu_seqlens`` and
-    ``balance`` to :func:`head_context_attention` and :func:`unshard_sequence`.
+    (see :mod:`loongtrain.attention.balance`); ``None`` takes ``state.config.balance``.
+    Pass the same ``cu_seqlens`` and ``balance`` to :func:`head_context_attention` and
+    :func:`unshard_sequence`.
     """
     dim = _normalize_dim(x, dim)
     coords = state.coords
-    sharding = sequence_sharding(x.shape[dim], state.hp, state.cp, cu_seqlens, balance)
+    sharding = sequence_sharding(x.shape[dim], state.hp, state.cp, cu_seqlens, balance or state.config.balance)
     return take_ranges(x, dim, sharding.ranges(coords.head, coords.context))
 
 
@@ -194,7 +194,7 @@ def unshard_sequence(
     state: ParallelState,
     dim: int = 1,
     cu_seqlens: torch.Tensor | Sequence[int] | None = None,
-    balance: str = "zigzag",
+    balance: str | None = None,
 ) -> torch.Tensor:
     """Gather the shards of the sp group and return the full sequence in original order.
 
@@ -205,7 +205,9 @@ def unshard_sequence(
     dim = _normalize_dim(x_local, dim)
     layout = state.layout
     local_len = x_local.shape[dim]
-    sharding = sequence_sharding(local_len * layout.sp, layout.hp, layout.cp, cu_seqlens, balance)
+    sharding = sequence_sharding(
+        local_len * layout.sp, layout.hp, layout.cp, cu_seqlens, balance or state.config.balance
+    )
     moved = x_local.detach().movedim(dim, 0).contiguous()
     if state.sp_group is None:
         gathered = moved

@@ -19,6 +19,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
     init_std: float = 0.02
+    sliding_window: int = 0  # token i sees j only if i - j < sliding_window (Mistral style); 0: no window
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
@@ -31,6 +32,8 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig: n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads} (GQA)"
             )
+        if isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int) or self.sliding_window < 0:
+            raise ValueError(f"ModelConfig: sliding_window={self.sliding_window!r} must be 0 (none) or positive")
         if self.head_dim % 2 != 0:
             raise ValueError(f"ModelConfig: head_dim={self.head_dim} must be even for RoPE")
 

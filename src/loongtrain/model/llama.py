@@ -1,10 +1,13 @@
 """A Llama-style decoder: RMSNorm, RoPE from position ids, SwiGLU MLP, MHA or GQA.
 
-The model knows nothing of parallelism. Its attention calls ``attention_fn(q, k, v)``
-on ``[B, S, H, d]`` / ``[B, S, G, d]`` tensors with RoPE applied; the default is causal
-SDPA over the local sequence (one device). ``loongtrain.parallelize`` swaps in the
-distributed attention. Positions are passed in, so the same module runs on zigzag
-sequence shards: RoPE uses each token's global position.
+The model knows nothing of parallelism. Its attention calls
+``attention_fn(q, k, v, cu_seqlens=..., window_size=...)`` on ``[B, S, H, d]`` /
+``[B, S, G, d]`` tensors with RoPE applied; the default is causal attention over the
+local sequence (one device). ``loongtrain.parallelize`` swaps in the distributed
+attention. Positions are passed in, so the same module runs on sequence shards: RoPE uses
+each token's position (which restarts at 0 in each document of a packed sequence).
+``cu_seqlens`` (document boundaries of the whole packed sequence, or None) and the
+model's sliding window only reach the attention function.
 """
 
 from __future__ import annotations
@@ -16,14 +19,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loongtrain.attention.local import masked_attention
 from loongtrain.model.config import ModelConfig
 
 Tensor = torch.Tensor
-AttentionFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+AttentionFn = Callable[..., Tensor]
 
 
-def sdpa_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Causal attention over the local (unsharded) sequence with PyTorch SDPA."""
+def sdpa_attention(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | None = None, window_size: int | None = None
+) -> Tensor:
+    """Causal attention over the local (unsharded) sequence: PyTorch SDPA, or the document /
+    sliding-window masked attention when ``cu_seqlens`` or ``window_size`` is given."""
+    if cu_seqlens is not None or window_size is not None:
+        return masked_attention(q, k, v, cu_seqlens=cu_seqlens, window_size=window_size)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=k.shape[2] != q.shape[2]
     )
@@ -65,14 +74,15 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.window = cfg.sliding_window or None
         self.attention_fn: AttentionFn = sdpa_attention
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
         b, s, _ = x.shape
         q = apply_rope(self.wq(x).view(b, s, self.n_heads, self.head_dim), cos, sin)
         k = apply_rope(self.wk(x).view(b, s, self.n_kv_heads, self.head_dim), cos, sin)
         v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
-        out = self.attention_fn(q, k, v)
+        out = self.attention_fn(q, k, v, cu_seqlens=cu_seqlens, window_size=self.window)
         return self.wo(out.reshape(b, s, -1))
 
 
@@ -97,13 +107,17 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, cu_seqlens)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Transformer(nn.Module):
-    """Decoder-only LM: ``forward(tokens [B, S], positions [B, S] or [S]) -> logits [B, S, V]``."""
+    """Decoder-only LM: ``forward(tokens [B, S], positions [B, S] or [S], cu_seqlens=None) -> logits [B, S, V]``.
+
+    ``cu_seqlens``: document boundaries ``[0, ..., S]`` of a packed sequence (of the whole
+    sequence when the model runs on shards), or None for one causal sequence.
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -113,13 +127,13 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
-    def forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, positions: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
         if positions.dim() == 1:
             positions = positions.unsqueeze(0)
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, cu_seqlens)
         h = self.norm(h)
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
         return F.linear(h, weight)

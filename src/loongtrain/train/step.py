@@ -1,5 +1,9 @@
 """One optimisation step's forward/backward on sequence shards, with the loss normalised
-by the global number of target tokens (so summed gradients equal the unsharded ones)."""
+by the global number of target tokens (so summed gradients equal the unsharded ones).
+
+Packed microbatches (``Microbatch.cu_seqlens``) are sharded with the state's balance; the
+model gets each shard's in-document positions and the global boundaries, which its
+attention turns into document masks."""
 
 from __future__ import annotations
 
@@ -11,20 +15,38 @@ import torch.nn.functional as F
 
 from loongtrain.attention import shard_sequence
 from loongtrain.attention.sharding import check_sequence_length
+from loongtrain.data.batch import Microbatch
 from loongtrain.data.recall import IGNORE_INDEX
 from loongtrain.parallel import ParallelState
+
+
+@dataclass(frozen=True)
+class ShardedBatch:
+    """This rank's shard of a :class:`Microbatch`: what the model and the loss take."""
+
+    tokens: torch.Tensor  # [B, S/sp]
+    labels: torch.Tensor  # [B, S/sp]
+    positions: torch.Tensor  # [1, S/sp] RoPE positions (restarting per document)
+    cu_seqlens: torch.Tensor | None  # global document boundaries (CPU), or None
+
+
+def shard_microbatch(batch: Microbatch, state: ParallelState) -> ShardedBatch:
+    """This rank's shard of ``batch`` (tokens, labels, positions), laid out by ``state.config.balance``."""
+    check_sequence_length(batch.tokens.shape[1], state.hp, state.cp)
+    cu = batch.attention_documents
+
+    def shard(x: torch.Tensor) -> torch.Tensor:
+        return shard_sequence(x, state, cu_seqlens=cu)
+
+    return ShardedBatch(shard(batch.tokens), shard(batch.labels), shard(batch.positions()), cu)
 
 
 def shard_batch(
     tokens: torch.Tensor, labels: torch.Tensor, state: ParallelState
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This rank's shard of ``tokens``/``labels`` [B, S] and the matching position ids."""
-    if tokens.shape != labels.shape or tokens.dim() != 2:
-        raise ValueError(f"tokens {tuple(tokens.shape)} and labels {tuple(labels.shape)} must both be [B, S]")
-    seq = tokens.shape[1]
-    check_sequence_length(seq, state.config.hp, state.config.cp)
-    positions = torch.arange(seq, device=tokens.device).unsqueeze(0)
-    return shard_sequence(tokens, state), shard_sequence(labels, state), shard_sequence(positions, state)
+    """This rank's shard of unpacked ``tokens``/``labels`` [B, S] and the matching position ids."""
+    sharded = shard_microbatch(Microbatch(tokens, labels), state)
+    return sharded.tokens, sharded.labels, sharded.positions
 
 
 def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -51,29 +73,36 @@ class StepResult:
     targets: int  # target tokens in the global batch
 
 
+def as_microbatch(batch: Microbatch | tuple[torch.Tensor, torch.Tensor]) -> Microbatch:
+    """A :class:`Microbatch`, also from a plain ``(tokens, labels)`` pair."""
+    return batch if isinstance(batch, Microbatch) else Microbatch(*batch)
+
+
 def forward_backward(
     model: torch.nn.Module,
     state: ParallelState,
-    microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+    microbatches: list[Microbatch | tuple[torch.Tensor, torch.Tensor]],
     *,
     backward: bool = True,
 ) -> StepResult:
     """Forward (and backward) over this replica's ``microbatches`` of full sequences.
 
-    Each microbatch is ``(tokens, labels)`` [B, S] of this data-parallel replica (the same
-    on every rank of its sp group). With ``backward`` the gradients of the global mean
-    loss accumulate in the parameters; without it (evaluation) no graph is built.
+    Each microbatch is a :class:`Microbatch` (or a ``(tokens, labels)`` pair) [B, S] of this
+    data-parallel replica (the same on every rank of its sp group). With ``backward`` the
+    gradients of the global mean loss accumulate in the parameters; without it
+    (evaluation) no graph is built.
     """
-    shards = [shard_batch(tok, lab, state) for tok, lab in microbatches]
-    device = shards[0][0].device
+    shards = [shard_microbatch(as_microbatch(mb), state) for mb in microbatches]
+    device = shards[0].tokens.device
     # every sp rank sees its own shard, so this sums each replica's targets exactly once
-    total_targets = count_targets([lab for _, lab, _ in shards], device).item()
+    total_targets = count_targets([sb.labels for sb in shards], device).item()
     if total_targets == 0:
         raise ValueError("the batch has no target tokens (every label is IGNORE_INDEX)")
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, correct predictions
     with torch.set_grad_enabled(backward):
-        for tokens, labels, positions in shards:
-            logits = model(tokens, positions)
+        for sb in shards:
+            logits = model(sb.tokens, sb.positions, sb.cu_seqlens)
+            labels = sb.labels
             loss = lm_loss_sum(logits, labels) / total_targets
             if backward:
                 loss.backward()
