@@ -1,4 +1,4 @@
-"""The ``loongtrain`` command: ``train``, ``plan``, ``prepare``, ``demo``, ``bench attention|memory``."""
+"""The ``loongtrain`` command: ``train``, ``plan``, ``prepare``, ``demo``, ``bench attention|documents|memory``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     from loongtrain import demo
     from loongtrain.bench import attention as bench_attention
+    from loongtrain.bench import documents as bench_documents
     from loongtrain.bench import memory as bench_memory
     from loongtrain.data import prepare
     from loongtrain.planner import cli as plan_cli
@@ -38,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_attn = benches.add_parser("attention", help="scheme times and the ring decomposition overhead")
     bench_attention.add_arguments(p_attn)
     p_attn.set_defaults(run=bench_attention.main)
+    p_docs = benches.add_parser("documents", help="packed documents: work balance and time vs full causal")
+    bench_documents.add_arguments(p_docs)
+    p_docs.set_defaults(run=bench_documents.main)
     p_mem = benches.add_parser("memory", help="peak memory per rank by sp degree, checkpoint mode, ZeRO scope")
     bench_memory.add_arguments(p_mem)
     p_mem.set_defaults(run=bench_memory.main)
