@@ -1,4 +1,4 @@
-"""The ``loongtrain`` command: ``train``, ``plan``, ``prepare``, ``demo``, ``bench attention|memory``."""
+"""The ``loongtrain`` command: ``train``, ``export``, ``plan``, ``prepare``, ``demo``, ``bench attention|memory``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ def build_parser() -> argparse.ArgumentParser:
     from loongtrain.bench import attention as bench_attention
     from loongtrain.bench import memory as bench_memory
     from loongtrain.data import prepare
+    from loongtrain.hf import export
     from loongtrain.planner import cli as plan_cli
     from loongtrain.train import cli as train_cli
 
@@ -20,6 +21,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_train = commands.add_parser("train", help="train a model from a TOML config (torchrun or --nproc)")
     train_cli.add_arguments(p_train)
     p_train.set_defaults(run=train_cli.main, takes_extra=True)
+
+    p_export = commands.add_parser("export", help="write a training checkpoint as a Hugging Face model folder")
+    export.add_arguments(p_export)
+    p_export.set_defaults(run=export.main)
 
     p_plan = commands.add_parser("plan", help="rank layouts for a cluster, model and length (cost model)")
     plan_cli.add_arguments(p_plan)
