@@ -71,3 +71,27 @@ def add_tokenizer(folder: Path, vocab_size: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(folder)
+
+
+def import_and_checkpoint(folder: str, run_dir: str) -> None:
+    """The trainer's import (init_weights) on a 2D layout, then a checkpoint, no training."""
+    import dataclasses
+
+    from loongtrain.config import ModelSection
+    from loongtrain.hf.run import init_weights, model_config_for
+    from loongtrain.model import build_model
+    from loongtrain.parallelize import parallelize
+    from loongtrain.train.checkpoint import CheckpointManager
+
+    from dist_pool import cached_state
+
+    state = cached_state(hp=2, cp=2)
+    section = ModelSection(init_from=folder)
+    cfg = model_config_for(section)
+    model = build_model(cfg)
+    parallelize(model, state, checkpoint="none", zero="dp_sp")
+    init_weights(model, torch.device("cpu"), section, run_dir, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters())
+    CheckpointManager(Path(run_dir) / "checkpoints", 1).save(
+        0, model, optimizer, {"model_shape": dataclasses.asdict(cfg)}
+    )

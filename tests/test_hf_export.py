@@ -4,7 +4,6 @@ folder loads in transformers and its logits equal loongtrain's."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -13,13 +12,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from loongtrain.config import ModelSection, load_config
+from loongtrain.config import load_config
 from loongtrain.hf.export import export_checkpoint, model_config_of_checkpoint
 from loongtrain.hf.folder import INDEX_FILE
 from loongtrain.hf.load import inspect_folder
 from loongtrain.model import build_model
 
-from hf_tiny import FAMILIES, add_tokenizer, hf_logits, make_hf_model, rel_err
+from hf_tiny import FAMILIES, add_tokenizer, hf_logits, import_and_checkpoint, make_hf_model, rel_err
 
 pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -32,26 +31,6 @@ def _all_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _import_and_save(folder: str, run_dir: str) -> None:
-    """The trainer's import (init_weights) on a 2D layout, then a checkpoint, no training."""
-    from loongtrain.hf.run import init_weights, model_config_for
-    from loongtrain.parallelize import parallelize
-    from loongtrain.train.checkpoint import CheckpointManager
-
-    from dist_pool import cached_state
-
-    state = cached_state(hp=2, cp=2)
-    section = ModelSection(init_from=folder)
-    cfg = model_config_for(section)
-    model = build_model(cfg)
-    parallelize(model, state, checkpoint="none", zero="dp_sp")
-    init_weights(model, torch.device("cpu"), section, run_dir, seed=0)
-    optimizer = torch.optim.AdamW(model.parameters())
-    CheckpointManager(Path(run_dir) / "checkpoints", 1).save(
-        0, model, optimizer, {"model_shape": dataclasses.asdict(cfg)}
-    )
-
-
 @pytest.mark.dist
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_import_then_export_is_bit_exact(dist_pool, tmp_path, dtype):
@@ -60,7 +39,7 @@ def test_import_then_export_is_bit_exact(dist_pool, tmp_path, dtype):
         source = make_hf_model(family, tmp_path / family, seed=10 + i, dtype=dtype)
         add_tokenizer(source, 96)
         run = tmp_path / f"run-{family}"
-        pool.run(_import_and_save, str(source), str(run))
+        pool.run(import_and_checkpoint, str(source), str(run))
         out = tmp_path / f"out-{family}"
         result = export_checkpoint(run / "checkpoints" / "step-0", out, max_shard_bytes=20_000)
         assert len(result.files) > 1 and (out / INDEX_FILE).is_file(), "small shards force an index"

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from loongtrain.hf.families import hf_config_dict, require_transformers
 from loongtrain.hf.folder import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, HFFormatError
@@ -82,6 +83,17 @@ def _checkpoint_tensors(step_dir: Path) -> dict:
     return {k[len(MODEL_PREFIX) :]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(MODEL_PREFIX)}
 
 
+def _load_checkpoint_tensors(step_dir: Path, state: dict[str, torch.Tensor]) -> None:
+    try:
+        dcp.load({"model": state}, checkpoint_id=str(step_dir), no_dist=True)
+    except (CheckpointException, OSError, RuntimeError, EOFError) as e:
+        detail = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise HFFormatError(
+            f"{step_dir}: reading the checkpoint's weights failed ({detail}); the checkpoint is damaged or "
+            "incomplete, export another step-N"
+        ) from None
+
+
 def export_checkpoint(
     step_dir: str | Path, out: str | Path, dtype: str = "source", max_shard_bytes: int = 5 * 2**30
 ) -> ExportResult:
@@ -130,7 +142,7 @@ def export_checkpoint(
         weight_map = {}
         for file, group in zip(files, groups):
             state = {n: torch.empty(saved[n].size, dtype=saved[n].properties.dtype) for n in group}
-            dcp.load({"model": state}, checkpoint_id=str(step_dir), no_dist=True)
+            _load_checkpoint_tensors(step_dir, state)
             tensors = {}
             for name in group:
                 tensor = state.pop(name)
