@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -147,3 +149,27 @@ def test_export_cli_error_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("loongtrain export: checkpoint folder") and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_core_imports_without_the_hf_extra(tmp_path):
+    """transformers and safetensors are optional: the library, the trainer and the CLI
+    import without them, and init_from then says how to install them."""
+    code = (
+        "import sys\n"
+        "sys.modules['transformers'] = None\n"
+        "sys.modules['safetensors'] = None\n"
+        "import loongtrain, loongtrain.train.trainer, loongtrain.hf.attention, loongtrain.hf.export\n"
+        "from loongtrain.cli import build_parser\n"
+        "build_parser()\n"
+        "from loongtrain.config import ConfigError, load_config\n"
+        "from loongtrain.hf.run import model_config_for\n"
+        "try:\n"
+        "    model_config_for(load_config(None, ['model.init_from=FOLDER_PLACEHOLDER']).model)\n"
+        "except ConfigError as e:\n"
+        "    print(e)\n"
+    )
+    folder = make_hf_model("llama", tmp_path / "m")
+    code = code.replace("FOLDER_PLACEHOLDER", str(folder))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "pip install 'loongtrain[hf]'" in proc.stdout

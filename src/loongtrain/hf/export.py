@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 import tomllib
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,7 +86,9 @@ def _checkpoint_tensors(step_dir: Path) -> dict:
 
 def _load_checkpoint_tensors(step_dir: Path, state: dict[str, torch.Tensor]) -> None:
     try:
-        dcp.load({"model": state}, checkpoint_id=str(step_dir), no_dist=True)
+        with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the intent here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"model": state}, checkpoint_id=str(step_dir), no_dist=True)
     except (CheckpointException, OSError, RuntimeError, EOFError) as e:
         detail = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise HFFormatError(
