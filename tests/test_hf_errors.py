@@ -56,6 +56,14 @@ def _case_extra_tensor(folder: Path) -> None:
     _edit_config(folder, model_type="qwen2")  # Llama weights: the q/k/v biases are missing
 
 
+def _case_unknown_tensor(folder: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(64)  # weights config.json does not describe
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
 def _case_sliding_window(folder: Path) -> None:
     _edit_config(folder, model_type="mistral", sliding_window=16)
 
@@ -73,6 +81,8 @@ CASES = {
                       r"model.safetensors.index.json are missing"),
     "dtype": (_case_dtype, "is float32 but config.json declares dtype 'bfloat16'"),
     "tensors": (_case_extra_tensor, "tensor.* that config.json implies are missing"),
+    "unknown-tensor": (_case_unknown_tensor, r"hold 1 tensor\(s\) the config.json model does not have, e.g. "
+                       r"\['model.layers.0.self_attn.o_proj.bias'\]"),
     "sliding-window": (_case_sliding_window, "sliding-window attention .* set sliding_window to null"),
     "rope-type": (_case_rope_type, "rope_type 'dynamic' is not supported"),
 }  # fmt: skip

@@ -74,6 +74,7 @@ EXTENSIONS = {
 
 
 @pytest.mark.dist
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the test's own one-process DCP load
 def test_export_after_training_loads_in_transformers(dist_pool, tmp_path):
     from loongtrain.data import write_tokens
 

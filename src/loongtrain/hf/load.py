@@ -48,17 +48,14 @@ def check_tensors(folder: str | Path, table: dict[str, TensorEntry], cfg: ModelC
     """Raise HFFormatError unless ``table`` holds exactly the tensors ``cfg`` needs, with
     their shapes, in one floating dtype (``dtype`` when config.json declares one)."""
     expected = expected_shapes(cfg)
-    if cfg.tie_embeddings:
-        expected_optional = {"lm_head.weight"}  # some tied checkpoints still store it
-    else:
-        expected_optional = set()
+    optional = {"lm_head.weight"} if cfg.tie_embeddings else set()  # some tied checkpoints still store it
     missing = sorted(set(expected) - set(table))
     if missing:
         raise HFFormatError(
             f"{folder}: {len(missing)} tensor(s) that config.json implies are missing from the safetensors files, "
             f"e.g. {missing[:4]}; the folder is incomplete or does not match its config.json"
         )
-    extra = sorted(n for n in set(table) - set(expected) - expected_optional if not n.endswith(IGNORED_SUFFIXES))
+    extra = sorted(n for n in set(table) - set(expected) - optional if not n.endswith(IGNORED_SUFFIXES))
     if extra:
         raise HFFormatError(
             f"{folder}: the safetensors files hold {len(extra)} tensor(s) the config.json model does not have, "
