@@ -1,4 +1,5 @@
-"""The ``loongtrain`` command: ``train``, ``plan``, ``prepare``, ``demo``, ``bench attention|documents|memory``."""
+"""The ``loongtrain`` command: ``train``, ``export``, ``plan``, ``prepare``, ``demo``, and
+``bench attention|documents|memory``."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
     from loongtrain.bench import documents as bench_documents
     from loongtrain.bench import memory as bench_memory
     from loongtrain.data import prepare
+    from loongtrain.hf import export
     from loongtrain.planner import cli as plan_cli
     from loongtrain.train import cli as train_cli
 
@@ -21,6 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_train = commands.add_parser("train", help="train a model from a TOML config (torchrun or --nproc)")
     train_cli.add_arguments(p_train)
     p_train.set_defaults(run=train_cli.main, takes_extra=True)
+
+    p_export = commands.add_parser("export", help="write a training checkpoint as a Hugging Face model folder")
+    export.add_arguments(p_export)
+    p_export.set_defaults(run=export.main)
 
     p_plan = commands.add_parser("plan", help="rank layouts for a cluster, model and length (cost model)")
     plan_cli.add_arguments(p_plan)

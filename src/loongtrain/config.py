@@ -47,7 +47,30 @@ class ModelSection:
     tie_embeddings: str = _f(
         "preset", "tie input and output embeddings: preset, true or false", ("preset", "true", "false")
     )
-    sliding_window: int = _f(0, "sliding-window attention: token i sees j only if i - j < this (0: keep the preset's)")
+    init_from: str = _f(
+        "", "local Hugging Face model folder (config.json + *.safetensors) to start from; replaces preset and shape"
+    )
+    rope_theta: float = _f(0.0, "override the RoPE base (0: keep the preset's or the imported model's)")
+    rope_scaling: str = _f(
+        "keep",
+        "RoPE scaling for a longer context: keep (the model's), none, linear, llama3 or yarn (as transformers)",
+        ("keep", "none", "linear", "llama3", "yarn"),
+    )
+    rope_factor: float = _f(1.0, "rope_scaling: context growth factor (e.g. 4 for 4x)")
+    rope_original_max_positions: int = _f(
+        0, "llama3/yarn: pretraining context length (0: the imported model's max_position_embeddings)"
+    )
+    rope_low_freq_factor: float = _f(1.0, "llama3: low_freq_factor")
+    rope_high_freq_factor: float = _f(4.0, "llama3: high_freq_factor")
+    rope_beta_fast: float = _f(32.0, "yarn: beta_fast")
+    rope_beta_slow: float = _f(1.0, "yarn: beta_slow")
+    rope_attention_factor: float = _f(0.0, "yarn: cos/sin multiplier (0: 0.1 * ln(factor) + 1)")
+    max_positions: int = _f(
+        0, "context length written as max_position_embeddings on export (0: original x factor, or the model's)"
+    )
+    sliding_window: int = _f(
+        0, "sliding-window attention: token i sees j only if i - j < this (0: keep the preset's or imported model's)"
+    )
 
     def overrides(self) -> dict:
         out = {
@@ -263,10 +286,40 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"parallel.cp={cfg.parallel.cp} is not divisible by parallel.window={cfg.parallel.window}")
     if cfg.data.source == "tokens" and not cfg.data.path:
         raise ConfigError("data.source='tokens' needs data.path (a token file from `loongtrain prepare`)")
+    _validate_model_section(cfg.model)
     if cfg.data.recall_facts > cfg.data.recall_keys:
         raise ConfigError(
             f"data.recall_facts={cfg.data.recall_facts} exceeds data.recall_keys={cfg.data.recall_keys}: "
             "keys of one sequence must be distinct"
+        )
+
+
+def _validate_model_section(m: ModelSection) -> None:
+    """The [model] checks: shape overrides vs init_from, and the context-extension keys."""
+    if m.init_from:
+        # a sliding window may be set on an imported model (it changes the attention, not the shapes)
+        changed = sorted(k for k in m.overrides() if k != "sliding_window")
+        changed += ["preset"] if m.preset != ModelSection.preset else []
+        if changed:
+            raise ConfigError(
+                f"model.init_from={m.init_from!r} takes the model's shape from its config.json; remove "
+                f"model.{', model.'.join(changed)}"
+            )
+    for name in ("rope_theta", "rope_original_max_positions", "rope_attention_factor", "max_positions"):
+        if getattr(m, name) < 0:
+            raise ConfigError(f"model.{name}={getattr(m, name)} must not be negative")
+    if m.rope_scaling in ("keep", "none"):
+        if m.rope_factor != 1.0:
+            raise ConfigError(
+                f"model.rope_factor={m.rope_factor} has no effect with model.rope_scaling={m.rope_scaling!r}; "
+                "set model.rope_scaling to linear, llama3 or yarn"
+            )
+    elif m.rope_factor < 1.0:
+        raise ConfigError(f"model.rope_factor={m.rope_factor} must be >= 1 (the context grows by this factor)")
+    if m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        raise ConfigError(
+            f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
+            f"model.rope_low_freq_factor={m.rope_low_freq_factor}"
         )
 
 

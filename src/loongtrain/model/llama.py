@@ -1,5 +1,10 @@
 """A Llama-style decoder: RMSNorm, RoPE from position ids, SwiGLU MLP, MHA or GQA.
 
+Options for the Hugging Face families (``loongtrain.hf``): q/k/v biases (Qwen2), an
+RMSNorm over each q/k head before RoPE (Qwen3), a head size other than dim / n_heads,
+RoPE scaled for a longer context (linear, llama3, yarn; :mod:`loongtrain.model.rope`),
+and a sliding window (Mistral).
+
 The model knows nothing of parallelism. Its attention calls
 ``attention_fn(q, k, v, cu_seqlens=..., window_size=...)`` on ``[B, S, H, d]`` /
 ``[B, S, G, d]`` tensors with RoPE applied; the default is causal attention over the
@@ -20,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from loongtrain.attention.local import masked_attention
-from loongtrain.model.config import ModelConfig
+from loongtrain.model.config import ModelConfig, RopeScaling
+from loongtrain.model.rope import rope_frequencies
 
 Tensor = torch.Tensor
 AttentionFn = Callable[..., Tensor]
@@ -51,11 +57,15 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def rope_tables(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+def rope_tables(
+    positions: Tensor, head_dim: int, theta: float, scaling: RopeScaling | None = None
+) -> tuple[Tensor, Tensor]:
     """cos/sin [*positions.shape, head_dim/2] (float32) for integer ``positions``."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    inv_freq, multiplier = rope_frequencies(head_dim, theta, scaling, positions.device)
     angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq
-    return angles.cos(), angles.sin()
+    if multiplier == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * multiplier, angles.sin() * multiplier
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -70,17 +80,23 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.window = cfg.sliding_window or None
+        # Qwen3: RMSNorm over each head of q and k (weights shared by the heads)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.attention_fn: AttentionFn = sdpa_attention
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
         b, s, _ = x.shape
-        q = apply_rope(self.wq(x).view(b, s, self.n_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.wk(x).view(b, s, self.n_kv_heads, self.head_dim), cos, sin)
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim)
+        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
         out = self.attention_fn(q, k, v, cu_seqlens=cu_seqlens, window_size=self.window)
         return self.wo(out.reshape(b, s, -1))
@@ -130,7 +146,7 @@ class Transformer(nn.Module):
     def forward(self, tokens: Tensor, positions: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
         if positions.dim() == 1:
             positions = positions.unsqueeze(0)
-        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
+        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin, cu_seqlens)
@@ -147,12 +163,14 @@ def _param_seed(seed: int, name: str) -> int:
 def init_value(cfg: ModelConfig, name: str, shape: torch.Size, seed: int, device: torch.device) -> Tensor:
     """The full initial value of parameter ``name``: a function of (seed, name) only.
 
-    Norm weights are ones; the residual-branch outputs (``wo``, ``w2``) use a std scaled
+    Norm weights are ones, biases zeros; the residual-branch outputs (``wo``, ``w2``) use a std scaled
     by ``1/sqrt(2 * n_layers)``; everything else ``N(0, init_std)``. Independent of how
     the model is sharded, so every layout starts from the same weights.
     """
     if name.endswith("norm.weight"):
         return torch.ones(shape, device=device)
+    if name.endswith(".bias"):
+        return torch.zeros(shape, device=device)
     std = cfg.init_std
     if name.endswith(("wo.weight", "w2.weight")):
         std = std / (2 * cfg.n_layers) ** 0.5

@@ -21,9 +21,10 @@ from loongtrain.attention.sharding import check_sequence_length
 from loongtrain.config import ConfigError, TrainConfig, to_toml
 from loongtrain.data import BatchLoader, PackedRecallTask, RecallTask, TokenFile, TokenFileError, TokenFileSource
 from loongtrain.data.loader import rows_per_microbatch
-from loongtrain.model import ModelConfig, build_model, model_config
+from loongtrain.hf.run import init_weights, model_config_for
+from loongtrain.model import ModelConfig, build_model
 from loongtrain.parallel import ParallelConfig, init_parallel
-from loongtrain.parallelize import check_model_fits, materialize, parallelize
+from loongtrain.parallelize import check_model_fits, parallelize
 from loongtrain.train.checkpoint import CheckpointManager, check_model_shape
 from loongtrain.train.metrics import (
     MetricsWriter,
@@ -99,7 +100,7 @@ def preflight(cfg: TrainConfig, world_size: int) -> Plan:
     try:
         layout = parallel_config(cfg)
         dp = layout.resolve_dp(world_size)
-        mcfg = model_config(cfg.model.preset, **cfg.model.overrides())
+        mcfg = model_config_for(cfg.model)  # a preset or the [model] init_from HF folder, with the RoPE keys
         check_model_fits(mcfg, layout.hp)
         check_sequence_length(cfg.data.seq_len, layout.hp, layout.cp)
         rows_per_microbatch(cfg.data.global_batch, dp, cfg.data.micro_batches)
@@ -190,7 +191,7 @@ def train(device: torch.device, cfg: TrainConfig, plan: Plan) -> TrainResult:
         zero=cfg.parallel.zero, param_dtype=None if param_dtype == torch.float32 else param_dtype,
         reshard_after_forward=cfg.parallel.reshard_after_forward,
     )  # fmt: skip
-    materialize(model, device, seed=cfg.run.seed)
+    init_weights(model, device, cfg.model, run_dir, seed=cfg.run.seed)  # random, or the init_from HF weights
     o = cfg.optim
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
