@@ -216,15 +216,22 @@ class MaskPlan:
             )
         return found
 
-    def empty_steps(self, window: int) -> list[tuple[int, int]]:
+    @functools.cached_property
+    def _empty_steps(self) -> dict[int, frozenset[tuple[int, int]]]:
+        return {}
+
+    def empty_steps(self, window: int) -> frozenset[tuple[int, int]]:
         """Ring steps ``(outer, inner)`` at which no rank of the context group computes anything."""
-        cp = self.sharding.cp
-        return [
-            (j, s)
-            for j in range(cp // window)
-            for s in range(window)
-            if not any(self.calls(c, ring_source(c, cp, window, j, s)) for c in range(cp))
-        ]
+        found = self._empty_steps.get(window)
+        if found is None:
+            cp = self.sharding.cp
+            found = self._empty_steps[window] = frozenset(
+                (j, s)
+                for j in range(cp // window)
+                for s in range(window)
+                if not any(self.calls(c, ring_source(c, cp, window, j, s)) for c in range(cp))
+            )
+        return found
 
 
 @functools.lru_cache(maxsize=32)
