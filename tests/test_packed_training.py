@@ -121,3 +121,24 @@ def test_unsharded_model_masks_documents():
     got = mine(tokens, positions, torch.tensor(cu))
     assert _rel(got, want) < 1e-5
     assert _rel(mine(tokens, positions), want) > 1e-2  # without the boundaries it is another model
+
+
+def _disagreeing_batches() -> str:
+    from loongtrain.train.step import forward_backward as step
+
+    state = cached_state(cp=2)
+    model = parallelize(build_model(model_config("debug")), state, zero="dp_sp")
+    materialize(model, torch.device("cpu"), SEED)
+    tokens = torch.zeros(1, 32, dtype=torch.long)
+    cu = torch.tensor([0, 10, 32] if state.rank == 0 else [0, 12, 32])
+    try:
+        step(model, state, [Microbatch(tokens, tokens, cu)])
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.dist
+def test_ranks_given_different_batches_are_told_on_every_rank(dist_pool):
+    for message in dist_pool(2).run(_disagreeing_batches):
+        assert "ranks of sequence-parallel group [0, 1] were given different batches" in message
