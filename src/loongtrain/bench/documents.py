@@ -116,7 +116,9 @@ def _timed(state, full, cu, balance, device, reps: int) -> float:
 def _bench_rank(device: torch.device, args: argparse.Namespace, cases: dict, rows: list) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     full = make_inputs(1, args.seq, args.heads, args.kv_heads, args.head_dim, getattr(torch, args.dtype))
-    layouts = {"ring": ParallelConfig(cp=world), f"2D 2x{world // 2}": ParallelConfig(hp=2, cp=world // 2)}
+    layouts = {"ring": ParallelConfig(cp=world)}
+    if world >= 4 and world % 2 == 0:
+        layouts[f"2D 2x{world // 2}"] = ParallelConfig(hp=2, cp=world // 2)
     if rank == 0:
         print(f"\n[2] {world} processes: forward+backward seconds (best of {args.reps}), ratio to full causal")
         print(f"{'layout':10s} {'documents':12s} {'balance':10s} {'f+b s':>8s} {'vs causal':>9s}")
