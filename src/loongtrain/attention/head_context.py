@@ -56,6 +56,12 @@ def check_mask_inputs(
     return None if boundaries is None else torch.tensor(boundaries, dtype=torch.int64)
 
 
+def _as_cpu_boundaries(cu_seqlens) -> Tensor | None:
+    if cu_seqlens is None or isinstance(cu_seqlens, Tensor):
+        return None if cu_seqlens is None else cu_seqlens.to("cpu", torch.int64)
+    return torch.tensor(list(cu_seqlens), dtype=torch.int64)
+
+
 def check_attention_inputs(
     q: Tensor, k: Tensor, v: Tensor, state: ParallelState, causal: bool, softmax_scale: float | None
 ) -> None:
@@ -141,9 +147,14 @@ def head_context_attention(
             cu_seqlens=..., balance=...)``): ``"zigzag"`` or ``"documents"``; ``None``
             takes ``state.config.balance``.
     """
-    check_attention_inputs(q, k, v, state, causal, softmax_scale)
     balance = balance or state.config.balance
-    cu = check_mask_inputs(q.shape[1] * state.sp, state, cu_seqlens, window_size, balance)
+    if torch.compiler.is_compiling():
+        # Under torch.compile the checks that read values (the boundaries, a kernel table)
+        # stay out of the graph; the ops check the boundaries themselves when they run.
+        cu = _as_cpu_boundaries(cu_seqlens)
+    else:
+        check_attention_inputs(q, k, v, state, causal, softmax_scale)
+        cu = check_mask_inputs(q.shape[1] * state.sp, state, cu_seqlens, window_size, balance)
     window = window_size or 0
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     if state.hp == 1:

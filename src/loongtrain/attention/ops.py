@@ -7,7 +7,10 @@
 Being operators (not autograd Functions) makes them visible to PyTorch's selective
 activation checkpointing: a policy can mark them MUST_SAVE, so a recomputed block gets
 their outputs back with no communication and no attention compute (Selective
-Checkpoint++). Ops take the ParallelState by its registry key.
+Checkpoint++). Each backward is a custom op too (``*_backward``), so ``torch.compile``
+sees forward and backward as opaque calls with fake (shape-only) implementations and
+never traces communication or the mask planning. Ops take the ParallelState by its
+registry key.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 
 from loongtrain.attention.blocks import accum_dtype
 from loongtrain.attention.comm import all_gather_flat, head_to_seq, seq_to_head
-from loongtrain.attention.documents import is_plain
+from loongtrain.attention.documents import as_boundaries, is_plain
 from loongtrain.attention.double_ring import RingSetup, ring_backward, ring_forward
 from loongtrain.attention.mask_plan import MaskPlan, mask_plan
 from loongtrain.attention.sharding import BALANCES, sequence_sharding
@@ -46,7 +49,7 @@ def masks_for(
     """The mask plan of a ring over ``context_len = S / cp`` tokens per context rank, or
     None for the plain causal/full zigzag ring."""
     seq_len = context_len * state.cp
-    boundaries = _boundaries(cu_seqlens)
+    boundaries = as_boundaries(cu_seqlens, seq_len)  # checked here too: under torch.compile only the ops see values
     sliding = window if 0 < window < seq_len else None
     if balance == "zigzag" and is_plain(boundaries, sliding, seq_len):
         return None
@@ -98,7 +101,7 @@ def head_scatter(
         kv = kv.repeat_interleave(hp // groups, dim=-2)
     q_pending = seq_to_head(q, state, "fwd.all_to_all")
     kv_pending = seq_to_head(kv, state, "fwd.all_to_all")
-    return q_pending.wait(), kv_pending.wait()
+    return q_pending.wait().contiguous(), kv_pending.wait().contiguous()
 
 
 @head_scatter.register_fake
@@ -114,15 +117,29 @@ def _head_scatter_setup(ctx, inputs, output) -> None:
     ctx.state_key, ctx.groups = state_key, k.shape[2]
 
 
-def _head_scatter_backward(ctx, dq_h: Tensor, dkv_h: Tensor):
-    state = state_by_key(ctx.state_key)
-    hp, groups = state.hp, ctx.groups
+@torch.library.custom_op("loongtrain::head_scatter_backward", mutates_args=())
+def head_scatter_backward(dq_h: Tensor, dkv_h: Tensor, state_key: int, groups: int) -> tuple[Tensor, Tensor]:
+    """Gradients of :func:`head_scatter`: (dq [B,S,H,d], dkv [2,B,S,G,d])."""
+    state = state_by_key(state_key)
+    hp = state.hp
     dq_pending = head_to_seq(dq_h, state, "bwd.all_to_all")
     dkv_pending = head_to_seq(dkv_h, state, "bwd.all_to_all")
     dq, dkv = dq_pending.wait(), dkv_pending.wait()
     if hp > groups:  # sum the gradients of each KV head's replicas
         two, b, s, _, d = dkv.shape
         dkv = dkv.view(two, b, s, groups, hp // groups, d).sum(dim=4, dtype=accum_dtype(dkv.dtype)).to(dkv.dtype)
+    return dq.contiguous(), dkv.contiguous()  # the fake implementations promise contiguous outputs
+
+
+@head_scatter_backward.register_fake
+def _(dq_h, dkv_h, state_key, groups):
+    hp = state_by_key(state_key).hp
+    b, s, hh, d = dq_h.shape
+    return dq_h.new_empty(b, s // hp, hh * hp, d), dkv_h.new_empty(2, b, s // hp, groups, d)
+
+
+def _head_scatter_backward(ctx, dq_h: Tensor, dkv_h: Tensor):
+    dq, dkv = head_scatter_backward(dq_h.contiguous(), dkv_h.contiguous(), ctx.state_key, ctx.groups)
     return dq, dkv[0], dkv[1], None, None, None, None, None
 
 
@@ -150,7 +167,8 @@ def ring_attention(
     state = state_by_key(state_key)
     if verify and state.verify_inputs:
         verify_same_inputs(q_h, kv_h.shape[3], state, causal, mask_signature(cu_seqlens, window, balance))
-    return ring_forward(_setup(state, q_h, causal, scale, cu_seqlens, window, balance), q_h, kv_h)
+    out, lse = ring_forward(_setup(state, q_h, causal, scale, cu_seqlens, window, balance), q_h, kv_h)
+    return out.contiguous(), lse.contiguous()
 
 
 def _setup(state: ParallelState, q_h: Tensor, causal, scale, cu_seqlens, window, balance) -> RingSetup:
@@ -172,11 +190,37 @@ def _ring_setup(ctx, inputs, output) -> None:
     ctx.cu_seqlens, ctx.window, ctx.balance = cu_seqlens, window, balance
 
 
+@torch.library.custom_op("loongtrain::ring_attention_backward", mutates_args=())
+def ring_attention_backward(
+    dout_h: Tensor,
+    q_h: Tensor,
+    kv_h: Tensor,
+    out_h: Tensor,
+    lse: Tensor,
+    state_key: int,
+    causal: bool,
+    scale: float,
+    cu_seqlens: Tensor | None,
+    window: int,
+    balance: str,
+) -> tuple[Tensor, Tensor]:
+    """Gradients of :func:`ring_attention`: (dq_h, dkv_h)."""
+    plan = _setup(state_by_key(state_key), q_h, causal, scale, cu_seqlens, window, balance)
+    dq, dkv = ring_backward(plan, dout_h.contiguous(), q_h, kv_h, out_h, lse)
+    return dq.contiguous(), dkv.contiguous()
+
+
+@ring_attention_backward.register_fake
+def _(dout_h, q_h, kv_h, out_h, lse, state_key, causal, scale, cu_seqlens, window, balance):
+    return torch.empty_like(q_h), torch.empty_like(kv_h)
+
+
 def _ring_backward(ctx, dout_h: Tensor, _dlse):
     q_h, kv_h, out_h, lse = ctx.saved_tensors
-    state = state_by_key(ctx.state_key)
-    plan = _setup(state, q_h, ctx.causal, ctx.scale, ctx.cu_seqlens, ctx.window, ctx.balance)
-    dq, dkv = ring_backward(plan, dout_h.contiguous(), q_h, kv_h, out_h, lse)
+    dq, dkv = ring_attention_backward(
+        dout_h.contiguous(), q_h, kv_h, out_h, lse, ctx.state_key, ctx.causal, ctx.scale,
+        ctx.cu_seqlens, ctx.window, ctx.balance,
+    )  # fmt: skip
     return dq, dkv, None, None, None, None, None, None, None
 
 
@@ -187,7 +231,7 @@ ring_attention.register_autograd(_ring_backward, setup_context=_ring_setup)
 @torch.library.custom_op("loongtrain::head_gather", mutates_args=())
 def head_gather(out_h: Tensor, state_key: int) -> Tensor:
     """[B, hp*S, H/hp, d] -> [B, S, H, d]."""
-    return head_to_seq(out_h, state_by_key(state_key), "fwd.all_to_all").wait()
+    return head_to_seq(out_h, state_by_key(state_key), "fwd.all_to_all").wait().contiguous()
 
 
 @head_gather.register_fake
@@ -201,8 +245,21 @@ def _head_gather_setup(ctx, inputs, output) -> None:
     ctx.state_key = inputs[1]
 
 
+@torch.library.custom_op("loongtrain::head_gather_backward", mutates_args=())
+def head_gather_backward(dout: Tensor, state_key: int) -> Tensor:
+    """Gradient of :func:`head_gather`: [B, S, H, d] -> [B, hp*S, H/hp, d]."""
+    return seq_to_head(dout, state_by_key(state_key), "bwd.all_to_all").wait().contiguous()
+
+
+@head_gather_backward.register_fake
+def _(dout, state_key):
+    hp = state_by_key(state_key).hp
+    b, s, h, d = dout.shape
+    return dout.new_empty(b, hp * s, h // hp, d)
+
+
 def _head_gather_backward(ctx, dout: Tensor):
-    return seq_to_head(dout, state_by_key(ctx.state_key), "bwd.all_to_all").wait(), None
+    return head_gather_backward(dout.contiguous(), ctx.state_key), None
 
 
 head_gather.register_autograd(_head_gather_backward, setup_context=_head_gather_setup)
