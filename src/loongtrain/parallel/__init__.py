@@ -1,8 +1,31 @@
-"""Parallel layout (pure arithmetic) and process groups."""
+"""Parallel layout (pure arithmetic) and process groups.
+
+``ParallelConfig``, ``RankLayout``, ``RankCoords`` and ``AttentionStats`` are pure; the
+process-group side (``init_parallel``, ``ParallelState``, ``RingLink``) imports torch and
+is loaded on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.layout import RankCoords, RankLayout
-from loongtrain.parallel.state import ParallelState, RingLink, init_parallel
 from loongtrain.parallel.stats import AttentionStats
 
+_LAZY = {name: "loongtrain.parallel.state" for name in ("ParallelState", "RingLink", "init_parallel")}
+
 __all__ = ["AttentionStats", "ParallelConfig", "ParallelState", "RankCoords", "RankLayout", "RingLink", "init_parallel"]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:
+    from loongtrain.parallel.state import ParallelState, RingLink, init_parallel
