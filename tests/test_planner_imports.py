@@ -10,6 +10,7 @@ import sys
 
 PURE_MODULES = [
     "loongtrain",
+    "loongtrain._lazy",
     "loongtrain.options",
     "loongtrain.model.config",
     "loongtrain.parallel.config",

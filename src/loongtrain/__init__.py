@@ -12,8 +12,9 @@ the pure modules (``loongtrain.planner``, ``loongtrain.options``, ``loongtrain.m
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from loongtrain._lazy import lazy_attributes
 
 __version__ = "0.1.0"
 
@@ -50,15 +51,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    if name in _SUBPACKAGES:
-        return importlib.import_module(f"{__name__}.{name}")
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
+__getattr__ = lazy_attributes(__name__, _EXPORTS, _SUBPACKAGES)
 
 
 def __dir__() -> list[str]:

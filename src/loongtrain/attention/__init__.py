@@ -6,8 +6,9 @@ package (``schedule``) can be imported without torch.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from loongtrain._lazy import lazy_attributes
 
 _LAZY = {
     "head_context_attention": "loongtrain.attention.head_context",
@@ -18,12 +19,7 @@ _LAZY = {
 __all__ = ["head_context_attention", "shard_sequence", "unshard_sequence"]
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
 
 if TYPE_CHECKING:

@@ -6,9 +6,9 @@ loaded on first use.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
+from loongtrain._lazy import lazy_attributes
 from loongtrain.model.config import PRESETS, ModelConfig, model_config
 
 _LAZY = {name: "loongtrain.model.llama" for name in ("Transformer", "build_model", "init_value", "sdpa_attention")}
@@ -16,12 +16,7 @@ _LAZY = {name: "loongtrain.model.llama" for name in ("Transformer", "build_model
 __all__ = ["PRESETS", "ModelConfig", "Transformer", "build_model", "init_value", "model_config", "sdpa_attention"]
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
 
 if TYPE_CHECKING:

@@ -7,9 +7,9 @@ is loaded on first use.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
+from loongtrain._lazy import lazy_attributes
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.layout import RankCoords, RankLayout
 from loongtrain.parallel.stats import AttentionStats
@@ -19,12 +19,7 @@ _LAZY = {name: "loongtrain.parallel.state" for name in ("ParallelState", "RingLi
 __all__ = ["AttentionStats", "ParallelConfig", "ParallelState", "RankCoords", "RankLayout", "RingLink", "init_parallel"]
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
 
 if TYPE_CHECKING:

@@ -39,7 +39,11 @@ def describe_topology(t: Topology, hp: int, cp: int, window: int) -> str:
     else:
         rings = []
     for ring, label in rings:
-        where = f"crosses nodes ({ring.off_node} hops per node share its NICs)" if ring.crosses else "stays in a node"
+        where = (
+            f"crosses nodes ({ring.off_node} hops leave a node, {ring.per_nic} per NIC)"
+            if ring.crosses
+            else "stays in a node"
+        )
         parts.append(f"{label} {where}")
     return "; ".join(parts) if parts else "no attention communication"
 
