@@ -256,3 +256,17 @@ def test_fit_cluster_from_synthetic_measurements():
     assert spec.overlap == pytest.approx(0.5)
     assert (spec.peak_tflops, spec.matmul_tflops) == pytest.approx((0.05, 0.02))
     assert set(comments) <= set(spec.__dataclass_fields__)
+
+
+def test_validation_probe_and_drift_rescaling():
+    from loongtrain.planner.validation import probe_seconds, rescaled
+
+    local = replace(A100, name="local", attn_wave_rows=0.0, kernel_bwd_overhead_us=30.0)
+    flops = 2.0 * 2048 * 2048 * 8 * 64  # half of a 2048 x 2048 block, 8 heads of 64
+    fwd, bwd = probe_seconds(local, 8, 64)
+    assert fwd == pytest.approx(20e-6 + flops / 215.6e12)
+    assert bwd == pytest.approx(30e-6 + 2.5 * flops / 182.2e12)
+    # the machine runs the probe 2x (forward) and 3x (backward) slower than calibrated
+    slower = rescaled(local, (2 * fwd, 3 * bwd), (fwd, bwd))
+    assert probe_seconds(slower, 8, 64) == pytest.approx((2 * fwd, 3 * bwd))
+    assert (slower.intra_bw_gbs, slower.hop_sync_us) == (local.intra_bw_gbs, local.hop_sync_us)

@@ -94,7 +94,7 @@ def measure_comm(reps: int) -> dict:
     return out
 
 
-def _time_block(tokens: int, kind, heads: int, head_dim: int, reps: int, gen) -> tuple[float, float]:
+def time_block(tokens: int, kind, heads: int, head_dim: int, reps: int, gen) -> tuple[float, float]:
     """Forward and backward seconds of one ring step of ``kind`` on ``tokens`` local tokens."""
     from loongtrain.attention.blocks import OutputAccumulator, add_kv_grad, backward_block, forward_block
     from loongtrain.attention.schedule import BlockKind
@@ -125,7 +125,7 @@ def measure_blocks(heads: int, head_dim: int, reps: int) -> dict:
     shapes = [(s, BlockKind.KV_FIRST_HALF) for s in NONCAUSAL_TOKENS] + [(s, BlockKind.DIAGONAL) for s in CAUSAL_TOKENS]
     for tokens, kind in shapes:
         flops = 2.0 * tokens * tokens * heads * head_dim  # half of a tokens x tokens block
-        fwd_s, bwd_s = _time_block(tokens, kind, heads, head_dim, reps, gen)
+        fwd_s, bwd_s = time_block(tokens, kind, heads, head_dim, reps, gen)
         out["fwd"].append((flops, fwd_s, kind is BlockKind.DIAGONAL))
         out["bwd"].append((flops, bwd_s, kind is BlockKind.DIAGONAL))
     return out

@@ -13,9 +13,24 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from loongtrain.bench.calibrate import load_average
+from loongtrain.bench.calibrate import load_average, time_block
 from loongtrain.planner.specs import ClusterSpec
-from loongtrain.planner.validation import MEDIAN_ERROR_TARGET, predict, summarize, validation_layouts
+from loongtrain.planner.validation import (
+    MEDIAN_ERROR_TARGET,
+    PROBE_TOKENS,
+    predict,
+    probe_seconds,
+    rescaled,
+    summarize,
+    validation_layouts,
+)
+
+
+def _probe(args: argparse.Namespace, gen: torch.Generator) -> tuple[float, float]:
+    """Forward and backward seconds of the calibration's probe block, every rank at once."""
+    from loongtrain.attention.schedule import BlockKind
+
+    return time_block(PROBE_TOKENS, BlockKind.KV_FIRST_HALF, args.heads, args.head_dim, args.reps, gen)
 
 
 def _validate_rank(device: torch.device, args: argparse.Namespace, cluster: ClusterSpec) -> None:
@@ -40,16 +55,23 @@ def _validate_rank(device: torch.device, args: argparse.Namespace, cluster: Clus
             flush=True,
         )
     states = [init_parallel(layout.parallel_config(), verify_inputs=False, zero_scopes=()) for _, layout in layouts]
+    gen = torch.Generator().manual_seed(rank)
+    probes = [_probe(args, gen)]
     times: list[list[tuple[float, float]]] = [[] for _ in layouts]
     for _ in range(args.rounds):  # rounds spread each layout's runs over time (the machine is noisy)
         for i, state in enumerate(states):
             run = run_sharded_attention(state, full, device, reps=args.reps)
             times[i].append((run.fwd_s, run.bwd_s))
+    probes.append(_probe(args, gen))
+    measured_probe = (statistics.mean(f for f, _ in probes), statistics.mean(b for _, b in probes))
+    predicted_probe = probe_seconds(cluster, args.heads, args.head_dim)
+    now = rescaled(cluster, measured_probe, predicted_probe)
     rows = []
     for (name, layout), samples in zip(layouts, times):
         fwd = statistics.median(f for f, _ in samples)
         bwd = statistics.median(b for _, b in samples)
-        p_fwd, p_bwd = predict(cluster, layout, args.seq, args.heads, args.kv_heads, args.head_dim, e)
+        p_fwd, p_bwd = predict(now, layout, args.seq, args.heads, args.kv_heads, args.head_dim, e)
+        raw_fwd, raw_bwd = predict(cluster, layout, args.seq, args.heads, args.kv_heads, args.head_dim, e)
         measured, predicted = fwd + bwd, p_fwd + p_bwd
         row = {
             "layout": name,
@@ -58,6 +80,7 @@ def _validate_rank(device: torch.device, args: argparse.Namespace, cluster: Clus
             "predicted_fwd_s": p_fwd,
             "predicted_bwd_s": p_bwd,
             "error": (predicted - measured) / measured,
+            "error_without_rescaling": (raw_fwd + raw_bwd - measured) / measured,
         }
         rows.append(row)
         if rank == 0:
@@ -69,7 +92,14 @@ def _validate_rank(device: torch.device, args: argparse.Namespace, cluster: Clus
     if rank != 0:
         return
     summary = summarize(rows)
+    summary["median_abs_error_without_rescaling"] = statistics.median(abs(r["error_without_rescaling"]) for r in rows)
+    summary["probe_drift"] = [m / p for m, p in zip(measured_probe, predicted_probe)]
     print(f"load average {load_start:.1f} before, {load_average():.1f} after (other processes share the cores)")
+    print(
+        f"drift since calibration (probe block: {PROBE_TOKENS} tokens, measured / predicted): forward "
+        f"x{summary['probe_drift'][0]:.2f}, backward x{summary['probe_drift'][1]:.2f}; predictions above use the "
+        f"rescaled rates; without rescaling the median |error| is {summary['median_abs_error_without_rescaling']:.1%}"
+    )
     print(
         f"median |error| {summary['median_abs_error']:.1%} (target <= {MEDIAN_ERROR_TARGET:.0%}: "
         f"{'met' if summary['median_ok'] else 'MISSED'}); predicted fastest: {summary['predicted_fastest']}; "

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loongtrain.model.config import ModelConfig
-from loongtrain.options import CHECKPOINT_MODES, check_checkpoint_mode, check_zero_scope
+from loongtrain.options import CHECKPOINT_MODES, PLACEMENTS, ZERO_SCOPES, check_checkpoint_mode, check_zero_scope
 from loongtrain.parallel.layout import check_head_split, check_sequence_length
 from loongtrain.planner.cost import Candidate, Workload
 from loongtrain.planner.estimate import Estimate, estimate
@@ -53,7 +53,7 @@ def zero_scopes(dp: int, sp: int) -> tuple[str, ...]:
         return ("none", "dp_sp")
     if sp == 1:
         return ("none", "dp")
-    return ("none", "dp", "sp", "dp_sp")
+    return ZERO_SCOPES
 
 
 def check_devices(c: ClusterSpec, devices: int) -> None:
@@ -98,7 +98,7 @@ def enumerate_layouts(m: ModelConfig, w: Workload, devices: int) -> list[Candida
                 continue
             cp = sp // hp
             windows = [x for x in divisors(cp) if x < cp] or [1]
-            placements = ("head_first", "context_first") if hp > 1 and cp > 1 else ("head_first",)
+            placements = PLACEMENTS if hp > 1 and cp > 1 else ("head_first",)
             for window in windows:
                 for placement in placements:
                     for zero in zero_scopes(dp, sp):

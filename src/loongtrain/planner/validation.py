@@ -4,18 +4,26 @@ each, and the summary of measured against predicted. Pure (the measuring side is
 
 Targets: median absolute error of forward+backward at most 15%, and the layout
 predicted fastest among the two measured fastest.
+
+The machine is shared: how fast its cores run for these processes drifts with other
+users' load between ``--calibrate`` and ``--validate``. So validation times a probe (the
+calibration's non-causal ring-step block, every rank at once) around its runs and
+rescales the cluster's attention rates by measured / predicted probe time; it reports
+the errors with that rescaling and without it.
 """
 
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 
 from loongtrain.model.config import ModelConfig
-from loongtrain.planner.cost import Candidate, Workload, attention_seconds, candidate_topology
+from loongtrain.planner.cost import Candidate, Workload, attention_seconds, block_seconds, candidate_topology
 from loongtrain.planner.search import head_degree_ok
 from loongtrain.planner.specs import ClusterSpec
 
 MEDIAN_ERROR_TARGET = 0.15
+PROBE_TOKENS = 2048  # local tokens of the drift probe's block (one of the calibration's sizes)
 
 
 def validation_layouts(world: int, heads: int, kv_heads: int) -> list[tuple[str, Candidate]]:
@@ -47,6 +55,28 @@ def predict(
     topo = candidate_topology(c, candidate)
     t = attention_seconds(c, w, candidate, topo)
     return t.fwd, t.bwd
+
+
+def probe_seconds(c: ClusterSpec, heads: int, head_dim: int, tokens: int = PROBE_TOKENS) -> tuple[float, float]:
+    """Predicted (forward, backward) seconds of the probe: one non-causal half block of a
+    context rank holding ``tokens`` tokens (calibration's ``KV_FIRST_HALF`` step)."""
+    model = ModelConfig(vocab_size=8, dim=heads * head_dim, n_layers=1, n_heads=heads, n_kv_heads=heads)
+    bt = block_seconds(c, Workload(model, 2 * tokens, dtype_bytes=4), 1, 2)
+    return bt.kernel_fwd, bt.kernel_bwd
+
+
+def rescaled(c: ClusterSpec, measured: tuple[float, float], predicted: tuple[float, float]) -> ClusterSpec:
+    """``c`` with its attention kernels (rates and per-call overheads) slowed by measured /
+    predicted probe time, forward and backward separately."""
+    slow_fwd, slow_bwd = measured[0] / predicted[0], measured[1] / predicted[1]
+    bwd_overhead = c.kernel_bwd_overhead_us if c.kernel_bwd_overhead_us is not None else c.kernel_overhead_us
+    return replace(
+        c,
+        attn_fwd_tflops=c.attn_fwd_tflops / slow_fwd,
+        attn_bwd_tflops=c.attn_bwd_tflops / slow_bwd,
+        kernel_overhead_us=c.kernel_overhead_us * slow_fwd,
+        kernel_bwd_overhead_us=bwd_overhead * slow_bwd,
+    )
 
 
 def summarize(rows: list[dict]) -> dict:
