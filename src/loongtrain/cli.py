@@ -1,4 +1,5 @@
-"""The ``loongtrain`` command: ``train``, ``plan``, ``prepare``, ``demo``, ``bench attention|memory``.
+"""The ``loongtrain`` command: ``train``, ``export``, ``plan``, ``prepare``, ``demo``, and
+``bench attention|documents|memory``.
 
 Each command's module is imported only when that command runs (or shows its help), so
 ``loongtrain plan`` does not pay for torch.
@@ -13,12 +14,14 @@ import sys
 # command -> (module with add_arguments/main, one-line help, main takes the unparsed extra args)
 COMMANDS: dict[str, tuple[str, str, bool]] = {
     "train": ("loongtrain.train.cli", "train a model from a TOML config (torchrun or --nproc)", True),
+    "export": ("loongtrain.hf.export", "write a training checkpoint as a Hugging Face model folder", False),
     "plan": ("loongtrain.planner.cli", "rank layouts for a cluster, model and length (cost model)", False),
     "prepare": ("loongtrain.data.prepare", "turn text files into a token file", False),
     "demo": ("loongtrain.demo", "distributed attention on local processes vs full attention", False),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "attention": ("loongtrain.bench.attention", "scheme times and the ring decomposition overhead"),
+    "documents": ("loongtrain.bench.documents", "packed documents: work balance and time vs full causal"),
     "memory": ("loongtrain.bench.memory", "peak memory per rank by sp degree, checkpoint mode, ZeRO scope"),
 }
 

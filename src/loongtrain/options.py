@@ -11,6 +11,7 @@ Placement = Literal["head_first", "context_first"]
 ContextOrder = Literal["contiguous", "interleaved"]
 CheckpointMode = Literal["none", "full", "sc++"]
 ZeroScope = Literal["none", "dp", "sp", "dp_sp"]
+Balance = Literal["zigzag", "documents"]
 
 #: ``head_first``: a head group on consecutive ranks; ``context_first``: a context group.
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
@@ -20,6 +21,8 @@ CONTEXT_ORDERS: tuple[str, ...] = get_args(ContextOrder)
 CHECKPOINT_MODES: tuple[str, ...] = get_args(CheckpointMode)
 #: where model states are sharded: nowhere, across dp, within the sp group, over every rank.
 ZERO_SCOPES: tuple[str, ...] = get_args(ZeroScope)
+#: how sequence chunks are assigned to context ranks (see ``loongtrain.attention.balance``).
+BALANCES: tuple[str, ...] = get_args(Balance)
 
 
 def check_checkpoint_mode(mode: str, every: int = 1) -> None:

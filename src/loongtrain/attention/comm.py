@@ -79,13 +79,13 @@ def all_to_all_start(
 def seq_to_head(x: torch.Tensor, state: ParallelState, kind: str) -> Pending:
     """Start the head all-to-all scattering heads and gathering sequence:
     [*b, S, H, d] -> (on ``wait()``) [*b, hp*S, H/hp, d]."""
-    hp = state.config.hp
+    hp = state.hp
     return all_to_all_start(pack_seq_to_head(x, hp), state.head_group, state.stats, kind, unpack_seq_to_head)
 
 
 def head_to_seq(x: torch.Tensor, state: ParallelState, kind: str) -> Pending:
     """Start the inverse all-to-all: [*b, hp*S, Hh, d] -> (on ``wait()``) [*b, S, hp*Hh, d]."""
-    hp = state.config.hp
+    hp = state.hp
     return all_to_all_start(pack_head_to_seq(x, hp), state.head_group, state.stats, kind, unpack_head_to_seq)
 
 

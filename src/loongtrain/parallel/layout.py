@@ -41,9 +41,9 @@ def check_head_split(heads: int, kv_heads: int, hp: int) -> None:
 
 
 def check_sequence_length(seq_len: int, hp: int, cp: int) -> None:
-    """Raise ValueError unless ``seq_len`` can be zigzag-sharded over ``hp x cp`` ranks:
-    ``seq_len % (2 * hp * cp) == 0`` (the sequence is cut into ``2*cp`` chunks, each split
-    over ``hp`` ranks)."""
+    """Raise ValueError unless ``seq_len`` can be sharded over ``hp x cp`` ranks:
+    ``seq_len % (2 * hp * cp) == 0`` (zigzag cuts it into ``2*cp`` chunks, each split over
+    ``hp`` ranks; the document balance needs the same multiple)."""
     multiple = 2 * hp * cp
     if seq_len <= 0 or seq_len % multiple != 0:
         padded = max(multiple, -(-seq_len // multiple) * multiple)

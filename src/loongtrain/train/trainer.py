@@ -19,11 +19,12 @@ import torch.distributed as dist
 
 from loongtrain.attention.sharding import check_sequence_length
 from loongtrain.config import ConfigError, TrainConfig, to_toml
-from loongtrain.data import BatchLoader, RecallTask, TokenFile, TokenFileError, TokenFileSource
+from loongtrain.data import BatchLoader, PackedRecallTask, RecallTask, TokenFile, TokenFileError, TokenFileSource
 from loongtrain.data.loader import rows_per_microbatch
-from loongtrain.model import ModelConfig, build_model, model_config
+from loongtrain.hf.run import init_weights, model_config_for
+from loongtrain.model import ModelConfig, build_model
 from loongtrain.parallel import ParallelConfig, init_parallel
-from loongtrain.parallelize import check_model_fits, materialize, parallelize
+from loongtrain.parallelize import check_model_fits, parallelize
 from loongtrain.train.checkpoint import CheckpointManager, check_model_shape
 from loongtrain.train.metrics import (
     MetricsWriter,
@@ -47,25 +48,36 @@ class Plan:
 
     layout: ParallelConfig
     model: ModelConfig
-    task: RecallTask | None  # the synthetic task, or None for a token file
+    task: RecallTask | PackedRecallTask | None  # the synthetic task, or None for a token file
 
 
 def parallel_config(cfg: TrainConfig) -> ParallelConfig:
     p = cfg.parallel
     return ParallelConfig(
-        hp=p.hp, cp=p.cp, window=p.window, placement=p.placement, dp=p.dp or None, context_order=p.context_order
-    )
+        hp=p.hp, cp=p.cp, window=p.window, placement=p.placement, dp=p.dp or None, context_order=p.context_order,
+        balance=p.balance,
+    )  # fmt: skip
 
 
-def make_source(cfg: TrainConfig) -> RecallTask | TokenFileSource:
+def make_source(cfg: TrainConfig) -> RecallTask | PackedRecallTask | TokenFileSource:
     """The configured data source (a token file is memory-mapped, so this is cheap)."""
     d = cfg.data
     if d.source == "recall":
-        return RecallTask(
+        recall = dict(
             seq_len=d.seq_len, keys=d.recall_keys, values=d.recall_values, facts=d.recall_facts,
             queries=d.recall_queries, filler=d.recall_filler, seed=d.seed,
         )  # fmt: skip
-    return TokenFileSource(TokenFile(d.path), d.seq_len, d.seed)
+        return PackedRecallTask(doc_len=d.doc_len, **recall) if d.pack else RecallTask(**recall)
+    file = TokenFile(d.path)
+    eos = None
+    if d.pack:
+        eos = d.eos_id if d.eos_id >= 0 else file.eos
+        if eos is None:
+            raise ConfigError(
+                f"data.pack=true needs the end-of-document token, but {d.path} records none (written before "
+                f"loongtrain recorded it, or by a tokenizer without one); set data.eos_id"
+            )
+    return TokenFileSource(file, d.seq_len, d.seed, eos=eos)
 
 
 def model_shape(mcfg: ModelConfig) -> dict:
@@ -88,7 +100,7 @@ def preflight(cfg: TrainConfig, world_size: int) -> Plan:
     try:
         layout = parallel_config(cfg)
         dp = layout.resolve_dp(world_size)
-        mcfg = model_config(cfg.model.preset, **cfg.model.overrides())
+        mcfg = model_config_for(cfg.model)  # a preset or the [model] init_from HF folder, with the RoPE keys
         check_model_fits(mcfg, layout.hp)
         check_sequence_length(cfg.data.seq_len, layout.hp, layout.cp)
         rows_per_microbatch(cfg.data.global_batch, dp, cfg.data.micro_batches)
@@ -97,7 +109,7 @@ def preflight(cfg: TrainConfig, world_size: int) -> Plan:
         raise
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if isinstance(source, RecallTask) and source.vocab_size > mcfg.vocab_size:
+    if isinstance(source, RecallTask | PackedRecallTask) and source.vocab_size > mcfg.vocab_size:
         raise ConfigError(
             f"the recall task needs {source.vocab_size} token ids but the model's vocabulary is "
             f"{mcfg.vocab_size}; set model.vocab_size >= {source.vocab_size} or use fewer keys/values/filler"
@@ -110,7 +122,7 @@ def preflight(cfg: TrainConfig, world_size: int) -> Plan:
         latest = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep).latest()
         if latest is not None:
             check_model_shape(latest[1], CheckpointManager.read_state(latest[1]), model_shape(mcfg))
-    return Plan(layout=layout, model=mcfg, task=source if isinstance(source, RecallTask) else None)
+    return Plan(layout=layout, model=mcfg, task=None if isinstance(source, TokenFileSource) else source)
 
 
 @dataclass
@@ -144,7 +156,7 @@ class _Progress:
 
 
 def _to(batches, device):
-    return [(t.to(device, non_blocking=True), lab.to(device, non_blocking=True)) for t, lab in batches]
+    return [mb.to(device) for mb in batches]
 
 
 def _grad_norm(model: torch.nn.Module, max_norm: float) -> float:
@@ -179,12 +191,15 @@ def train(device: torch.device, cfg: TrainConfig, plan: Plan) -> TrainResult:
         zero=cfg.parallel.zero, param_dtype=None if param_dtype == torch.float32 else param_dtype,
         reshard_after_forward=cfg.parallel.reshard_after_forward,
     )  # fmt: skip
-    materialize(model, device, seed=cfg.run.seed)
+    init_weights(model, device, cfg.model, run_dir, seed=cfg.run.seed)  # random, or the init_from HF weights
     o = cfg.optim
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
     )
-    loader = BatchLoader(make_source(cfg), cfg.data.global_batch, cfg.data.micro_batches, state.dp, state.coords.dp)
+    loader = BatchLoader(
+        make_source(cfg), cfg.data.global_batch, cfg.data.micro_batches, state.dp, state.coords.dp,
+        mask_documents=cfg.data.document_masks,
+    )  # fmt: skip
     checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep)
     start = 0
     latest = checkpoints.latest() if cfg.checkpoint.resume else None
