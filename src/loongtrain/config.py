@@ -13,6 +13,8 @@ import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from loongtrain.options import BALANCES, CHECKPOINT_MODES, CONTEXT_ORDERS, PLACEMENTS, ZERO_SCOPES
+
 
 def _f(default, help: str, choices: tuple | None = None):
     meta = {"help": help}
@@ -88,16 +90,16 @@ class ParallelSection:
     hp: int = _f(1, "head-parallel degree (Ulysses all-to-all group)")
     cp: int = _f(1, "context-parallel degree (ring group)")
     window: int = _f(1, "Double-Ring-Attention inner ring size; divides cp (1 or cp: plain ring)")
-    placement: str = _f("head_first", "rank placement", ("head_first", "context_first"))
-    context_order: str = _f("contiguous", "window membership in the context group", ("contiguous", "interleaved"))
+    placement: str = _f("head_first", "rank placement", PLACEMENTS)
+    context_order: str = _f("contiguous", "window membership in the context group", CONTEXT_ORDERS)
     balance: str = _f(
         "zigzag",
         "sequence layout over the sp group: zigzag (balanced for one document) or documents (from each packed batch)",
-        ("zigzag", "documents"),
+        BALANCES,
     )
     dp: int = _f(0, "data-parallel degree (0: world size // (hp*cp))")
-    zero: str = _f("dp_sp", "ZeRO sharding scope of model states", ("none", "dp", "sp", "dp_sp"))
-    checkpoint: str = _f("sc++", "activation checkpointing per block", ("none", "full", "sc++"))
+    zero: str = _f("dp_sp", "ZeRO sharding scope of model states", ZERO_SCOPES)
+    checkpoint: str = _f("sc++", "activation checkpointing per block", CHECKPOINT_MODES)
     checkpoint_every: int = _f(1, "checkpoint every k-th layer")
     param_dtype: str = _f("float32", "compute dtype of parameters (fp32 master copy kept)", ("float32", "bfloat16"))
     reshard_after_forward: bool = _f(True, "free gathered weights after forward (ZeRO-3); false: keep (ZeRO-2)")

@@ -27,25 +27,14 @@ from loongtrain.attention.balance import balance_documents
 from loongtrain.attention.comm import all_gather_flat
 from loongtrain.attention.documents import Boundaries, as_boundaries
 from loongtrain.attention.schedule import zigzag_chunks
-from loongtrain.parallel.config import BALANCES
+from loongtrain.options import BALANCES
+from loongtrain.parallel.layout import check_sequence_length  # the rule lives with the layout (pure)
 
 if TYPE_CHECKING:
     from loongtrain.parallel.state import ParallelState
 
 
 Ranges = tuple[tuple[int, int], ...]  # (global start, length), in local order
-
-
-def check_sequence_length(seq_len: int, hp: int, cp: int) -> None:
-    """Raise if ``seq_len`` cannot be sharded over ``hp x cp`` ranks (a multiple of 2*sp)."""
-    multiple = 2 * hp * cp
-    if seq_len <= 0 or seq_len % multiple != 0:
-        padded = max(multiple, -(-seq_len // multiple) * multiple)
-        raise ValueError(
-            f"sequence length {seq_len} is not divisible by 2*sp = 2*{hp}*{cp} = {multiple} "
-            f"(zigzag sharding cuts it into 2*cp chunks split over hp ranks); pad the "
-            f"sequence to a multiple of {multiple} (e.g. {padded})"
-        )
 
 
 def check_balance(balance: str) -> None:

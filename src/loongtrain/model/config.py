@@ -94,13 +94,38 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.head_dim_override or self.dim // self.n_heads
 
+    def layer_matmul_params(self) -> int:
+        """Weights of one layer's matmuls: the q, k, v, o projections and the SwiGLU MLP."""
+        d, q, kv = self.dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return d * q + 2 * d * kv + q * d + 3 * d * self.ffn_dim
+
+    def layer_params(self) -> int:
+        """All parameters of one layer: its matmuls, its two RMSNorm weights, and the q/k/v
+        biases (``qkv_bias``) and per-head q/k norms (``qk_norm``) when the model has them."""
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        extras = (q + 2 * kv) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
+        return self.layer_matmul_params() + 2 * self.dim + extras
+
     def num_params(self) -> int:
         """Parameter count (embeddings included; the output matrix once if tied)."""
-        d, q, kv = self.dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        per_layer = 2 * d * q + 2 * d * kv + 3 * d * self.ffn_dim + 2 * d
-        per_layer += (q + 2 * kv) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
-        embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
-        return self.n_layers * per_layer + embed + d
+        embed = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+        return self.n_layers * self.layer_params() + embed + self.dim
+
+    def flops_per_token(self, seq_len: int, *, causal: bool = True) -> float:
+        """Model FLOPs of one training token in a sequence of ``seq_len`` (forward + backward
+        = 3x forward; recomputation not counted). The one definition of model FLOPs: the
+        trainer's MFU and the planner's predicted MFU both use it.
+
+        Per layer and token the forward does ``2 * layer_matmul_params()`` in the
+        projections and MLP and ``2 * 2 * H * head_dim * ctx`` in attention (scores and the
+        weighted sum), where ``ctx`` is the number of keys a query sees: ``(S + 1) / 2`` on
+        average under a causal mask, ``S`` without one. Plus ``2 * dim * vocab`` for the
+        output layer.
+        """
+        ctx = (seq_len + 1) / 2 if causal else seq_len
+        attention = 4 * self.n_heads * self.head_dim * ctx
+        forward = self.n_layers * (2 * self.layer_matmul_params() + attention) + 2 * self.dim * self.vocab_size
+        return 3.0 * forward
 
 
 PRESETS: dict[str, ModelConfig] = {

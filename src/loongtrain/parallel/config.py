@@ -3,15 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
-Placement = Literal["head_first", "context_first"]
-ContextOrder = Literal["contiguous", "interleaved"]
-
-PLACEMENTS: tuple[str, ...] = ("head_first", "context_first")
-CONTEXT_ORDERS: tuple[str, ...] = ("contiguous", "interleaved")
-#: How sequence chunks are assigned to context ranks (see ``loongtrain.attention.balance``).
-BALANCES: tuple[str, ...] = ("zigzag", "documents")
+from loongtrain.options import BALANCES, CONTEXT_ORDERS, PLACEMENTS, ContextOrder, Placement
 
 
 def _check_positive_int(name: str, value: object) -> None:
