@@ -17,7 +17,17 @@ from loongtrain.train.checkpoint import (
     checksum_problems,
     structure_problem,
 )
-from loongtrain.train.faults import COMM, ERROR, FATAL, STALL, ProcessEnd, WorkerReport, resume_command, root_cause
+from loongtrain.train.faults import (
+    COMM,
+    ERROR,
+    FATAL,
+    RUNNING,
+    STALL,
+    ProcessEnd,
+    WorkerReport,
+    resume_command,
+    root_cause,
+)
 from loongtrain.train.run_folder import RUN_FILE, start_run, trim_metrics
 from loongtrain.train.watchdog import Beat, describe_stall
 
@@ -204,6 +214,9 @@ def test_root_cause_prefers_the_cause_over_its_victims():
     fatal = [WorkerReport(r, FATAL, "checkpoint not saved: no space left on device") for r in range(2)]
     assert root_cause(fatal + victims, killed) == "checkpoint not saved: no space left on device"
     assert root_cause(victims, [ProcessEnd(0, 1)]).startswith("rank(s) 0, 2 lost the connection")
+    # the rank that lost its connection exited first: the one that started and never reported died
+    started = [WorkerReport(0, COMM, "lost the connection"), WorkerReport(1, RUNNING, "")]
+    assert root_cause(started, [ProcessEnd(0, 1)]).startswith("rank 1 died without a word")
     # only the reports of the attempt that failed count
     old = [WorkerReport(3, ERROR, "ValueError: from attempt 0", attempt=0)]
     assert root_cause(old, [ProcessEnd(1, -9, "SIGKILL")], attempt=1).startswith("rank 1 was killed")

@@ -27,7 +27,9 @@ def _intact(folder) -> bool:
 
 
 def _checkpoints(run_dir) -> list[str]:
-    return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    """The complete step folders, oldest first (a kill during a save leaves ``step-N.partial``)."""
+    steps = [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.split("-")[-1].isdigit()]
+    return sorted(steps, key=lambda name: int(name.split("-")[1]))
 
 
 def _assert_few_lines(done, most: int = 3) -> None:
@@ -80,24 +82,25 @@ def test_ctrl_c_and_sigterm_stop_every_worker_and_say_how_to_resume(tmp_path):
 
 
 @pytest.mark.dist
-def test_a_frozen_rank_is_named_within_the_timeout(tmp_path):
+@pytest.mark.parametrize("rank", [1, 0])  # rank 0 also serves the job's store
+def test_a_frozen_rank_is_named_within_the_timeout(tmp_path, rank):
     run_dir = tmp_path / "run"
     timeout_s = 6
     job = Job.train(["--nproc", "2", *SMALL, "--run.steps", "100000", "--run.timeout_s", str(timeout_s),
                      "--run.output_dir", str(run_dir)], tmp_path)  # fmt: skip
     try:
         job.wait_for_step(run_dir, 3)
-        frozen = job.workers()[1]
+        frozen = job.workers()[rank]
         t0 = time.monotonic()
         subprocess.run(["kill", "-STOP", str(frozen)], check=True)
         done = job.wait(since=t0, timeout=120)
     finally:
         job.kill()
-    _show("SIGSTOP rank 1", done)
+    _show(f"SIGSTOP rank {rank}", done)
     assert done.returncode == 1
     _assert_few_lines(done, 1)
     line = done.stderr_lines()[0]
-    assert line.startswith("loongtrain train: rank 1 stopped answering"), line
+    assert line.startswith(f"loongtrain train: rank {rank} stopped answering"), line
     assert "raise run.timeout_s (now 6 s)" in line and "resume with: loongtrain train" in line
     # detected after the timeout plus a few heartbeats; the reporting rank kills the frozen one
     assert timeout_s < done.seconds < timeout_s + 15
@@ -165,7 +168,8 @@ def test_full_disk_stops_with_one_line_and_the_previous_checkpoint_intact(tmp_pa
         line = done.stderr_lines()[0]
         assert line.startswith("loongtrain train: checkpoint step-4 not saved: no space left on device"), line
         assert "the previous checkpoint step-2 is intact" in line
-        assert _checkpoints(run_dir) == ["step-2"] and _intact(run_dir / "checkpoints" / "step-2")
+        assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-2"], "no partial folder"
+        assert _intact(run_dir / "checkpoints" / "step-2")
         assert max(r["step"] for r in metrics(run_dir)) == 4
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)

@@ -138,10 +138,11 @@ def elastic_run(
 ) -> dict[int, Any]:  # fmt: skip
     """Run ``entry(*args)`` on ``nproc`` local workers under torchrun's elastic agent
     (``torch.distributed.launcher.api``, what ``torchrun`` itself runs): it sets each
-    worker's RANK/WORLD_SIZE/... environment, stops every worker when one fails or this
-    process gets SIGINT/SIGTERM (SIGKILL after ``shutdown_timeout_s``), and restarts the
-    whole group up to ``max_restarts`` times. Several nodes: the same call on each node
-    with ``nnodes``, a common ``rdzv_endpoint`` (host:port of one node) and ``rdzv_id``.
+    worker's RANK/WORLD_SIZE/... environment, stops every worker when one fails (SIGTERM,
+    SIGKILL after the agent's 30 s) or this process gets SIGINT/SIGTERM (SIGKILL after
+    ``shutdown_timeout_s``), and restarts the whole group up to ``max_restarts`` times.
+    Several nodes: the same call on each node with ``nnodes``, a common ``rdzv_endpoint``
+    (host:port of one node) and ``rdzv_id``.
 
     Returns the workers' return values by global rank; raises the agent's
     ``ChildFailedError`` or ``SignalException``.

@@ -23,6 +23,7 @@ DEBUG_ENV = "LOONGTRAIN_DEBUG"
 PREFIX = "loongtrain train: "
 
 # kinds, most telling first
+RUNNING = "running"  # written when a worker starts: still there at the end means it died without a word
 FATAL = "fatal"  # a user-facing error every rank agrees on (the message names the fix); never restarted
 STALL = "stall"  # the watchdog found a rank that stopped answering
 ERROR = "error"  # an exception on this rank
@@ -130,7 +131,7 @@ def root_cause(reports: list[WorkerReport], ends: list[ProcessEnd], attempt: int
         first = min(by_kind[ERROR], key=lambda r: r.rank)
         others = len({r.rank for r in by_kind[ERROR]}) - 1
         return f"rank {first.rank} failed: {first.message}" + (f" (and {others} more rank(s))" if others else "")
-    reported = {r.rank for r in reports}
+    reported = {r.rank for r in reports if r.kind != RUNNING}
     killed = [e for e in ends if e.signal and e.rank not in reported]
     if killed:
         e = killed[0]
@@ -141,6 +142,14 @@ def root_cause(reports: list[WorkerReport], ends: list[ProcessEnd], attempt: int
     silent = [e for e in ends if e.rank not in reported and e.exitcode != 0]
     if silent:
         return f"rank {silent[0].rank} exited with code {silent[0].exitcode} without a report"
+    # a rank that started and never said why it ended died first: the agent stopped the others
+    # only after it saw a death, and a rank that loses a connection reports it
+    vanished = sorted(r.rank for r in reports if r.kind == RUNNING)
+    if vanished and by_kind[COMM]:
+        return (
+            f"rank {_ranks(vanished)} died without a word (killed by a signal such as SIGKILL, e.g. out of memory, "
+            "or crashed); the other ranks were stopped"
+        )
     if by_kind[COMM]:
         ranks = sorted({r.rank for r in by_kind[COMM]})
         return (
@@ -148,6 +157,10 @@ def root_cause(reports: list[WorkerReport], ends: list[ProcessEnd], attempt: int
             "is unreachable"
         )
     return "a worker process ended without a report (killed by a signal, or crashed; --debug shows more)"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
 
 
 def resume_command(argv: list[str]) -> str:

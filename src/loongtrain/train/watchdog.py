@@ -109,6 +109,28 @@ def store_host_text() -> str:
     return "rank 0 stopped answering (it also serves the job's key-value store, which does not respond)"
 
 
+def _bounded(fn: Callable, timeout_s: float):
+    """``fn()``, or TimeoutError after ``timeout_s``: a TCPStore client waits forever for a
+    frozen server (measured with torch 2.13), so every store call of the watchdog runs in
+    a daemon thread of its own that may be left behind."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name="loongtrain-store-call", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"the job's key-value store did not answer within {timeout_s:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
 class Watchdog:
     """Publish this rank's heartbeat; end the job with a report when it stops progressing.
 
@@ -123,12 +145,14 @@ class Watchdog:
         self.store, self.rank, self.world = store, rank, world
         self.timeout_s = timeout_s
         self.interval_s = interval_s or min(5.0, max(0.2, timeout_s / 10))
+        self.store_timeout_s = min(30.0, max(2.0, timeout_s / 2))
         self.report = report
         self._step, self._phase, self._count = 0, "start", 0
         self._last_progress = time.monotonic()
         self._stop = threading.Event()
         self._moved = threading.Event()  # set by the main thread: publish now
         self._thread = threading.Thread(target=self._run, name="loongtrain-watchdog", daemon=True)
+        self._store_host: Beat | None = None  # rank 0's heartbeat when rank 0 serves the store
 
     def progress(self, step: int, phase: str) -> None:
         """Called by the main thread whenever it moves on (cheap: no communication)."""
@@ -138,6 +162,11 @@ class Watchdog:
 
     def start(self) -> Watchdog:
         self._publish()
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            try:
+                self._store_host = _bounded(lambda: self._read_beat(0, wait=True), self.store_timeout_s)
+            except Exception:  # noqa: BLE001 - only used to end a frozen rank 0 faster
+                self._store_host = None
         self._thread.start()
         return self
 
@@ -153,15 +182,15 @@ class Watchdog:
 
     def _publish(self) -> None:
         self._count += 1
-        beat = [self._count, self._step, self._phase, socket.gethostname(), os.getpid()]
-        self.store.set(f"beat/{self.rank}", json.dumps(beat))
+        beat = json.dumps([self._count, self._step, self._phase, socket.gethostname(), os.getpid()])
+        _bounded(lambda: self.store.set(f"beat/{self.rank}", beat), self.store_timeout_s)
+
+    def _read_beat(self, rank: int, wait: bool = False) -> Beat | None:
+        key = f"beat/{rank}"
+        return Beat(*json.loads(self.store.get(key))) if wait or self.store.check([key]) else None
 
     def _read(self) -> dict[int, Beat | None]:
-        beats: dict[int, Beat | None] = {}
-        for r in range(self.world):
-            key = f"beat/{r}"
-            beats[r] = Beat(*json.loads(self.store.get(key))) if self.store.check([key]) else None
-        return beats
+        return _bounded(lambda: {r: self._read_beat(r) for r in range(self.world)}, 2 * self.store_timeout_s)
 
     def _run(self) -> None:
         while True:
@@ -180,7 +209,7 @@ class Watchdog:
     def _stalled(self) -> None:
         message, frozen, beats = None, [], {}
         try:
-            if self.store.add("report-ticket", 1) != 1:
+            if _bounded(lambda: self.store.add("report-ticket", 1), self.store_timeout_s) != 1:
                 time.sleep(max(30.0, 6 * self.interval_s))  # another rank reports; the launcher ends this one
             else:
                 before = self._read()
@@ -191,6 +220,7 @@ class Watchdog:
                 frozen = silent_ranks(before, beats)
         except Exception:  # noqa: BLE001 - the store itself does not answer
             message = store_host_text()
+            frozen, beats = [0], {0: self._store_host}
         if message is not None:
             message += (
                 f". The job was stopped; raise run.timeout_s (now {self.timeout_s:g} s) if a step or checkpoint "
@@ -207,7 +237,7 @@ class Watchdog:
         here = socket.gethostname()
         for r in ranks:
             beat = beats.get(r)
-            if beat is not None and beat.host == here and beat.pid:
+            if beat is not None and beat.host == here and beat.pid and beat.pid != os.getpid():
                 try:
                     os.kill(beat.pid, signal.SIGKILL)
                 except OSError:

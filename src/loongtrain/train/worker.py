@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 import traceback
 
 import torch.distributed as dist
@@ -19,6 +20,7 @@ from loongtrain.train.faults import (
     COMM,
     ERROR,
     FATAL,
+    RUNNING,
     STALL,
     WorkerReport,
     current_attempt,
@@ -34,6 +36,8 @@ from loongtrain.train.watchdog import Watchdog, connect_store
 
 # errors every rank raises alike, whose message names the fix: reported once, never restarted
 USER_ERRORS = (ConfigError, TokenFileError, CheckpointError)
+# the agent polls its workers every 0.2 s; a rank that only lost a connection exits after this
+VICTIM_EXIT_DELAY_S = 1.0
 
 
 def _report(rank: int, kind: str, message: str) -> None:
@@ -57,12 +61,14 @@ def _start_watchdog(cfg: TrainConfig, rank: int, world: int) -> Watchdog | None:
 def run_worker(cfg: TrainConfig, spec: RunSpec) -> dict:
     """Train on this rank. Returns ``{"final_step": n}``, or ``{"fatal": message}`` for an
     error every rank agrees on (the process then exits cleanly, so the agent does not
-    restart a run that would fail again); any other failure is reported and re-raised."""
+    restart a run that would fail again); any other failure is reported and the process
+    exits with code 1 at once."""
     # Ctrl-C reaches every process of the terminal: a worker ends at once, quietly; the
     # launcher says what happened. SIGTERM (the agent stopping the group) ends it as well.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     rank = int(os.environ.get("RANK", "0"))
+    write_report(WorkerReport(rank, RUNNING, "", current_attempt()))
     watchdog = None
     try:
         # the process group's timeout is the backstop behind the watchdog's diagnosis
@@ -78,10 +84,17 @@ def run_worker(cfg: TrainConfig, spec: RunSpec) -> dict:
     except Exception as e:
         if debug_enabled():
             traceback.print_exc()
-        _report(rank, COMM if is_comm_failure(e) else ERROR, exception_line(e))
+        if is_comm_failure(e):  # a victim: the gloo/NCCL text only repeats that a peer is gone
+            _report(rank, COMM, "lost the connection to another rank (it died, or its node is unreachable)")
+            time.sleep(VICTIM_EXIT_DELAY_S)  # let the agent see the rank that died first, and name it
+        else:
+            _report(rank, ERROR, exception_line(e))
         if watchdog is not None:
             watchdog.stop("failed")
-        raise
+        # exit now: at interpreter exit the process group would wait for peers that may be frozen
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     if watchdog is not None:
         watchdog.stop()
     if dist.is_initialized():
@@ -91,9 +104,5 @@ def run_worker(cfg: TrainConfig, spec: RunSpec) -> dict:
 
 def main_under_torchrun(cfg: TrainConfig, spec: RunSpec) -> None:
     """``loongtrain train`` started by an external torchrun: this process is one rank."""
-    try:
-        outcome = run_worker(cfg, spec)
-    except Exception:
-        sys.exit(1)
-    if "fatal" in outcome:
+    if "fatal" in run_worker(cfg, spec):
         sys.exit(2)
