@@ -5,17 +5,38 @@ from __future__ import annotations
 import torch
 
 
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    """Full attention in float64. q [B,S,H,d], k/v [B,S,G,d] -> [B,S,H,d] (float64)."""
+def visibility(seq: int, cu_seqlens=None, causal: bool = True, window: int | None = None) -> torch.Tensor:
+    """[S, S] bool: query i sees key j (same document, j <= i if causal, |i - j| < window)."""
+    pos = torch.arange(seq)
+    bounds = list(cu_seqlens) if cu_seqlens is not None else [0, seq]
+    doc = torch.zeros(seq, dtype=torch.long)
+    for d, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        doc[a:b] = d
+    i, j = pos[:, None], pos[None, :]
+    keep = doc[:, None] == doc[None, :]
+    if causal:
+        keep &= j <= i
+    if window is not None:
+        keep &= (i - j).abs() < window
+    return keep
+
+
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, keep: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Full attention in float64. q [B,S,H,d], k/v [B,S,G,d] -> [B,S,H,d] (float64).
+
+    ``keep`` ([Sq, Sk] bool, e.g. from :func:`visibility`) replaces the causal mask."""
     q, k, v = q.double(), k.double(), v.double()
     heads, groups = q.shape[2], k.shape[2]
     k = k.repeat_interleave(heads // groups, dim=2)
     v = v.repeat_interleave(heads // groups, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    if causal:
+    if keep is None and causal:
         sq, sk = q.shape[1], k.shape[1]
         keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
+    if keep is not None:
+        scores = scores.masked_fill(~keep.to(q.device), float("-inf"))
     return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(dim=-1), v)
 
 
@@ -37,9 +58,9 @@ def rel_errors(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     return (diff.norm() / ref.norm()).item(), (diff.abs().max() / ref.abs().max()).item()
 
 
-def attention_with_grads(q, k, v, dout, causal: bool, scale: float):
+def attention_with_grads(q, k, v, dout, causal: bool, scale: float, keep: torch.Tensor | None = None):
     """float64 reference output and (dq, dk, dv) for upstream gradient ``dout``."""
     q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
-    out = reference_attention(q, k, v, causal, scale)
+    out = reference_attention(q, k, v, causal, scale, keep)
     out.backward(dout.double())
     return out.detach(), q.grad, k.grad, v.grad

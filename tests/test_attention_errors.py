@@ -112,3 +112,66 @@ def test_shape_mismatch_across_ranks_is_caught(dist_pool):
     for message in dist_pool(2).run(_mismatched_shapes):
         assert "passed different inputs" in message
         assert "rank 0: q=(1, 4, 2, 8)" in message and "rank 1: q=(1, 6, 2, 8)" in message
+
+
+def _bad_mask_calls() -> dict[str, str]:
+    state = cached_state(hp=2, cp=2)  # local [1, 4, 4, 8] -> S = 16
+    q, kv = _t(1, 4, 4, 8), _t(1, 4, 2, 8)
+    cases = {
+        "start": {"cu_seqlens": [2, 16]},
+        "end": {"cu_seqlens": [0, 8]},
+        "increasing": {"cu_seqlens": [0, 9, 5, 16]},
+        "float": {"cu_seqlens": torch.tensor([0.0, 16.0])},
+        "window": {"window_size": 0},
+        "balance": {"balance": "random"},
+    }
+    found = {}
+    for name, kwargs in cases.items():
+        try:
+            lt.head_context_attention(q, kv, kv, state, **kwargs)
+        except (ValueError, TypeError) as e:
+            found[name] = str(e)
+        else:
+            found[name] = "no error"
+    for name, kwargs in {"shard_start": {"cu_seqlens": [1, 16]}, "shard_balance": {"balance": "x"}}.items():
+        try:
+            lt.shard_sequence(_t(1, 16, 2, 8), state, **kwargs)
+        except ValueError as e:
+            found[name] = str(e)
+    return found
+
+
+MASK_EXPECTED = {
+    "start": "head_context_attention: cu_seqlens must start at 0, got 2",
+    "end": "cu_seqlens must end at the global sequence length S=16, got 8",
+    "increasing": "strictly increasing, got 9 then 5",
+    "float": "1-D integer tensor",
+    "window": "window_size=0 must be a positive int",
+    "balance": "balance='random' is not known; choose one of ['zigzag', 'documents']",
+    "shard_start": "cu_seqlens must start at 0, got 1",
+    "shard_balance": "balance='x' is not known",
+}
+
+
+@pytest.mark.dist
+def test_bad_masks_raise_on_every_rank(dist_pool):
+    for found in dist_pool(4).run(_bad_mask_calls):
+        for name, text in MASK_EXPECTED.items():
+            assert text in found[name], f"{name}: {found[name]!r}"
+
+
+def _mismatched_documents() -> str:
+    state = cached_state(cp=2)
+    q = torch.randn(1, 4, 2, 8)
+    cu = [0, 3, 8] if state.rank == 0 else [0, 5, 8]
+    try:
+        lt.head_context_attention(q, q, q, state, cu_seqlens=cu)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.dist
+def test_documents_differing_across_ranks_are_caught(dist_pool):
+    for message in dist_pool(2).run(_mismatched_documents):
+        assert "passed different inputs" in message and "same cu_seqlens" in message

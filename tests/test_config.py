@@ -88,7 +88,13 @@ def test_shipped_configs_fit_their_layout(name, tmp_path):
     (the GPU configs with synthetic data, since their token file is the user's)."""
     from loongtrain.train.trainer import preflight
 
-    cfg = load_config(REPO / "configs" / name, [f"run.output_dir={tmp_path}", "data.source=recall"])
+    overrides = [f"run.output_dir={tmp_path / 'run'}", "data.source=recall", "data.pack=false"]
+    if load_config(REPO / "configs" / name).model.init_from:  # a local HF folder: stand in a tiny one
+        pytest.importorskip("transformers")
+        from hf_tiny import make_hf_model
+
+        overrides.append(f"model.init_from={make_hf_model('llama', tmp_path / 'hf')}")
+    cfg = load_config(REPO / "configs" / name, overrides)
     p = cfg.parallel
     spec = preflight(cfg, p.hp * p.cp * max(p.dp, 1))
     assert spec.parallel.sp == p.hp * p.cp

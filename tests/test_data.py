@@ -6,9 +6,22 @@ import numpy as np
 import pytest
 import torch
 
-from loongtrain.data import BatchLoader, RecallTask, TokenFile, TokenFileError, TokenFileSource, write_tokens
+from loongtrain.config import ConfigError, load_config
+from loongtrain.data import (
+    IGNORE_INDEX,
+    BatchLoader,
+    Microbatch,
+    PackedRecallTask,
+    RecallTask,
+    TokenFile,
+    TokenFileError,
+    TokenFileSource,
+    write_tokens,
+)
+from loongtrain.data.batch import pack_rows
 from loongtrain.data.prepare import prepare
 from loongtrain.data.tokens import HEADER_BYTES
+from loongtrain.train.trainer import make_source
 
 
 @pytest.mark.parametrize("vocab, width", [(257, 2), (2**16, 2), (128_256, 4)])
@@ -98,14 +111,14 @@ def test_loader_is_layout_independent_and_resumable():
     single = BatchLoader(task, global_batch=8, micro_batches=2, dp=1, dp_rank=0)
     replicas = [BatchLoader(task, global_batch=8, micro_batches=2, dp=2, dp_rank=d) for d in range(2)]
     for _ in range(3):
-        whole = torch.cat([t for t, _ in single.next()])
+        whole = torch.cat([mb.tokens for mb in single.next()])
         parts = [r.next() for r in replicas]
         # microbatch m of replica d holds rows of the same global sample range
-        merged = torch.cat([torch.cat([parts[0][m][0], parts[1][m][0]]) for m in range(2)])
+        merged = torch.cat([torch.cat([parts[0][m].tokens, parts[1][m].tokens]) for m in range(2)])
         assert torch.equal(torch.sort(whole.sum(1)).values, torch.sort(merged.sum(1)).values)
     resumed = BatchLoader(task, global_batch=8, micro_batches=2, dp=1, dp_rank=0)
     resumed.load_state_dict(single.state_dict())
-    assert torch.equal(resumed.next()[0][0], single.next()[0][0])
+    assert torch.equal(resumed.next()[0].tokens, single.next()[0].tokens)
     with pytest.raises(ValueError, match="global_batch=6 is not divisible by dp\\*micro_batches = 2\\*2 = 4"):
         BatchLoader(task, global_batch=6, micro_batches=2, dp=2, dp_rank=0)
 
@@ -123,3 +136,58 @@ def test_prepare_with_a_tokenizer_json(tmp_path):
     ids = np.asarray(TokenFile(tmp_path / "out.tok").tokens).tolist()
     assert ids == tok.encode("the cat sat").ids + [tok.token_to_id("</s>")]
     assert info["vocab_size"] == tok.get_vocab_size()
+
+
+def test_packed_recall_documents_conflict_and_are_scored_on_their_own_facts():
+    task = PackedRecallTask(seq_len=256, doc_len=64, keys=4, values=8, facts=3, queries=4, seed=1)
+    tokens, labels, cu = task.sample(5)
+    bounds = cu.tolist()
+    assert bounds[0] == 0 and bounds[-1] == 256 and len(bounds) >= 4
+    assert all(32 <= b - a for a, b in zip(bounds, bounds[1:]))
+    facts_by_doc = []
+    for a, b in zip(bounds, bounds[1:]):
+        doc, lab = tokens[a:b], labels[a:b]
+        is_fact = (doc >= task.filler) & (doc < task.query0)
+        facts = {int(f - task.filler) // task.values: int(f - task.filler) % task.values for f in doc[is_fact]}
+        facts_by_doc.append(facts)
+        assert len(facts) == 3
+        asked = doc[-4:] - task.query0  # the queries end the document and ask its own keys
+        assert (labels[a : b - 4] == IGNORE_INDEX).all()
+        for key, answer in zip(asked.tolist(), (lab[-4:] - task.answer0).tolist()):
+            assert facts[key] == answer
+    conflicts = sum(
+        1
+        for i, x in enumerate(facts_by_doc)
+        for y in facts_by_doc[i + 1 :]
+        for key in x.keys() & y.keys()
+        if x[key] != y[key]
+    )
+    assert conflicts > 0  # other documents state other values for the same keys
+
+
+def test_token_windows_split_at_eos_and_ignore_cross_document_targets(tmp_path):
+    eos = 9
+    stream = np.array([1, 2, eos, 3, 4, 5, eos, 6, eos, 7, 8, 1, 2, 3, eos, 4, 5], dtype=np.int64)
+    write_tokens(tmp_path / "t.tok", stream, 10, eos=eos)
+    file = TokenFile(tmp_path / "t.tok")
+    assert file.eos == eos
+    source = TokenFileSource(file, seq_len=8, eos=file.eos)
+    tokens, labels, cu = source._window(0)  # tokens 1 2 EOS 3 4 5 EOS 6 | next: EOS
+    assert tokens.tolist() == [1, 2, eos, 3, 4, 5, eos, 6]
+    assert cu.tolist() == [0, 3, 7, 8]
+    assert labels.tolist() == [2, eos, -100, 4, 5, eos, -100, eos]
+    batch = pack_rows([source._window(0), source._window(1)])
+    assert batch.tokens.shape == (1, 16) and batch.cu_seqlens.tolist() == [0, 3, 7, 8, 9, 15, 16]
+    assert batch.positions().tolist() == [[0, 1, 2, 0, 1, 2, 3, 0, 0, 0, 1, 2, 3, 4, 5, 0]]
+
+
+def test_old_token_files_have_no_eos_and_packing_asks_for_one(tmp_path):
+    write_tokens(tmp_path / "t.tok", np.arange(50) % 7, 7)
+    assert TokenFile(tmp_path / "t.tok").eos is None
+    with pytest.raises(ConfigError, match="records none.*set data.eos_id"):
+        make_source(load_config(None, ["data.source=tokens", f"data.path={tmp_path / 't.tok'}", "data.pack=true"]))
+
+
+def test_microbatch_rejects_packed_batches_of_several_rows():
+    with pytest.raises(ValueError, match="one row"):
+        Microbatch(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long), torch.tensor([0, 8]))

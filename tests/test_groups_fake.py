@@ -1,5 +1,6 @@
-"""init_parallel builds exactly the groups the layout describes, at scale, using
-PyTorch's fake process-group backend (one process pretends to be one rank of N)."""
+"""init_parallel builds exactly the groups the layout describes, and the ZeRO meshes the
+pure rank grid describes, at scale, using PyTorch's fake process-group backend (one
+process pretends to be one rank of N)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import pytest
 import torch.distributed as dist
 
 import loongtrain as lt
+from loongtrain.options import ZERO_SCOPES
+from loongtrain.parallel.zero_grid import zero_mesh_grid
 
 
 def _ranks(group) -> tuple[int, ...] | None:
@@ -44,5 +47,12 @@ def test_groups_match_layout_at_scale(world, cfg, rank_fraction):
             assert _ranks(link.kv_group) == _ranks(link.dkv_group) == tuple(sorted(members))
             assert link.kv_group is not link.dkv_group
             assert (link.send_to, link.recv_from) == (members[(pos + 1) % len(members)], members[pos - 1])
+        assert set(state.zero_meshes) == set(ZERO_SCOPES)  # built by init_parallel, one per scope
+        for scope, mesh in state.zero_meshes.items():
+            grid, names = zero_mesh_grid(world, layout.dp, scope)
+            row = next(r for r in grid if rank in r)  # the ranks sharding this rank's copy
+            assert _ranks(mesh.get_group("shard")) == row
+            if "replicate" in names:
+                assert _ranks(mesh.get_group("replicate")) == tuple(r[row.index(rank)] for r in grid)
     finally:
         dist.destroy_process_group()

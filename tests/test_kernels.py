@@ -106,3 +106,34 @@ def test_cuda_backend_calls_match_the_op_schemas(dtype):
     assert out.shape == q.shape and lse.shape == (2, 64, 8) and lse.dtype == torch.float32
     dq, dk, dv = backend.backward(out, q, k, k, out, lse, True, 0.125)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_backend_masked_calls_match_the_op_schemas(dtype):
+    """Masked (band) calls go to the efficient kernel with an aligned additive bias."""
+    from loongtrain.attention.kernels import CudaSdpaBackend
+
+    backend = CudaSdpaBackend()
+    q = torch.empty(2, 40, 8, 64, device="meta", dtype=dtype)
+    k = torch.empty(2, 56, 2, 64, device="meta", dtype=dtype)
+    mask = torch.empty(40, 56, device="meta", dtype=dtype)
+    out, lse = backend.forward(q, k, k, False, 0.125, mask)
+    assert out.shape == q.shape and lse.shape == (2, 40, 8) and lse.dtype == torch.float32
+    dq, dk, dv = backend.backward(out, q, k, k, out, lse, False, 0.125, mask)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_masked_block_equals_float64_with_the_same_mask(causal):
+    q, k, v = _qkv(sq=20, sk=28)
+    keep = torch.rand(20, 28, generator=torch.Generator().manual_seed(1)) < 0.6
+    keep[:, 0] = True  # every row sees a key
+    if causal:
+        keep &= torch.ones(20, 28, dtype=torch.bool).tril()
+    mask = torch.zeros(20, 28).masked_fill(~keep, float("-inf"))
+    dout = torch.randn_like(q)
+    out, lse = block_forward(q, k, v, causal=False, scale=0.3, mask=mask)
+    grads = block_backward(dout, q, k, v, out, lse, causal=False, scale=0.3, mask=mask)
+    ref = attention_with_grads(q, k, v, dout, False, 0.3, keep)
+    for got, want in zip((out, *grads), ref):
+        assert rel_errors(got, want)[1] < 1e-5

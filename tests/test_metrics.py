@@ -44,3 +44,14 @@ def test_lr_schedule():
     assert lr_at(110, **kw) == pytest.approx(0.1)
     assert all(lr_at(s, **kw) >= lr_at(s + 1, **kw) for s in range(10, 110))
     assert math.isclose(lr_at(0, lr=2.0, warmup_steps=0, total_steps=5, min_lr_ratio=0.0), 2.0)
+
+
+def test_trainer_and_planner_count_the_same_model_flops():
+    from loongtrain.planner.cost import Candidate, Workload, model_flops_per_microbatch
+
+    cfg, seq = PRESETS["7b-gqa"], 8192
+    assert flops_per_token(cfg, seq) == cfg.flops_per_token(seq)
+    assert flops_per_token(cfg, seq, causal=False) == cfg.flops_per_token(seq, causal=False)
+    # every rank of an sp group of 8 counts 1/8 of the micro-batch's 2 x 8192 tokens
+    per_rank = model_flops_per_microbatch(Workload(cfg, seq, batch=2, micro_batch=2), Candidate(1, 2, 4))
+    assert 8 * per_rank == pytest.approx(2 * seq * flops_per_token(cfg, seq), rel=1e-12)

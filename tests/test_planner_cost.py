@@ -10,25 +10,24 @@ import pytest
 
 from loongtrain.model.config import PRESETS, ModelConfig
 from loongtrain.planner.cost import (
-    Layout,
+    Candidate,
     Workload,
     all_to_all_seconds,
     attention_flops_fwd,
     comm_volume,
     dkv_hops,
     linear_flops_fwd,
-    linear_params_per_layer,
     overlapped,
-    params_per_layer,
     ring_backward_seconds,
     ring_forward_seconds,
     ring_hop_seconds,
     ring_step_flops,
+    shared_outer_step_seconds,
 )
 from loongtrain.planner.fit import fit_line, fit_two
 from loongtrain.planner.memory import layer_activation_bytes, memory_bytes
 from loongtrain.planner.specs import CLUSTER_PRESETS
-from loongtrain.planner.topology import HeadTraffic, RingTraffic
+from loongtrain.planner.topology import HeadTraffic, RingTraffic, Topology
 from loongtrain.planner.zero import collective_seconds, group_shape, shard_degree
 
 # H=4 query heads, G=2 KV heads, head_dim 16
@@ -48,9 +47,9 @@ def test_ring_step_flops_by_hand():
 
 def test_linear_flops_and_params_by_hand():
     # q, o: 64*64 each; k, v: 64*32 each; SwiGLU: 3*64*128
-    assert linear_params_per_layer(M) == 4096 + 2 * 2048 + 4096 + 3 * 8192 == 36864
-    assert params_per_layer(M) == 36864 + 2 * 64  # + two norms
-    assert M.num_params() == M.n_layers * params_per_layer(M) + 2 * 100 * 64 + 64
+    assert M.layer_matmul_params() == 4096 + 2 * 2048 + 4096 + 3 * 8192 == 36864
+    assert M.layer_params() == 36864 + 2 * 64  # + two norms
+    assert M.num_params() == M.n_layers * M.layer_params() + 2 * 100 * 64 + 64
     assert linear_flops_fwd(Workload(M, seq_len=64), sp=4) == 2 * 16 * 36864
 
 
@@ -117,26 +116,47 @@ def test_ring_backward_schedule_by_hand():
 
 def test_ring_hop_time_by_link_and_nic_sharing():
     one_gb = 1e9
-    across = RingTraffic(size=16, crosses=True, off_node=1, on_node=7)
-    crowded = RingTraffic(size=8, crosses=True, off_node=8, on_node=0)
+    across = RingTraffic(size=16, crosses=True, off_node=1, on_node=7, per_nic=1)
+    crowded = RingTraffic(size=8, crosses=True, off_node=8, on_node=0, per_nic=2)
     inside = RingTraffic(size=8, crosses=False, off_node=0, on_node=8)
-    # one transfer leaving the node uses one NIC at 22.5 GB/s
-    assert ring_hop_seconds(A100, across, None, one_gb) == pytest.approx(15e-6 + 1 / 22.5)
-    # eight transfers share the node's four NICs: 11.25 GB/s each
-    assert ring_hop_seconds(A100, crowded, None, one_gb) == pytest.approx(15e-6 + 1 / 11.25)
+    # one transfer leaving the node uses its rank's NIC at 22.5 GB/s
+    assert ring_hop_seconds(A100, across, one_gb) == pytest.approx(15e-6 + 1 / 22.5)
+    # eight transfers leave through the node's four NICs, two ranks on each: 11.25 GB/s each
+    assert ring_hop_seconds(A100, crowded, one_gb) == pytest.approx(15e-6 + 1 / 11.25)
     # inside the node: NVLink, 240 GB/s per device (non-blocking switch)
-    assert ring_hop_seconds(A100, inside, None, one_gb) == pytest.approx(10e-6 + 1 / 240)
-    # a concurrent outer ring's eight flows also leave the node: 16 flows on 4 NICs
-    assert ring_hop_seconds(A100, crowded, crowded, one_gb) == pytest.approx(15e-6 + 1 / 5.625)
+    assert ring_hop_seconds(A100, inside, one_gb) == pytest.approx(10e-6 + 1 / 240)
+
+
+def test_outer_step_sharing_a_nic_with_the_inner_ring_by_hand():
+    # windows of 16 on a100 nodes: the NIC of local ranks 6 and 7 carries one inner hop (7 -> 8)
+    # and two outer hops (6 and 7 -> next window) at once; flows share a NIC fairly
+    c = replace(A100, inter_latency_us=1e-9)
+    topo = Topology(
+        head=HeadTraffic(size=1, off_peers=0, ranks_off=0),
+        inner=RingTraffic(size=16, crosses=True, off_node=1, on_node=7, per_nic=1),
+        outer=RingTraffic(size=4, crosses=True, off_node=8, on_node=0, per_nic=2),
+        nic_loads=((1, 2),),
+    )
+    b = 22.5e9  # one second on one NIC
+    # outer block = inner block: the first inner hop runs at 1/3 of the NIC (3 s) while both outer
+    # blocks finish with it; the next two hops have the NIC (1 s each, compute 0.5 s hidden); last compute
+    assert shared_outer_step_seconds(c, topo, 0.5, [b, b, b, 0.0], b) == pytest.approx(3 + 1 + 1 + 0.5)
+    # outer blocks of 4: every inner hop shares (3 x 3 s, b each), then the outer flows have the
+    # NIC at 1/2 each: 0.25 b during the last compute, 0.75 b after (1.5 s)
+    assert shared_outer_step_seconds(c, topo, 0.5, [b, b, b, 0.0], 4 * b) == pytest.approx(9 + 0.5 + 1.5)
+    # the same step with nothing to share: just the node fabric bound of the inner hops inside the node
+    alone = replace(topo, nic_loads=((1, 0), (0, 2)))
+    assert shared_outer_step_seconds(c, alone, 0.5, [b, b, b, 0.0], b) == pytest.approx(7 * 3 * b / (1920e9))
 
 
 def test_all_to_all_time_inside_and_across_nodes():
     nbytes = 8e9  # packed buffer: 1 GB to each of 8 head ranks (own chunk included)
     inside = HeadTraffic(size=8, off_peers=0, ranks_off=0)
     across = HeadTraffic(size=8, off_peers=7, ranks_off=8)
-    assert all_to_all_seconds(A100, inside, nbytes) == pytest.approx(7 * 10e-6 + 7 / 210)
+    sync = A100.hop_sync_us * 1e-6  # posting the collective and waiting for it
+    assert all_to_all_seconds(A100, inside, nbytes) == pytest.approx(7 * 10e-6 + 7 / 210 + sync)
     # every device of the node sends 7 GB off the node through 4 NICs of 22.5 GB/s
-    assert all_to_all_seconds(A100, across, nbytes) == pytest.approx(7 * 15e-6 + 7 / 11.25)
+    assert all_to_all_seconds(A100, across, nbytes) == pytest.approx(7 * 15e-6 + 7 / 11.25 + sync)
 
 
 def test_zero_collectives_and_shard_degree():
@@ -152,7 +172,7 @@ def test_zero_collectives_and_shard_degree():
     strided = group_shape((0, 8), 8)
     assert strided == (2, 2, 1)
     assert collective_seconds(A100, strided, 2e9, "ag") == pytest.approx(1 / 11.25 + 15e-6)
-    degrees = {zero: shard_degree(Layout(2, 2, 2, zero=zero)) for zero in ("none", "dp", "sp", "dp_sp")}
+    degrees = {zero: shard_degree(Candidate(2, 2, 2, zero=zero)) for zero in ("none", "dp", "sp", "dp_sp")}
     assert degrees == {"none": 1, "dp": 2, "sp": 4, "dp_sp": 8}
 
 
@@ -160,7 +180,7 @@ def test_memory_states_by_zero_scope():
     w = Workload(PRESETS["7b-gqa"], seq_len=8192)
     params = PRESETS["7b-gqa"].num_params()
     for zero, degree in (("none", 1), ("dp", 2), ("sp", 4), ("dp_sp", 8)):
-        assert memory_bytes(w, Layout(2, 2, 2, zero=zero)).states == 16 * params / degree
+        assert memory_bytes(w, Candidate(2, 2, 2, zero=zero)).states == 16 * params / degree
 
 
 def test_activation_bytes_by_checkpoint_mode_by_hand():
@@ -180,7 +200,7 @@ def test_activation_bytes_by_checkpoint_mode_by_hand():
 
 def test_memory_shrinks_with_more_sequence_parallelism():
     w = Workload(PRESETS["7b-mha"], seq_len=256 * 1024)
-    totals = [memory_bytes(w, Layout(1, 1, cp, checkpoint="full")).total for cp in (8, 16, 32)]
+    totals = [memory_bytes(w, Candidate(1, 1, cp, checkpoint="full")).total for cp in (8, 16, 32)]
     assert totals[0] > totals[1] > totals[2]
 
 
@@ -194,7 +214,7 @@ def test_fit_line_and_fit_two_recover_known_coefficients():
 
 
 def test_fit_cluster_from_synthetic_measurements():
-    from loongtrain.planner.calibrate import fit_cluster
+    from loongtrain.planner.fit import fit_cluster
 
     sizes = [2**18, 2**20, 2**22, 2**24]
     heads, head_dim = 8, 64
@@ -212,11 +232,13 @@ def test_fit_cluster_from_synthetic_measurements():
         "a2a": [(g, b, 1e-4 * (g - 1) + (g - 1) / g * b / 0.8e9) for g in (2, 4) for b in sizes],
         "fwd": [(causal_flops(s), 2e-4 + causal_flops(s) / 20e9, False) for s in (512, 1024, 2048)]
         + [(causal_flops(s), 2e-4 + causal_flops(s) * (1 + 256 / s) / 20e9, True) for s in (1024, 4096)],
-        "bwd": [(causal_flops(s), 2e-4 + 2.5 * causal_flops(s) / 25e9, False) for s in (512, 1024, 2048)]
-        + [(causal_flops(s), 2e-4 + 2.5 * causal_flops(s) * (1 + 256 / s) / 25e9, True) for s in (1024, 4096)],
+        "bwd": [(causal_flops(s), 3e-4 + 2.5 * causal_flops(s) / 25e9, False) for s in (512, 1024, 2048)]
+        + [(causal_flops(s), 3e-4 + 2.5 * causal_flops(s) * (1 + 256 / s) / 25e9, True) for s in (1024, 4096)],
         "matmul_alone": 50e9,
         "matmul_all": 20e9,
         "overlap": {"compute": 0.1, "transfer": 0.1, "both": 0.15},
+        # a ring step of 20 ms whose block alone takes 17 ms, over a 1 ms link latency: 2 ms to meet
+        "step": {"step": 0.020, "block": 0.017},
     }
     spec, comments = fit_cluster(meas)
     assert (spec.nodes, spec.devices_per_node, spec.device_memory_gib) == (1, 4, 4.0)
@@ -228,7 +250,23 @@ def test_fit_cluster_from_synthetic_measurements():
     assert spec.attn_fwd_tflops == pytest.approx(0.02)
     assert spec.attn_bwd_tflops == pytest.approx(0.025)
     assert spec.kernel_overhead_us == pytest.approx(200)
+    assert spec.kernel_bwd_overhead_us == pytest.approx(300)
+    assert spec.hop_sync_us == pytest.approx(2000)
     assert spec.causal_tile == pytest.approx(256)
     assert spec.overlap == pytest.approx(0.5)
     assert (spec.peak_tflops, spec.matmul_tflops) == pytest.approx((0.05, 0.02))
     assert set(comments) <= set(spec.__dataclass_fields__)
+
+
+def test_validation_probe_and_drift_rescaling():
+    from loongtrain.planner.validation import probe_seconds, rescaled
+
+    local = replace(A100, name="local", attn_wave_rows=0.0, kernel_bwd_overhead_us=30.0)
+    flops = 2.0 * 2048 * 2048 * 8 * 64  # half of a 2048 x 2048 block, 8 heads of 64
+    fwd, bwd = probe_seconds(local, 8, 64)
+    assert fwd == pytest.approx(20e-6 + flops / 215.6e12)
+    assert bwd == pytest.approx(30e-6 + 2.5 * flops / 182.2e12)
+    # the machine runs the probe 2x (forward) and 3x (backward) slower than calibrated
+    slower = rescaled(local, (2 * fwd, 3 * bwd), (fwd, bwd))
+    assert probe_seconds(slower, 8, 64) == pytest.approx((2 * fwd, 3 * bwd))
+    assert (slower.intra_bw_gbs, slower.hop_sync_us) == (local.intra_bw_gbs, local.hop_sync_us)

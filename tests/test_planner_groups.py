@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from loongtrain.bench.groups import check_groups
 from loongtrain.model.config import PRESETS
-from loongtrain.planner.cost import Layout, Workload
-from loongtrain.planner.groups import check_groups
-from loongtrain.planner.search import plan
+from loongtrain.planner.cost import Candidate, Workload
+from loongtrain.planner.search import search_layouts
 from loongtrain.planner.specs import CLUSTER_PRESETS
 
 A100 = CLUSTER_PRESETS["a100"]
@@ -25,11 +25,11 @@ A100 = CLUSTER_PRESETS["a100"]
     ],
 )
 def test_planned_layout_groups_are_built(model, seq, devices, batch):
-    best = plan(A100, Workload(PRESETS[model], seq, batch=batch), devices).best
-    lines = check_groups(best.layout, A100.devices_per_node)
+    best = search_layouts(A100, Workload(PRESETS[model], seq, batch=batch), devices).best
+    lines = check_groups(best.candidate, A100.devices_per_node)
     assert len(lines) == 4 and all(line.startswith("rank ") for line in lines)
 
 
 def test_double_ring_context_first_groups_at_1024():
-    lines = check_groups(Layout(2, 8, 64, 8, "context_first"), 8, ranks=[0, 511, 777, 1023])
+    lines = check_groups(Candidate(2, 8, 64, 8, "context_first"), 8, ranks=[0, 511, 777, 1023])
     assert any("other node" in line for line in lines)

@@ -1,51 +1,60 @@
-"""The ``loongtrain`` command: ``train``, ``plan``, ``prepare``, ``demo``, ``bench attention|memory``."""
+"""The ``loongtrain`` command: ``train``, ``export``, ``plan``, ``prepare``, ``demo``, and
+``bench attention|documents|memory``.
+
+Each command's module is imported only when that command runs (or shows its help), so
+``loongtrain plan`` does not pay for torch.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
+# command -> (module with add_arguments/main, one-line help, main takes the unparsed extra args)
+COMMANDS: dict[str, tuple[str, str, bool]] = {
+    "train": ("loongtrain.train.cli", "train a model from a TOML config (torchrun or --nproc)", True),
+    "export": ("loongtrain.hf.export", "write a training checkpoint as a Hugging Face model folder", False),
+    "plan": ("loongtrain.planner.cli", "rank layouts for a cluster, model and length (cost model)", False),
+    "prepare": ("loongtrain.data.prepare", "turn text files into a token file", False),
+    "demo": ("loongtrain.demo", "distributed attention on local processes vs full attention", False),
+}
+BENCHES: dict[str, tuple[str, str]] = {
+    "attention": ("loongtrain.bench.attention", "scheme times and the ring decomposition overhead"),
+    "documents": ("loongtrain.bench.documents", "packed documents: work balance and time vs full causal"),
+    "memory": ("loongtrain.bench.memory", "peak memory per rank by sp degree, checkpoint mode, ZeRO scope"),
+}
 
-def build_parser() -> argparse.ArgumentParser:
-    from loongtrain import demo
-    from loongtrain.bench import attention as bench_attention
-    from loongtrain.bench import memory as bench_memory
-    from loongtrain.data import prepare
-    from loongtrain.planner import cli as plan_cli
-    from loongtrain.train import cli as train_cli
 
-    parser = argparse.ArgumentParser(prog="loongtrain", description=__doc__)
+def _register(subparsers, name: str, module: str, help: str, load: bool, **defaults) -> None:
+    parser = subparsers.add_parser(name, help=help)
+    if load:  # only the command being run imports its module
+        mod = importlib.import_module(module)
+        mod.add_arguments(parser)
+        parser.set_defaults(run=mod.main, **defaults)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The ``loongtrain`` parser; only the command named in ``argv`` gets its options
+    (``None``: every command, which imports every command's module)."""
+    chosen = next((a for a in argv if not a.startswith("-")), None) if argv is not None else None
+    parser = argparse.ArgumentParser(prog="loongtrain", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-
-    p_train = commands.add_parser("train", help="train a model from a TOML config (torchrun or --nproc)")
-    train_cli.add_arguments(p_train)
-    p_train.set_defaults(run=train_cli.main, takes_extra=True)
-
-    p_plan = commands.add_parser("plan", help="rank layouts for a cluster, model and length (cost model)")
-    plan_cli.add_arguments(p_plan)
-    p_plan.set_defaults(run=plan_cli.main)
-
-    p_prep = commands.add_parser("prepare", help="turn text files into a token file")
-    prepare.add_arguments(p_prep)
-    p_prep.set_defaults(run=prepare.main)
-
-    p_demo = commands.add_parser("demo", help="distributed attention on local processes vs full attention")
-    demo.add_arguments(p_demo)
-    p_demo.set_defaults(run=demo.main)
-
+    for name, (module, help, takes_extra) in COMMANDS.items():
+        load = argv is None or name == chosen
+        _register(commands, name, module, help, load, takes_extra=takes_extra)
     p_bench = commands.add_parser("bench", help="benchmarks that print tables")
     benches = p_bench.add_subparsers(dest="bench", required=True)
-    p_attn = benches.add_parser("attention", help="scheme times and the ring decomposition overhead")
-    bench_attention.add_arguments(p_attn)
-    p_attn.set_defaults(run=bench_attention.main)
-    p_mem = benches.add_parser("memory", help="peak memory per rank by sp degree, checkpoint mode, ZeRO scope")
-    bench_memory.add_arguments(p_mem)
-    p_mem.set_defaults(run=bench_memory.main)
+    rest = argv[argv.index("bench") + 1 :] if argv is not None and chosen == "bench" else []
+    bench = next((a for a in rest if not a.startswith("-")), None)
+    for name, (module, help) in BENCHES.items():
+        _register(benches, name, module, help, argv is None or name == bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
     args, extra = parser.parse_known_args(argv)
     if getattr(args, "takes_extra", False):
         args.run(args, extra)

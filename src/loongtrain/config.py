@@ -13,6 +13,8 @@ import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from loongtrain.options import BALANCES, CHECKPOINT_MODES, CONTEXT_ORDERS, PLACEMENTS, ZERO_SCOPES
+
 
 def _f(default, help: str, choices: tuple | None = None):
     meta = {"help": help}
@@ -52,11 +54,35 @@ class ModelSection:
     tie_embeddings: str = _f(
         "preset", "tie input and output embeddings: preset, true or false", ("preset", "true", "false")
     )
+    init_from: str = _f(
+        "", "local Hugging Face model folder (config.json + *.safetensors) to start from; replaces preset and shape"
+    )
+    rope_theta: float = _f(0.0, "override the RoPE base (0: keep the preset's or the imported model's)")
+    rope_scaling: str = _f(
+        "keep",
+        "RoPE scaling for a longer context: keep (the model's), none, linear, llama3 or yarn (as transformers)",
+        ("keep", "none", "linear", "llama3", "yarn"),
+    )
+    rope_factor: float = _f(1.0, "rope_scaling: context growth factor (e.g. 4 for 4x)")
+    rope_original_max_positions: int = _f(
+        0, "llama3/yarn: pretraining context length (0: the imported model's max_position_embeddings)"
+    )
+    rope_low_freq_factor: float = _f(1.0, "llama3: low_freq_factor")
+    rope_high_freq_factor: float = _f(4.0, "llama3: high_freq_factor")
+    rope_beta_fast: float = _f(32.0, "yarn: beta_fast")
+    rope_beta_slow: float = _f(1.0, "yarn: beta_slow")
+    rope_attention_factor: float = _f(0.0, "yarn: cos/sin multiplier (0: 0.1 * ln(factor) + 1)")
+    max_positions: int = _f(
+        0, "context length written as max_position_embeddings on export (0: original x factor, or the model's)"
+    )
+    sliding_window: int = _f(
+        0, "sliding-window attention: token i sees j only if i - j < this (0: keep the preset's or imported model's)"
+    )
 
     def overrides(self) -> dict:
         out = {
             name: getattr(self, name)
-            for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
+            for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "sliding_window")
             if getattr(self, name)
         }
         if self.tie_embeddings != "preset":
@@ -69,11 +95,16 @@ class ParallelSection:
     hp: int = _f(1, "head-parallel degree (Ulysses all-to-all group)")
     cp: int = _f(1, "context-parallel degree (ring group)")
     window: int = _f(1, "Double-Ring-Attention inner ring size; divides cp (1 or cp: plain ring)")
-    placement: str = _f("head_first", "rank placement", ("head_first", "context_first"))
-    context_order: str = _f("contiguous", "window membership in the context group", ("contiguous", "interleaved"))
+    placement: str = _f("head_first", "rank placement", PLACEMENTS)
+    context_order: str = _f("contiguous", "window membership in the context group", CONTEXT_ORDERS)
+    balance: str = _f(
+        "zigzag",
+        "sequence layout over the sp group: zigzag (balanced for one document) or documents (from each packed batch)",
+        BALANCES,
+    )
     dp: int = _f(0, "data-parallel degree (0: world size // (hp*cp))")
-    zero: str = _f("dp_sp", "ZeRO sharding scope of model states", ("none", "dp", "sp", "dp_sp"))
-    checkpoint: str = _f("sc++", "activation checkpointing per block", ("none", "full", "sc++"))
+    zero: str = _f("dp_sp", "ZeRO sharding scope of model states", ZERO_SCOPES)
+    checkpoint: str = _f("sc++", "activation checkpointing per block", CHECKPOINT_MODES)
     checkpoint_every: int = _f(1, "checkpoint every k-th layer")
     param_dtype: str = _f("float32", "compute dtype of parameters (fp32 master copy kept)", ("float32", "bfloat16"))
     reshard_after_forward: bool = _f(True, "free gathered weights after forward (ZeRO-3); false: keep (ZeRO-2)")
@@ -85,13 +116,21 @@ class DataSection:
     source: str = _f("recall", "recall (synthetic associative recall) or tokens (a token file)", ("recall", "tokens"))
     path: str = _f("", "token file for source=tokens (made by `loongtrain prepare`)")
     seq_len: int = _f(256, "tokens per sequence; a multiple of 2*hp*cp")
+    pack: bool = _f(
+        False,
+        "packed documents: attention, RoPE positions and targets stop at document boundaries (tokens: documents "
+        "end after data.eos_id; recall: the packed variant with conflicting facts across documents)",
+    )
+    eos_id: int = _f(-1, "pack with source=tokens: end-of-document token id (-1: the one the token file records)")
+    document_masks: bool = _f(True, "pack: mask attention at document boundaries (false: an ablation, positions only)")
+    doc_len: int = _f(64, "pack with source=recall: mean document length (documents of doc_len/2 to 3*doc_len/2)")
     global_batch: int = _f(8, "sequences per optimizer step over all data-parallel replicas")
     micro_batches: int = _f(1, "gradient accumulation: microbatches per step per replica")
     seed: int = _f(1234, "seed of the data order / synthetic samples")
     recall_keys: int = _f(8, "recall: distinct keys")
     recall_values: int = _f(8, "recall: distinct values (chance accuracy = 1/recall_values)")
     recall_facts: int = _f(4, "recall: key-value facts spread over each sequence")
-    recall_queries: int = _f(32, "recall: queries at the end of each sequence (the scored tokens)")
+    recall_queries: int = _f(32, "recall: queries at the end of each sequence (or document when packed), scored")
     recall_filler: int = _f(16, "recall: distinct filler tokens between the facts")
 
 
@@ -233,6 +272,7 @@ def validate(cfg: TrainConfig) -> None:
             "recall_facts",
             "recall_queries",
             "recall_filler",
+            "doc_len",
         ),
         "checkpoint": ("keep",),
         "optim": ("lr", "eps"),
@@ -243,6 +283,7 @@ def validate(cfg: TrainConfig) -> None:
             if value <= 0:
                 raise ConfigError(f"{sec_name}.{name}={value} must be positive")
     non_negative = {
+        "model": ("sliding_window",),
         "run": ("eval_every", "peak_tflops"),
         "parallel": ("dp",),
         "optim": ("warmup_steps", "weight_decay", "grad_clip", "min_lr_ratio"),
@@ -265,10 +306,40 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"parallel.cp={cfg.parallel.cp} is not divisible by parallel.window={cfg.parallel.window}")
     if cfg.data.source == "tokens" and not cfg.data.path:
         raise ConfigError("data.source='tokens' needs data.path (a token file from `loongtrain prepare`)")
+    _validate_model_section(cfg.model)
     if cfg.data.recall_facts > cfg.data.recall_keys:
         raise ConfigError(
             f"data.recall_facts={cfg.data.recall_facts} exceeds data.recall_keys={cfg.data.recall_keys}: "
             "keys of one sequence must be distinct"
+        )
+
+
+def _validate_model_section(m: ModelSection) -> None:
+    """The [model] checks: shape overrides vs init_from, and the context-extension keys."""
+    if m.init_from:
+        # a sliding window may be set on an imported model (it changes the attention, not the shapes)
+        changed = sorted(k for k in m.overrides() if k != "sliding_window")
+        changed += ["preset"] if m.preset != ModelSection.preset else []
+        if changed:
+            raise ConfigError(
+                f"model.init_from={m.init_from!r} takes the model's shape from its config.json; remove "
+                f"model.{', model.'.join(changed)}"
+            )
+    for name in ("rope_theta", "rope_original_max_positions", "rope_attention_factor", "max_positions"):
+        if getattr(m, name) < 0:
+            raise ConfigError(f"model.{name}={getattr(m, name)} must not be negative")
+    if m.rope_scaling in ("keep", "none"):
+        if m.rope_factor != 1.0:
+            raise ConfigError(
+                f"model.rope_factor={m.rope_factor} has no effect with model.rope_scaling={m.rope_scaling!r}; "
+                "set model.rope_scaling to linear, llama3 or yarn"
+            )
+    elif m.rope_factor < 1.0:
+        raise ConfigError(f"model.rope_factor={m.rope_factor} must be >= 1 (the context grows by this factor)")
+    if m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        raise ConfigError(
+            f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
+            f"model.rope_low_freq_factor={m.rope_low_freq_factor}"
         )
 
 

@@ -1,9 +1,14 @@
-"""One ring step: the block kind's attention on (local q) x (visiting kv), forward and
-backward, with fp32 accumulation. Shared by the distributed ring and its single-process
-replay (benchmarks, schedule tests), so both run the very same block computations.
+"""One ring step: the attention of (local q) x (visiting kv), forward and backward, with
+fp32 accumulation. Shared by the distributed ring and its single-process replay
+(benchmarks, schedule tests), so both run the very same block computations.
 
-Shapes: ``q`` [B, Sc, H, d] holds the two zigzag chunks ``[q0 | q1]`` of one context
-rank; ``kv`` [2, B, Sc, G, d] stacks k and v of the visiting block ``[kv0 | kv1]``.
+Shapes: ``q`` [B, Sc, H, d] holds one context rank's content; ``kv`` [2, B, Sc, G, d]
+stacks k and v of the visiting block. Two kinds of block work:
+
+- a :class:`BlockKind` of the plain causal/full zigzag ring (``q = [q0 | q1]``, ``kv =
+  [kv0 | kv1]``): one kernel per block;
+- a tuple of :class:`~loongtrain.attention.mask_plan.Call` s for document/window masks:
+  one kernel per call on contiguous row and column ranges (masked only for ``band``).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from loongtrain.attention.kernels import block_backward, block_forward
+from loongtrain.attention.mask_plan import BAND, CAUSAL, Call
 from loongtrain.attention.merge import merge_into
 from loongtrain.attention.schedule import BlockKind
 
@@ -23,23 +29,36 @@ def accum_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class OutputAccumulator:
-    """Running ``(out, lse)`` of one query shard in :func:`accum_dtype`, merged block by block."""
+    """Running ``(out, lse)`` of one query shard in :func:`accum_dtype`, merged block by block.
 
-    def __init__(self) -> None:
+    Rows that no block has reached yet hold ``out = 0`` and ``lse = -inf``, which the merge
+    treats as "nothing seen" (the first real block replaces them exactly).
+    """
+
+    def __init__(self, q: Tensor | None = None) -> None:
         self.out: Tensor | None = None
         self.lse: Tensor | None = None
+        self._q = q
 
-    def add(self, row_start: int, out_b: Tensor, lse_b: Tensor) -> None:
+    def add(self, row_start: int, out_b: Tensor, lse_b: Tensor, row_stop: int | None = None) -> None:
+        rows = slice(row_start, row_stop)
         if self.out is None:
-            if row_start != 0:
+            covers_all = row_start == 0 and (self._q is None or out_b.shape[1] == self._q.shape[1])
+            if covers_all:  # kernel outputs are fresh tensors: take ownership instead of copying
+                dtype = accum_dtype(out_b.dtype)
+                self.out = out_b.to(dtype)
+                self.lse = lse_b.to(dtype)
+                return
+            if self._q is None:
                 raise RuntimeError("the first merged block must cover every query row")
-            # Kernel outputs are fresh tensors: take ownership instead of copying.
-            dtype = accum_dtype(out_b.dtype)
-            self.out = out_b.to(dtype)
-            self.lse = lse_b.to(dtype)
-            return
-        rows = slice(row_start, None)
+            dtype = accum_dtype(self._q.dtype)
+            self.out = torch.zeros(self._q.shape, dtype=dtype, device=self._q.device)
+            self.lse = torch.full(self._q.shape[:3], float("-inf"), dtype=dtype, device=self._q.device)
         merge_into(self.out[:, rows], self.lse[:, rows], out_b, lse_b)
+
+    def result(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``(out in dtype, lse)``; rows that saw nothing (only possible for an empty mask) are 0."""
+        return self.out.to(dtype), self.lse
 
 
 def forward_block(q: Tensor, kv: Tensor, kind: BlockKind, scale: float, acc: OutputAccumulator) -> None:
@@ -97,3 +116,95 @@ def add_kv_grad(dkv_acc: Tensor, kv_rows: slice, dk: Tensor, dv: Tensor) -> None
     """Add a block's ``dk``/``dv`` into the fp32 ``dkv_acc`` [2, B, Sc, G, d]."""
     dkv_acc[0, :, kv_rows] += dk
     dkv_acc[1, :, kv_rows] += dv
+
+
+def band_mask(call: Call, causal: bool, window: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Additive mask of a ``band`` call: 0 where ``j <= i`` (causal) and ``|i - j| < window``."""
+    i = call.q_start + torch.arange(call.row1 - call.row0, device=device).unsqueeze(1)
+    j = call.k_start + torch.arange(call.col1 - call.col0, device=device).unsqueeze(0)
+    visible = (i - j < window) & ((j <= i) if causal else (j - i < window))
+    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+
+
+def _call_inputs(call: Call, causal: bool, window: int | None, q: Tensor):
+    rows, cols = slice(call.row0, call.row1), slice(call.col0, call.col1)
+    mask = band_mask(call, causal, window, q.dtype, q.device) if call.kind == BAND else None
+    return rows, cols, mask
+
+
+def forward_calls(
+    q: Tensor, kv: Tensor, calls: tuple[Call, ...], causal: bool, window: int | None, scale: float, acc
+) -> None:
+    """Run the calls of one masked block and merge them into ``acc``."""
+    k, v = kv[0], kv[1]
+    for call in calls:
+        rows, cols, mask = _call_inputs(call, causal, window, q)
+        out, lse = block_forward(q[:, rows], k[:, cols], v[:, cols], causal=call.kind == CAUSAL, scale=scale, mask=mask)
+        acc.add(call.row0, out, lse, call.row1)
+
+
+KvGrads = list[tuple[slice, Tensor, Tensor]]  # (key/value rows, dk, dv) to add into the block's gradient
+
+
+def backward_calls(
+    dout: Tensor,
+    q: Tensor,
+    kv: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    calls: tuple[Call, ...],
+    causal: bool,
+    window: int | None,
+    scale: float,
+    dq_acc: Tensor,
+) -> KvGrads:
+    """Gradients of one masked block: adds dq into ``dq_acc`` (fp32), returns the dk/dv pieces."""
+    k, v = kv[0], kv[1]
+    grads: KvGrads = []
+    for call in calls:
+        rows, cols, mask = _call_inputs(call, causal, window, q)
+        dq, dk, dv = block_backward(
+            dout[:, rows], q[:, rows], k[:, cols], v[:, cols], out[:, rows], lse[:, rows],
+            causal=call.kind == CAUSAL, scale=scale, mask=mask,
+        )  # fmt: skip
+        dq_acc[:, rows] += dq
+        grads.append((cols, dk, dv))
+    return grads
+
+
+BlockWork = BlockKind | tuple[Call, ...]
+
+
+def forward_work(
+    q: Tensor, kv: Tensor, work: BlockWork, causal: bool, window: int | None, scale: float, acc: OutputAccumulator
+) -> bool:
+    """Run one block's work (a zigzag :class:`BlockKind` or masked calls); False if there was none."""
+    if isinstance(work, BlockKind):
+        forward_block(q, kv, work, scale, acc)
+        return True
+    forward_calls(q, kv, work, causal, window, scale, acc)
+    return bool(work)
+
+
+def backward_work(
+    dout: Tensor,
+    q: Tensor,
+    kv: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    work: BlockWork,
+    causal: bool,
+    window: int | None,
+    scale: float,
+    dq_acc: Tensor,
+) -> KvGrads:
+    """Gradients of one block's work: dq into ``dq_acc``; returns the dk/dv pieces (empty: no work)."""
+    if isinstance(work, BlockKind):
+        return [backward_block(dout, q, kv, out, lse, work, scale, dq_acc)]
+    return backward_calls(dout, q, kv, out, lse, work, causal, window, scale, dq_acc)
+
+
+def add_kv_grads(dkv_acc: Tensor, grads: KvGrads) -> None:
+    """Add the pieces returned by :func:`backward_work` into ``dkv_acc`` [2, B, Sc, G, d]."""
+    for rows, dk, dv in grads:
+        add_kv_grad(dkv_acc, rows, dk, dv)

@@ -15,6 +15,10 @@ from loongtrain.parallel.state import ParallelState, RingLink
 from loongtrain.parallel.stats import AttentionStats
 
 
+#: Profiler label of the time spent waiting for an attention transfer.
+WAIT_LABEL = "loongtrain::comm_wait"
+
+
 class Pending:
     """An in-flight transfer; ``wait()`` returns the received tensor (through ``finish``)."""
 
@@ -24,9 +28,11 @@ class Pending:
         self._finish = finish
 
     def wait(self) -> torch.Tensor:
-        for work in self._works:
-            work.wait()
-        self._works = []
+        if self._works:
+            with torch.profiler.record_function(WAIT_LABEL):  # what `loongtrain bench train` counts as waiting
+                for work in self._works:
+                    work.wait()
+            self._works = []
         if self._finish is not None:
             self._result, self._finish = self._finish(self._result), None
         return self._result
@@ -79,13 +85,13 @@ def all_to_all_start(
 def seq_to_head(x: torch.Tensor, state: ParallelState, kind: str) -> Pending:
     """Start the head all-to-all scattering heads and gathering sequence:
     [*b, S, H, d] -> (on ``wait()``) [*b, hp*S, H/hp, d]."""
-    hp = state.config.hp
+    hp = state.hp
     return all_to_all_start(pack_seq_to_head(x, hp), state.head_group, state.stats, kind, unpack_seq_to_head)
 
 
 def head_to_seq(x: torch.Tensor, state: ParallelState, kind: str) -> Pending:
     """Start the inverse all-to-all: [*b, hp*S, Hh, d] -> (on ``wait()``) [*b, S, hp*Hh, d]."""
-    hp = state.config.hp
+    hp = state.hp
     return all_to_all_start(pack_head_to_seq(x, hp), state.head_group, state.stats, kind, unpack_head_to_seq)
 
 

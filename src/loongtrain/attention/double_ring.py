@@ -13,6 +13,12 @@ ring (one hop behind their block), arrive at their window position after the las
 hop, are added to what the previous windows accumulated (which came over the outer ring
 while the inner loop ran) and hop the outer ring; after the last outer step they are
 home. Query gradients accumulate locally in fp32.
+
+Under a document/window mask (``RingSetup.masks``) each step runs the calls of its
+(query block, key/value block) pair from the pure :class:`MaskPlan`; a pair with nothing
+visible runs no kernel (``*.block_skipped`` in ``state.stats``; ``*.step_skipped`` when
+the step is empty for every rank of the context group). Transfers always run: a block
+still travels on to the ranks that need it later.
 """
 
 from __future__ import annotations
@@ -21,8 +27,16 @@ from dataclasses import dataclass
 
 import torch
 
-from loongtrain.attention.blocks import OutputAccumulator, accum_dtype, add_kv_grad, backward_block, forward_block
+from loongtrain.attention.blocks import (
+    BlockWork,
+    OutputAccumulator,
+    accum_dtype,
+    add_kv_grads,
+    backward_work,
+    forward_work,
+)
 from loongtrain.attention.comm import Pending, Ready, ring_exchange
+from loongtrain.attention.mask_plan import MaskPlan
 from loongtrain.attention.schedule import block_kind, ring_source
 from loongtrain.parallel.state import ParallelState, RingLink
 from loongtrain.parallel.stats import AttentionStats
@@ -31,7 +45,7 @@ Tensor = torch.Tensor
 
 
 @dataclass(frozen=True)
-class RingPlan:
+class RingSetup:
     """What one rank needs to run the double ring: its index, the rings, the options."""
 
     context: int
@@ -42,57 +56,80 @@ class RingPlan:
     causal: bool
     scale: float
     stats: AttentionStats
+    masks: MaskPlan | None = None  # document/window mask; None: plain causal or full zigzag ring
+    sliding_window: int | None = None
 
     @classmethod
-    def from_state(cls, state: ParallelState, *, causal: bool, scale: float) -> RingPlan:
+    def from_state(
+        cls,
+        state: ParallelState,
+        *,
+        causal: bool,
+        scale: float,
+        masks: MaskPlan | None = None,
+        sliding_window: int | None = None,
+    ) -> RingSetup:
         return cls(
             context=state.coords.context,
-            cp=state.config.cp,
+            cp=state.cp,
             window=state.config.window,
             inner=state.inner_ring,
             outer=state.outer_ring,
             causal=causal,
             scale=scale,
             stats=state.stats,
+            masks=masks,
+            sliding_window=sliding_window,
         )
 
     @property
     def n_windows(self) -> int:
         return self.cp // self.window
 
-    def kind(self, outer_step: int, inner_step: int):
+    def work(self, outer_step: int, inner_step: int) -> BlockWork:
+        """The block work at step ``(outer_step, inner_step)``."""
         src = ring_source(self.context, self.cp, self.window, outer_step, inner_step)
-        return block_kind(src, self.context, self.causal)
+        if self.masks is None:
+            return block_kind(src, self.context, self.causal)
+        return self.masks.calls(self.context, src)
+
+    def count(self, phase: str, ran: bool, outer_step: int, inner_step: int) -> None:
+        if ran:
+            self.stats.add(f"{phase}.block")
+            return
+        self.stats.add(f"{phase}.block_skipped")
+        if (outer_step, inner_step) in self.masks.empty_steps(self.window):
+            self.stats.add(f"{phase}.step_skipped")
 
     def exchange(self, tensor: Tensor, inner: bool, kind: str, dkv: bool = False) -> Pending:
         link = self.inner if inner else self.outer
         return ring_exchange(tensor, link, self.stats, kind, dkv=dkv)
 
 
-def ring_forward(plan: RingPlan, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]:
+def ring_forward(plan: RingSetup, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]:
     """Attention of the local ``q`` [B, Sc, H, d] over the whole context group.
 
     ``kv`` is [2, B, Sc, G, d]. Returns ``out`` (q's dtype) and fp32 ``lse`` [B, Sc, H].
     """
     n, w = plan.n_windows, plan.window
-    acc = OutputAccumulator()
+    acc = OutputAccumulator(q)
     base = kv
     for j in range(n):
         outer = plan.exchange(base, inner=False, kind="fwd.ring_kv") if j + 1 < n else None
         cur = base
         for s in range(w):
             inner = plan.exchange(cur, inner=True, kind="fwd.ring_kv") if s + 1 < w else None
-            forward_block(q, cur, plan.kind(j, s), plan.scale, acc)
-            plan.stats.add("fwd.block")
+            ran = forward_work(q, cur, plan.work(j, s), plan.causal, plan.sliding_window, plan.scale, acc)
+            plan.count("fwd", ran, j, s)
             if inner is not None:
                 cur = inner.wait()
         if outer is not None:
             base = outer.wait()
-    return acc.out.to(q.dtype), acc.lse
+    return acc.result(q.dtype)
 
 
 def ring_backward(
-    plan: RingPlan, dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor
+    plan: RingSetup, dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor
 ) -> tuple[Tensor, Tensor]:
     """Gradients ``(dq, dkv)`` of :func:`ring_forward`, in the dtypes of ``q`` and ``kv``."""
     n, w = plan.n_windows, plan.window
@@ -106,13 +143,15 @@ def ring_backward(
         cur = base
         for s in range(w):
             inner_kv = plan.exchange(cur, inner=True, kind="bwd.ring_kv") if s + 1 < w else None
-            rows, dk, dv = backward_block(dout, q, cur, out, lse, plan.kind(j, s), plan.scale, dq)
-            plan.stats.add("bwd.block")
+            grads = backward_work(
+                dout, q, cur, out, lse, plan.work(j, s), plan.causal, plan.sliding_window, plan.scale, dq
+            )
+            plan.count("bwd", bool(grads), j, s)
             if s == 0:
                 partial = torch.zeros(kv.shape, dtype=accum_dtype(kv.dtype), device=kv.device)
             else:
                 partial = inner_dkv.wait()
-            add_kv_grad(partial, rows, dk, dv)
+            add_kv_grads(partial, grads)
             if tail is not None:  # finish the previous outer step behind this block's compute
                 outer_in = _finish_outer_step(plan, *tail, outer_in)
                 tail = None
@@ -128,7 +167,7 @@ def ring_backward(
     return dq.to(q.dtype), dkv.to(kv.dtype)
 
 
-def _finish_outer_step(plan: RingPlan, j: int, window_total: Pending, outer_in: Pending | None) -> Pending:
+def _finish_outer_step(plan: RingSetup, j: int, window_total: Pending, outer_in: Pending | None) -> Pending:
     """Add earlier windows' sum to this window's and pass it on the outer ring.
 
     At outer step ``j`` window ``o`` worked on the blocks of window ``o - j``; the

@@ -12,20 +12,54 @@ Per rank: ``q`` [B, S/sp, H, d] and ``k``/``v`` [B, S/sp, G, d] zigzag shards (s
 
 ``hp == 1`` is pure ring attention and ``cp == 1`` pure Ulysses, through the same code.
 The three stages are the custom ops of :mod:`loongtrain.attention.ops`.
+
+Packed documents (``cu_seqlens``) and sliding windows (``window_size``) are masks of the
+ring: every context rank derives, from the global boundaries and the sharding map, which
+kernels each (query block, key/value block) pair needs (:mod:`mask_plan`), with no
+communication beyond the plain ring's.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
 from loongtrain.attention import ops
+from loongtrain.attention.documents import as_boundaries, check_window
 from loongtrain.attention.kernels import check_supported
+from loongtrain.attention.sharding import check_balance, check_sequence_length
 from loongtrain.parallel.layout import check_head_split
 from loongtrain.parallel.state import ParallelState
 
 Tensor = torch.Tensor
+
+
+def check_mask_inputs(
+    seq_len: int,
+    state: ParallelState,
+    cu_seqlens: Tensor | Sequence[int] | None,
+    window_size: int | None,
+    balance: str,
+) -> Tensor | None:
+    """Validate the mask keywords for a global sequence of ``seq_len`` tokens (no communication);
+    return ``cu_seqlens`` as a CPU int64 tensor (or None)."""
+    try:
+        check_window(window_size)
+        check_balance(balance)
+        boundaries = as_boundaries(cu_seqlens, seq_len)
+        if cu_seqlens is not None or balance != "zigzag":
+            check_sequence_length(seq_len, state.hp, state.cp)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"head_context_attention: {e}") from None
+    return None if boundaries is None else torch.tensor(boundaries, dtype=torch.int64)
+
+
+def _as_cpu_boundaries(cu_seqlens) -> Tensor | None:
+    if cu_seqlens is None or isinstance(cu_seqlens, Tensor):
+        return None if cu_seqlens is None else cu_seqlens.to("cpu", torch.int64)
+    return torch.tensor(list(cu_seqlens), dtype=torch.int64)
 
 
 def check_attention_inputs(
@@ -69,7 +103,7 @@ def check_attention_inputs(
             f"on {state.device}; move the tensors there (gloo: cpu, NCCL: cuda)"
         )
     check_supported(q.device, q.dtype)
-    groups, hp, cp = k.shape[2], state.config.hp, state.config.cp
+    groups, hp, cp = k.shape[2], state.hp, state.cp
     try:
         check_head_split(heads, groups, hp)
     except ValueError as e:
@@ -91,8 +125,11 @@ def head_context_attention(
     state: ParallelState,
     causal: bool = True,
     softmax_scale: float | None = None,
+    cu_seqlens: Tensor | Sequence[int] | None = None,
+    window_size: int | None = None,
+    balance: str | None = None,
 ) -> Tensor:
-    """2D head-context attention on zigzag sequence shards; returns [B, S/sp, H, d].
+    """2D head-context attention on sequence shards; returns [B, S/sp, H, d].
 
     Args:
         q: [B, S/sp, H, d] query shard (from ``shard_sequence``).
@@ -100,12 +137,29 @@ def head_context_attention(
         state: from :func:`loongtrain.init_parallel`.
         causal: causal (top-left aligned over the global sequence) or full attention.
         softmax_scale: defaults to ``d ** -0.5``.
+        cu_seqlens: document boundaries ``[0, ..., S]`` of the packed *global* sequence
+            (FlashAttention's varlen convention; a list or an int tensor, the same on every
+            rank of the sp group; a CPU tensor avoids a device sync). Token ``i`` sees ``j``
+            only inside its own document.
+        window_size: sliding window: ``i`` sees ``j`` only if ``i - j < window_size``
+            (``|i - j| < window_size`` when not causal), as in HF Mistral/Qwen.
+        balance: the sharding the inputs were made with (``shard_sequence(...,
+            cu_seqlens=..., balance=...)``): ``"zigzag"`` or ``"documents"``; ``None``
+            takes ``state.config.balance``.
     """
-    check_attention_inputs(q, k, v, state, causal, softmax_scale)
+    balance = balance or state.config.balance
+    if torch.compiler.is_compiling():
+        # Under torch.compile the checks that read values (the boundaries, a kernel table)
+        # stay out of the graph; the ops check the boundaries themselves when they run.
+        cu = _as_cpu_boundaries(cu_seqlens)
+    else:
+        check_attention_inputs(q, k, v, state, causal, softmax_scale)
+        cu = check_mask_inputs(q.shape[1] * state.sp, state, cu_seqlens, window_size, balance)
+    window = window_size or 0
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    if state.config.hp == 1:
-        out, _lse = ops.ring_attention(q, torch.stack((k, v)), state.key, causal, scale, True)
+    if state.hp == 1:
+        out, _lse = ops.ring_attention(q, torch.stack((k, v)), state.key, causal, scale, True, cu, window, balance)
         return out
-    q_h, kv_h = ops.head_scatter(q, k, v, state.key, causal)
-    out_h, _lse = ops.ring_attention(q_h, kv_h, state.key, causal, scale, False)
+    q_h, kv_h = ops.head_scatter(q, k, v, state.key, causal, cu, window, balance)
+    out_h, _lse = ops.ring_attention(q_h, kv_h, state.key, causal, scale, False, cu, window, balance)
     return ops.head_gather(out_h, state.key)

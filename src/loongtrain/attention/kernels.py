@@ -5,7 +5,9 @@ Every distributed scheme is built from these two functions. Layout convention:
 head ``h`` uses key/value head ``h // (H // G)``), ``out`` is ``[B, Sq, H, d]`` in the
 input dtype and ``lse`` is ``[B, Sq, H]`` in float32 (float64 for float64 inputs), natural
 log, scale included.
-``causal`` masks top-left aligned (query ``i`` sees keys ``j <= i``).
+``causal`` masks top-left aligned (query ``i`` sees keys ``j <= i``). ``mask`` (optional,
+for partial blocks of document/window masks) is an additive float ``[Sq, Sk]`` tensor
+(0 visible, -inf hidden); every row must see at least one key.
 
 This module is the only place that picks a kernel by device; the rest of the code calls
 :func:`block_forward` / :func:`block_backward`. Kernels used:
@@ -13,8 +15,9 @@ This module is the only place that picks a kernel by device; the rest of the cod
 - CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``); GQA native.
 - CUDA, fp16/bf16: the ``flash_attn`` package (>= 2.7) when installed, else
   ``aten._scaled_dot_product_flash_attention``; GQA native.
-- CUDA, fp32: ``aten._scaled_dot_product_efficient_attention`` with key/value heads
-  expanded to the query heads (that kernel has no GQA), gradients summed back.
+- CUDA, fp32, and any masked call: ``aten._scaled_dot_product_efficient_attention`` with
+  key/value heads expanded to the query heads (that kernel has no GQA), gradients summed
+  back; a mask goes in as its additive bias.
 
 The aten ``_scaled_dot_product_*`` ops are private PyTorch API; they are the only
 kernels that return the log-sum-exp needed to merge partial results, so they are
@@ -39,10 +42,21 @@ class BlockBackend(Protocol):
     name: str
     dtypes: tuple[torch.dtype, ...]
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]: ...
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]: ...
 
     def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        causal: bool,
+        scale: float,
+        mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]: ...
 
 
@@ -57,15 +71,24 @@ class CpuFlashBackend:
     name = "cpu-flash"
     dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
-    def forward(self, q, k, v, causal, scale):
+    def forward(self, q, k, v, causal, scale, mask=None):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, scale=scale
+            _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, attn_mask=mask, scale=scale
         )
         return out.transpose(1, 2), lse.transpose(1, 2)
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse.transpose(1, 2), 0.0, causal, scale=scale
+            _bhsd(dout),
+            _bhsd(q),
+            _bhsd(k),
+            _bhsd(v),
+            _bhsd(out),
+            lse.transpose(1, 2),
+            0.0,
+            causal,
+            attn_mask=mask,
+            scale=scale,
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
@@ -90,26 +113,40 @@ def _sum_kv_grad(dx: Tensor, groups: int) -> Tensor:
     )
 
 
+def _aligned_bias(mask: Tensor, batch: int, heads: int, dtype: torch.dtype) -> Tensor:
+    """[Sq, Sk] additive mask -> a [B, H, Sq, Sk] view whose rows start 16-element aligned
+    (what the memory-efficient kernel needs for its bias)."""
+    sq, sk = mask.shape
+    padded = mask.new_zeros((sq, -(-sk // 16) * 16), dtype=dtype)
+    padded[:, :sk] = mask
+    return padded[:, :sk].expand(batch, heads, sq, sk)
+
+
 class CudaSdpaBackend:
-    """PyTorch's CUDA SDPA aten kernels: flash for fp16/bf16, efficient for fp32."""
+    """PyTorch's CUDA SDPA aten kernels: flash for fp16/bf16, efficient for fp32 and masks."""
 
     name = "cuda-sdpa"
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
 
-    def forward(self, q, k, v, causal, scale):
+    @staticmethod
+    def _use_flash(q: Tensor, mask: Tensor | None) -> bool:
+        return mask is None and q.dtype in (torch.float16, torch.bfloat16)
+
+    def forward(self, q, k, v, causal, scale, mask=None):
         sq = q.shape[1]
-        if q.dtype in (torch.float16, torch.bfloat16):
+        if self._use_flash(q, mask):
             res = torch.ops.aten._scaled_dot_product_flash_attention(
                 _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, False, scale=scale
             )
             out, lse = res[0], res[1]
         else:
-            heads = q.shape[2]
+            b, _, heads, _ = q.shape
+            bias = None if mask is None else _aligned_bias(mask, b, heads, q.dtype)
             out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
                 _bhsd(q),
                 _bhsd(_expand_kv(k, heads)),
                 _bhsd(_expand_kv(v, heads)),
-                None,
+                bias,
                 True,
                 0.0,
                 causal,
@@ -117,10 +154,10 @@ class CudaSdpaBackend:
             )
         return out.transpose(1, 2), lse[..., :sq].transpose(1, 2)
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None):
         sq, sk = q.shape[1], k.shape[1]
         lse_bhs = lse.transpose(1, 2).contiguous()
-        if q.dtype in (torch.float16, torch.bfloat16):
+        if self._use_flash(q, mask):
             empty = torch.empty(0, device=q.device, dtype=torch.int64)
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
                 _bhsd(dout),
@@ -140,14 +177,16 @@ class CudaSdpaBackend:
                 scale=scale,
             )
             return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
-        heads, groups = q.shape[2], k.shape[2]
+        b, _, heads, _ = q.shape
+        groups = k.shape[2]
+        bias = None if mask is None else _aligned_bias(mask, b, heads, q.dtype)
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             _bhsd(dout),
             _bhsd(q),
             _bhsd(_expand_kv(k, heads)),
             _bhsd(_expand_kv(v, heads)),
-            None,
+            bias,
             _bhsd(out),
             lse_bhs,
             seed,
@@ -172,14 +211,19 @@ class FlashAttnBackend:
 
     def __init__(self, module) -> None:
         self._fa = module
+        self._masked = CudaSdpaBackend()  # flash_attn takes no arbitrary mask
 
-    def forward(self, q, k, v, causal, scale):
+    def forward(self, q, k, v, causal, scale, mask=None):
+        if mask is not None:
+            return self._masked.forward(q, k, v, causal, scale, mask)
         out, lse, _, _ = self._fa._flash_attn_forward(
             q.contiguous(), k.contiguous(), v.contiguous(), 0.0, scale, causal, -1, -1, 0.0, None, False
         )
         return out, lse.transpose(1, 2)
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None):
+        if mask is not None:
+            return self._masked.backward(dout, q, k, v, out, lse, causal, scale, mask)
         q, k, v, out, dout = (x.contiguous() for x in (q, k, v, out, dout))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         self._fa._flash_attn_backward(
@@ -251,13 +295,24 @@ def check_supported(device: torch.device, dtype: torch.dtype) -> None:
         )
 
 
-def block_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+def block_forward(
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, mask: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """Attention of a query block against a key/value block: ``(out, lse)``."""
-    return backend_for(q.device, q.dtype).forward(q, k, v, causal, scale)
+    return backend_for(q.device, q.dtype).forward(q, k, v, causal, scale, mask)
 
 
 def block_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of one block given the *final* ``out`` and ``lse`` rows.
 
@@ -265,4 +320,4 @@ def block_backward(
     the global ones, so summing the returned gradients over blocks gives the exact
     gradient of the whole attention.
     """
-    return backend_for(q.device, q.dtype).backward(dout, q, k, v, out, lse, causal, scale)
+    return backend_for(q.device, q.dtype).backward(dout, q, k, v, out, lse, causal, scale, mask)

@@ -7,16 +7,24 @@
 Being operators (not autograd Functions) makes them visible to PyTorch's selective
 activation checkpointing: a policy can mark them MUST_SAVE, so a recomputed block gets
 their outputs back with no communication and no attention compute (Selective
-Checkpoint++). Ops take the ParallelState by its registry key.
+Checkpoint++). Each backward is a custom op too (``*_backward``), so ``torch.compile``
+sees forward and backward as opaque calls with fake (shape-only) implementations and
+never traces communication or the mask planning. Ops take the ParallelState by its
+registry key.
 """
 
 from __future__ import annotations
+
+import zlib
 
 import torch
 
 from loongtrain.attention.blocks import accum_dtype
 from loongtrain.attention.comm import all_gather_flat, head_to_seq, seq_to_head
-from loongtrain.attention.double_ring import RingPlan, ring_backward, ring_forward
+from loongtrain.attention.documents import as_boundaries, is_plain
+from loongtrain.attention.double_ring import RingSetup, ring_backward, ring_forward
+from loongtrain.attention.mask_plan import MaskPlan, mask_plan
+from loongtrain.attention.sharding import BALANCES, sequence_sharding
 from loongtrain.parallel.state import ParallelState, state_by_key
 
 Tensor = torch.Tensor
@@ -24,12 +32,37 @@ Tensor = torch.Tensor
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 
 
-def verify_same_inputs(q: Tensor, kv_heads: int, state: ParallelState, causal: bool) -> None:
+def _boundaries(cu_seqlens: Tensor | None) -> tuple[int, ...] | None:
+    return None if cu_seqlens is None else tuple(cu_seqlens.tolist())
+
+
+def mask_signature(cu_seqlens: Tensor | None, window: int, balance: str) -> list[int]:
+    """Small ints that differ when two ranks pass different masks (for the input check)."""
+    boundaries = _boundaries(cu_seqlens) or ()
+    digest = zlib.crc32(b",".join(str(x).encode() for x in boundaries))
+    return [len(boundaries), digest, window, BALANCES.index(balance)]
+
+
+def masks_for(
+    state: ParallelState, context_len: int, cu_seqlens: Tensor | None, window: int, balance: str, causal: bool
+) -> MaskPlan | None:
+    """The mask plan of a ring over ``context_len = S / cp`` tokens per context rank, or
+    None for the plain causal/full zigzag ring."""
+    seq_len = context_len * state.cp
+    boundaries = as_boundaries(cu_seqlens, seq_len)  # checked here too: under torch.compile only the ops see values
+    sliding = window if 0 < window < seq_len else None
+    if balance == "zigzag" and is_plain(boundaries, sliding, seq_len):
+        return None
+    sharding = sequence_sharding(seq_len, state.hp, state.cp, boundaries, balance)
+    return mask_plan(sharding, boundaries or (0, seq_len), causal, sliding)
+
+
+def verify_same_inputs(q: Tensor, kv_heads: int, state: ParallelState, causal: bool, mask: list[int]) -> None:
     """Check with one small all-gather that every sp rank passes the same shapes and options."""
     if state.sp_group is None:
         return
     meta = torch.tensor(
-        [*q.shape, kv_heads, _DTYPE_CODES.get(q.dtype, -1), int(causal)], dtype=torch.int64, device=state.device
+        [*q.shape, kv_heads, _DTYPE_CODES.get(q.dtype, -1), int(causal), *mask], dtype=torch.int64, device=state.device
     )
     sp = state.config.sp
     gathered = meta.new_empty((sp * meta.numel(),))
@@ -38,53 +71,76 @@ def verify_same_inputs(q: Tensor, kv_heads: int, state: ParallelState, causal: b
     if any(row != rows[0] for row in rows):
         members = state.layout.sp_group(state.rank)
         detail = "; ".join(
-            f"rank {r}: q={tuple(row[:4])} G={row[4]} causal={bool(row[6])}" for r, row in zip(members, rows)
+            f"rank {r}: q={tuple(row[:4])} G={row[4]} causal={bool(row[6])} documents={row[7]} "
+            f"(crc {row[8]}) window={row[9]} balance={BALANCES[row[10]]}"
+            for r, row in zip(members, rows)
         )
         raise ValueError(
             "head_context_attention: the ranks of the sequence-parallel group passed different "
-            f"inputs ({detail}); every rank must pass its shard of the same batch"
+            f"inputs ({detail}); every rank must pass its shard of the same batch, with the same cu_seqlens, "
+            f"window_size and balance"
         )
 
 
 # -- head all-to-all: scatter heads, gather sequence ---------------------------------
 @torch.library.custom_op("loongtrain::head_scatter", mutates_args=())
-def head_scatter(q: Tensor, k: Tensor, v: Tensor, state_key: int, causal: bool) -> tuple[Tensor, Tensor]:
-    """[B,S,H,d], [B,S,G,d] x2 -> q_h [B, hp*S, H/hp, d], kv_h [2, B, hp*S, max(G,hp)/hp, d]."""
+def head_scatter(
+    q: Tensor, k: Tensor, v: Tensor, state_key: int, causal: bool, cu_seqlens: Tensor | None, window: int, balance: str
+) -> tuple[Tensor, Tensor]:
+    """[B,S,H,d], [B,S,G,d] x2 -> q_h [B, hp*S, H/hp, d], kv_h [2, B, hp*S, max(G,hp)/hp, d].
+
+    ``cu_seqlens``/``window``/``balance`` only enter the input check (the mask is applied in
+    the ring).
+    """
     state = state_by_key(state_key)
-    hp, groups = state.config.hp, k.shape[2]
+    hp, groups = state.hp, k.shape[2]
     if state.verify_inputs:
-        verify_same_inputs(q, groups, state, causal)
+        verify_same_inputs(q, groups, state, causal, mask_signature(cu_seqlens, window, balance))
     kv = torch.stack((k, v))
     if hp > groups:  # GQA with fewer KV heads than head ranks: replicate each KV head
         kv = kv.repeat_interleave(hp // groups, dim=-2)
     q_pending = seq_to_head(q, state, "fwd.all_to_all")
     kv_pending = seq_to_head(kv, state, "fwd.all_to_all")
-    return q_pending.wait(), kv_pending.wait()
+    return q_pending.wait().contiguous(), kv_pending.wait().contiguous()
 
 
 @head_scatter.register_fake
-def _(q, k, v, state_key, causal):
-    hp = state_by_key(state_key).config.hp
+def _(q, k, v, state_key, causal, cu_seqlens, window, balance):
+    hp = state_by_key(state_key).hp
     b, s, h, d = q.shape
     kv_heads = max(k.shape[2], hp)
     return q.new_empty(b, hp * s, h // hp, d), k.new_empty(2, b, hp * s, kv_heads // hp, d)
 
 
 def _head_scatter_setup(ctx, inputs, output) -> None:
-    _, k, _, state_key, _ = inputs
+    _, k, _, state_key, *_ = inputs
     ctx.state_key, ctx.groups = state_key, k.shape[2]
 
 
-def _head_scatter_backward(ctx, dq_h: Tensor, dkv_h: Tensor):
-    state = state_by_key(ctx.state_key)
-    hp, groups = state.config.hp, ctx.groups
+@torch.library.custom_op("loongtrain::head_scatter_backward", mutates_args=())
+def head_scatter_backward(dq_h: Tensor, dkv_h: Tensor, state_key: int, groups: int) -> tuple[Tensor, Tensor]:
+    """Gradients of :func:`head_scatter`: (dq [B,S,H,d], dkv [2,B,S,G,d])."""
+    state = state_by_key(state_key)
+    hp = state.hp
     dq_pending = head_to_seq(dq_h, state, "bwd.all_to_all")
     dkv_pending = head_to_seq(dkv_h, state, "bwd.all_to_all")
     dq, dkv = dq_pending.wait(), dkv_pending.wait()
     if hp > groups:  # sum the gradients of each KV head's replicas
         two, b, s, _, d = dkv.shape
         dkv = dkv.view(two, b, s, groups, hp // groups, d).sum(dim=4, dtype=accum_dtype(dkv.dtype)).to(dkv.dtype)
-    return dq, dkv[0], dkv[1], None, None
+    return dq.contiguous(), dkv.contiguous()  # the fake implementations promise contiguous outputs
+
+
+@head_scatter_backward.register_fake
+def _(dq_h, dkv_h, state_key, groups):
+    hp = state_by_key(state_key).hp
+    b, s, hh, d = dq_h.shape
+    return dq_h.new_empty(b, s // hp, hh * hp, d), dkv_h.new_empty(2, b, s // hp, groups, d)
+
+
+def _head_scatter_backward(ctx, dq_h: Tensor, dkv_h: Tensor):
+    dq, dkv = head_scatter_backward(dq_h.contiguous(), dkv_h.contiguous(), ctx.state_key, ctx.groups)
+    return dq, dkv[0], dkv[1], None, None, None, None, None
 
 
 head_scatter.register_autograd(_head_scatter_backward, setup_context=_head_scatter_setup)
@@ -93,33 +149,79 @@ head_scatter.register_autograd(_head_scatter_backward, setup_context=_head_scatt
 # -- double ring over the context group ----------------------------------------------
 @torch.library.custom_op("loongtrain::ring_attention", mutates_args=())
 def ring_attention(
-    q_h: Tensor, kv_h: Tensor, state_key: int, causal: bool, scale: float, verify: bool
+    q_h: Tensor,
+    kv_h: Tensor,
+    state_key: int,
+    causal: bool,
+    scale: float,
+    verify: bool,
+    cu_seqlens: Tensor | None,
+    window: int,
+    balance: str,
 ) -> tuple[Tensor, Tensor]:
-    """q_h [B, Sc, Hh, d], kv_h [2, B, Sc, Gh, d] -> out_h [B, Sc, Hh, d], lse [B, Sc, Hh]."""
+    """q_h [B, Sc, Hh, d], kv_h [2, B, Sc, Gh, d] -> out_h [B, Sc, Hh, d], lse [B, Sc, Hh].
+
+    ``cu_seqlens`` (CPU int64, global boundaries or None), ``window`` (0: none) and ``balance``
+    select the document/window mask and the sharding the inputs were made with.
+    """
     state = state_by_key(state_key)
     if verify and state.verify_inputs:
-        verify_same_inputs(q_h, kv_h.shape[3], state, causal)
-    plan = RingPlan.from_state(state, causal=causal, scale=scale)
-    return ring_forward(plan, q_h, kv_h)
+        verify_same_inputs(q_h, kv_h.shape[3], state, causal, mask_signature(cu_seqlens, window, balance))
+    out, lse = ring_forward(_setup(state, q_h, causal, scale, cu_seqlens, window, balance), q_h, kv_h)
+    return out.contiguous(), lse.contiguous()
+
+
+def _setup(state: ParallelState, q_h: Tensor, causal, scale, cu_seqlens, window, balance) -> RingSetup:
+    masks = masks_for(state, q_h.shape[1], cu_seqlens, window, balance, causal)
+    sliding = masks.window if masks is not None else None
+    return RingSetup.from_state(state, causal=causal, scale=scale, masks=masks, sliding_window=sliding)
 
 
 @ring_attention.register_fake
-def _(q_h, kv_h, state_key, causal, scale, verify):
+def _(q_h, kv_h, state_key, causal, scale, verify, cu_seqlens, window, balance):
     return torch.empty_like(q_h), q_h.new_empty(q_h.shape[:3], dtype=accum_dtype(q_h.dtype))
 
 
 def _ring_setup(ctx, inputs, output) -> None:
-    q_h, kv_h, state_key, causal, scale, _ = inputs
+    q_h, kv_h, state_key, causal, scale, _, cu_seqlens, window, balance = inputs
     out_h, lse = output
     ctx.save_for_backward(q_h, kv_h, out_h, lse)
     ctx.state_key, ctx.causal, ctx.scale = state_key, causal, scale
+    ctx.cu_seqlens, ctx.window, ctx.balance = cu_seqlens, window, balance
+
+
+@torch.library.custom_op("loongtrain::ring_attention_backward", mutates_args=())
+def ring_attention_backward(
+    dout_h: Tensor,
+    q_h: Tensor,
+    kv_h: Tensor,
+    out_h: Tensor,
+    lse: Tensor,
+    state_key: int,
+    causal: bool,
+    scale: float,
+    cu_seqlens: Tensor | None,
+    window: int,
+    balance: str,
+) -> tuple[Tensor, Tensor]:
+    """Gradients of :func:`ring_attention`: (dq_h, dkv_h)."""
+    plan = _setup(state_by_key(state_key), q_h, causal, scale, cu_seqlens, window, balance)
+    dq, dkv = ring_backward(plan, dout_h.contiguous(), q_h, kv_h, out_h, lse)
+    return dq.contiguous(), dkv.contiguous()
+
+
+@ring_attention_backward.register_fake
+def _(dout_h, q_h, kv_h, out_h, lse, state_key, causal, scale, cu_seqlens, window, balance):
+    return torch.empty_like(q_h), torch.empty_like(kv_h)
 
 
 def _ring_backward(ctx, dout_h: Tensor, _dlse):
     q_h, kv_h, out_h, lse = ctx.saved_tensors
-    plan = RingPlan.from_state(state_by_key(ctx.state_key), causal=ctx.causal, scale=ctx.scale)
-    dq, dkv = ring_backward(plan, dout_h.contiguous(), q_h, kv_h, out_h, lse)
-    return dq, dkv, None, None, None, None
+    dq, dkv = ring_attention_backward(
+        dout_h.contiguous(), q_h, kv_h, out_h, lse, ctx.state_key, ctx.causal, ctx.scale,
+        ctx.cu_seqlens, ctx.window, ctx.balance,
+    )  # fmt: skip
+    return dq, dkv, None, None, None, None, None, None, None
 
 
 ring_attention.register_autograd(_ring_backward, setup_context=_ring_setup)
@@ -129,12 +231,12 @@ ring_attention.register_autograd(_ring_backward, setup_context=_ring_setup)
 @torch.library.custom_op("loongtrain::head_gather", mutates_args=())
 def head_gather(out_h: Tensor, state_key: int) -> Tensor:
     """[B, hp*S, H/hp, d] -> [B, S, H, d]."""
-    return head_to_seq(out_h, state_by_key(state_key), "fwd.all_to_all").wait()
+    return head_to_seq(out_h, state_by_key(state_key), "fwd.all_to_all").wait().contiguous()
 
 
 @head_gather.register_fake
 def _(out_h, state_key):
-    hp = state_by_key(state_key).config.hp
+    hp = state_by_key(state_key).hp
     b, s, h, d = out_h.shape
     return out_h.new_empty(b, s // hp, h * hp, d)
 
@@ -143,8 +245,21 @@ def _head_gather_setup(ctx, inputs, output) -> None:
     ctx.state_key = inputs[1]
 
 
+@torch.library.custom_op("loongtrain::head_gather_backward", mutates_args=())
+def head_gather_backward(dout: Tensor, state_key: int) -> Tensor:
+    """Gradient of :func:`head_gather`: [B, S, H, d] -> [B, hp*S, H/hp, d]."""
+    return seq_to_head(dout, state_by_key(state_key), "bwd.all_to_all").wait().contiguous()
+
+
+@head_gather_backward.register_fake
+def _(dout, state_key):
+    hp = state_by_key(state_key).hp
+    b, s, h, d = dout.shape
+    return dout.new_empty(b, hp * s, h // hp, d)
+
+
 def _head_gather_backward(ctx, dout: Tensor):
-    return seq_to_head(dout, state_by_key(ctx.state_key), "bwd.all_to_all").wait(), None
+    return head_gather_backward(dout.contiguous(), ctx.state_key), None
 
 
 head_gather.register_autograd(_head_gather_backward, setup_context=_head_gather_setup)

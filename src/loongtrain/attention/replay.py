@@ -12,45 +12,62 @@ from dataclasses import dataclass
 
 import torch
 
-from loongtrain.attention.blocks import OutputAccumulator, accum_dtype, add_kv_grad, backward_block, forward_block
+from loongtrain.attention.blocks import OutputAccumulator, accum_dtype, add_kv_grads, backward_work, forward_work
+from loongtrain.attention.mask_plan import MaskPlan
 from loongtrain.attention.schedule import block_kind, ring_source
-from loongtrain.attention.sharding import restore_order, shard_ranges, take_ranges
+from loongtrain.attention.sharding import SequenceSharding, restore_order, take_ranges, zigzag_sharding
 
 Tensor = torch.Tensor
 
 
 @dataclass(frozen=True)
 class RingReplay:
-    """The double ring over ``cp`` context ranks (``hp = 1``) replayed in one process."""
+    """The double ring over ``cp`` context ranks (``hp = 1``) replayed in one process.
+
+    ``masks`` (a :class:`MaskPlan` with ``hp = 1``) replays a document/window mask on its
+    sharding; without it, the plain zigzag ring.
+    """
 
     cp: int
     window: int = 1
     causal: bool = True
+    masks: MaskPlan | None = None
+
+    def _sharding(self, seq_len: int) -> SequenceSharding:
+        return self.masks.sharding if self.masks is not None else zigzag_sharding(seq_len, 1, self.cp)
 
     def shard(self, x: Tensor) -> list[Tensor]:
-        """Zigzag shards of full-sequence ``x`` [*, S, ...] (dim 1), one per context rank."""
-        return [take_ranges(x, 1, shard_ranges(x.shape[1], 1, self.cp, 0, c)) for c in range(self.cp)]
+        """Shards of full-sequence ``x`` [*, S, ...] (dim 1), one per context rank."""
+        sharding = self._sharding(x.shape[1])
+        return [take_ranges(x, 1, sharding.ranges(0, c)) for c in range(self.cp)]
 
     def unshard(self, shards: list[Tensor]) -> Tensor:
         """Inverse of :meth:`shard` along dim 1."""
-        return restore_order(torch.cat(shards, dim=1), 1, [(0, c) for c in range(self.cp)], 1, self.cp)
+        sharding = self._sharding(sum(x.shape[1] for x in shards))
+        return restore_order(torch.cat(shards, dim=1), 1, [(0, c) for c in range(self.cp)], sharding)
 
     def _schedule(self, c: int):
         n = self.cp // self.window
         for j in range(n):
             for s in range(self.window):
                 src = ring_source(c, self.cp, self.window, j, s)
-                yield src, block_kind(src, c, self.causal)
+                work = block_kind(src, c, self.causal) if self.masks is None else self.masks.calls(c, src)
+                yield src, work
+
+    @property
+    def _sliding(self) -> int | None:
+        return self.masks.window if self.masks is not None else None
 
     def forward(self, qs: list[Tensor], kvs: list[Tensor], scale: float) -> tuple[list[Tensor], list[Tensor]]:
         """Per-rank ``(out, lse)`` from per-rank ``q`` [B,Sc,H,d] and ``kv`` [2,B,Sc,G,d]."""
         outs, lses = [], []
         for c in range(self.cp):
-            acc = OutputAccumulator()
-            for src, kind in self._schedule(c):
-                forward_block(qs[c], kvs[src], kind, scale, acc)
-            outs.append(acc.out.to(qs[c].dtype))
-            lses.append(acc.lse)
+            acc = OutputAccumulator(qs[c])
+            for src, work in self._schedule(c):
+                forward_work(qs[c], kvs[src], work, self.causal, self._sliding, scale, acc)
+            out, lse = acc.result(qs[c].dtype)
+            outs.append(out)
+            lses.append(lse)
         return outs, lses
 
     def backward(
@@ -66,7 +83,9 @@ class RingReplay:
         dqs = [torch.zeros(q.shape, dtype=accum_dtype(q.dtype), device=q.device) for q in qs]
         dkvs = [torch.zeros(kv.shape, dtype=accum_dtype(kv.dtype), device=kv.device) for kv in kvs]
         for c in range(self.cp):
-            for src, kind in self._schedule(c):
-                rows, dk, dv = backward_block(douts[c], qs[c], kvs[src], outs[c], lses[c], kind, scale, dqs[c])
-                add_kv_grad(dkvs[src], rows, dk, dv)
+            for src, work in self._schedule(c):
+                grads = backward_work(
+                    douts[c], qs[c], kvs[src], outs[c], lses[c], work, self.causal, self._sliding, scale, dqs[c]
+                )
+                add_kv_grads(dkvs[src], grads)
         return [d.to(q.dtype) for d, q in zip(dqs, qs)], [d.to(kv.dtype) for d, kv in zip(dkvs, kvs)]

@@ -40,7 +40,7 @@ def prepare(inputs: list[str], output: str, tokenizer: str | None = None) -> dic
             parts.append(np.array([tok.eos], dtype=np.int64))
     tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     Path(output).parent.mkdir(parents=True, exist_ok=True)
-    write_tokens(output, tokens, tok.vocab_size)
+    write_tokens(output, tokens, tok.vocab_size, tok.eos)
     return {"files": len(files), "tokens": int(tokens.size), "vocab_size": tok.vocab_size, "output": output}
 
 

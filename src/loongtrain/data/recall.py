@@ -28,23 +28,12 @@ def sample_seed(*parts) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-@dataclass(frozen=True)
-class RecallTask:
-    seq_len: int
-    keys: int = 8
-    values: int = 8
-    facts: int = 4
-    queries: int = 32
-    filler: int = 16
-    seed: int = 0
+class RecallVocabulary:
+    """Token ids shared by the recall tasks (fields ``filler``, ``keys``, ``values``)."""
 
-    def __post_init__(self) -> None:
-        if self.facts > self.keys:
-            raise ValueError(f"recall: facts={self.facts} exceed keys={self.keys} (keys must be distinct)")
-        if self.facts + self.queries > self.seq_len:
-            raise ValueError(
-                f"recall: facts + queries = {self.facts + self.queries} do not fit in seq_len={self.seq_len}"
-            )
+    filler: int
+    keys: int
+    values: int
 
     @property
     def query0(self) -> int:
@@ -62,6 +51,25 @@ class RecallTask:
     def chance(self) -> float:
         return 1.0 / self.values
 
+
+@dataclass(frozen=True)
+class RecallTask(RecallVocabulary):
+    seq_len: int
+    keys: int = 8
+    values: int = 8
+    facts: int = 4
+    queries: int = 32
+    filler: int = 16
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.facts > self.keys:
+            raise ValueError(f"recall: facts={self.facts} exceed keys={self.keys} (keys must be distinct)")
+        if self.facts + self.queries > self.seq_len:
+            raise ValueError(
+                f"recall: facts + queries = {self.facts + self.queries} do not fit in seq_len={self.seq_len}"
+            )
+
     def sample(self, index: int, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence ``index`` of ``split``: (tokens [S], labels [S]); a function of the index."""
         gen = torch.Generator().manual_seed(sample_seed("recall", self.seed, split, index))
@@ -76,3 +84,71 @@ class RecallTask:
         tokens[body:] = self.query0 + keys[asked]
         labels[body:] = self.answer0 + values[asked]
         return tokens, labels
+
+
+@dataclass(frozen=True)
+class PackedRecallTask(RecallVocabulary):
+    """Associative recall on packed documents whose facts conflict across documents.
+
+    A sequence of ``seq_len`` tokens holds documents of ``doc_len / 2`` to ``3 * doc_len / 2``
+    tokens. Each document states ``facts`` key-value facts among filler and ends with
+    ``queries`` questions about its own keys. Keys come from one small pool, so other
+    documents of the same sequence state *other* values for the same keys: a model that
+    attends across document boundaries is misled, one with document masks is not. With
+    RoPE positions restarting per document, a model without masks cannot tell its own
+    document's facts from the others by distance either. ``sample`` returns the document
+    boundaries as a third element. Token ids as in :class:`RecallTask`.
+    """
+
+    seq_len: int
+    doc_len: int = 64
+    keys: int = 8
+    values: int = 8
+    facts: int = 4
+    queries: int = 4
+    filler: int = 16
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.facts > self.keys:
+            raise ValueError(f"recall: facts={self.facts} exceed keys={self.keys} (keys must be distinct)")
+        if self.facts + self.queries > self.min_doc_len:
+            raise ValueError(
+                f"recall: facts + queries = {self.facts + self.queries} do not fit in the shortest document "
+                f"({self.min_doc_len} tokens = doc_len / 2); raise data.doc_len or lower facts/queries"
+            )
+        if self.doc_len > self.seq_len:
+            raise ValueError(f"recall: doc_len={self.doc_len} exceeds seq_len={self.seq_len}")
+
+    @property
+    def min_doc_len(self) -> int:
+        return max(1, self.doc_len // 2)
+
+    def lengths(self, gen: torch.Generator) -> list[int]:
+        """Document lengths filling the sequence (the last one takes the remainder)."""
+        out, left = [], self.seq_len
+        lo, hi = self.min_doc_len, self.doc_len + self.doc_len // 2
+        while left >= 2 * lo:
+            length = min(left - lo, int(torch.randint(lo, hi + 1, (1,), generator=gen)))
+            out.append(length)
+            left -= length
+        out.append(left)
+        return out
+
+    def sample(self, index: int, split: str = "train") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sequence ``index`` of ``split``: (tokens [S], labels [S], cu_seqlens [D+1])."""
+        gen = torch.Generator().manual_seed(sample_seed("packed-recall", self.seed, split, index))
+        tokens = torch.randint(0, self.filler, (self.seq_len,), generator=gen)
+        labels = torch.full((self.seq_len,), IGNORE_INDEX, dtype=torch.long)
+        cu = [0]
+        for length in self.lengths(gen):
+            start, body = cu[-1], length - self.queries
+            keys = torch.randperm(self.keys, generator=gen)[: self.facts]
+            values = torch.randint(0, self.values, (self.facts,), generator=gen)
+            slots = start + torch.randperm(body, generator=gen)[: self.facts]
+            tokens[slots] = self.filler + keys * self.values + values
+            asked = torch.randint(0, self.facts, (self.queries,), generator=gen)
+            tokens[start + body : start + length] = self.query0 + keys[asked]
+            labels[start + body : start + length] = self.answer0 + values[asked]
+            cu.append(start + length)
+        return tokens, labels, torch.tensor(cu, dtype=torch.int64)

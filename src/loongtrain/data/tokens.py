@@ -2,7 +2,8 @@
 
 Header: magic ``b"LOONGTOK"``, format version (u32), bytes per token (u32: 2 = uint16,
 4 = uint32), token count (u64), vocabulary size of the tokenizer (u64, 0 = unknown),
-zero padding. A 128K vocabulary needs uint32; ``write_tokens`` picks the smallest.
+end-of-document token id + 1 (u64, 0 = unknown; files written before it existed read as
+unknown), zero padding. A 128K vocabulary needs uint32; ``write_tokens`` picks the smallest.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 MAGIC = b"LOONGTOK"
 VERSION = 1
 HEADER_BYTES = 64
-_HEADER = struct.Struct("<8sIIQQ")
+_HEADER = struct.Struct("<8sIIQQQ")
 _DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 
 
@@ -23,8 +24,9 @@ class TokenFileError(ValueError):
     """A token file that cannot be used; the message says what is wrong."""
 
 
-def write_tokens(path: str | Path, tokens: np.ndarray, vocab_size: int) -> None:
-    """Write ``tokens`` (ints in ``[0, vocab_size)``) to ``path`` atomically."""
+def write_tokens(path: str | Path, tokens: np.ndarray, vocab_size: int, eos: int | None = None) -> None:
+    """Write ``tokens`` (ints in ``[0, vocab_size)``) to ``path`` atomically; ``eos`` is the
+    token that ends each document (recorded for packing)."""
     tokens = np.asarray(tokens)
     if tokens.ndim != 1:
         raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
@@ -34,7 +36,8 @@ def write_tokens(path: str | Path, tokens: np.ndarray, vocab_size: int) -> None:
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        f.write(_HEADER.pack(MAGIC, VERSION, width, tokens.size, vocab_size).ljust(HEADER_BYTES, b"\0"))
+        eos_field = 0 if eos is None else eos + 1
+        f.write(_HEADER.pack(MAGIC, VERSION, width, tokens.size, vocab_size, eos_field).ljust(HEADER_BYTES, b"\0"))
         f.write(tokens.astype(_DTYPES[width]).tobytes())
     tmp.replace(path)
 
@@ -53,7 +56,7 @@ class TokenFile:
             raise TokenFileError(
                 f"{self.path}: not a loongtrain token file (bad header); make one with `loongtrain prepare`"
             )
-        _, version, width, count, vocab = _HEADER.unpack(raw[: _HEADER.size])
+        _, version, width, count, vocab, eos_field = _HEADER.unpack(raw[: _HEADER.size])
         if version != VERSION:
             raise TokenFileError(f"{self.path}: format version {version}, this loongtrain reads version {VERSION}")
         if width not in _DTYPES:
@@ -66,6 +69,7 @@ class TokenFile:
                 f"with the header, the file has {size}; re-create it with `loongtrain prepare`"
             )
         self.count, self.vocab_size, self.width = count, vocab, width
+        self.eos: int | None = eos_field - 1 if eos_field else None  # end-of-document token, if recorded
         self.tokens = np.memmap(self.path, dtype=_DTYPES[width], mode="r", offset=HEADER_BYTES, shape=(count,))
 
     def max_token(self, chunk: int = 1 << 24) -> int:

@@ -4,6 +4,48 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+ROPE_SCALINGS: tuple[str, ...] = ("linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling for a longer context, as transformers' ``rope_parameters`` define it.
+
+    ``linear``: every frequency divided by ``factor``. ``llama3``: low frequencies divided
+    by ``factor``, high ones kept, a smooth ramp between (``low_freq_factor``,
+    ``high_freq_factor``). ``yarn``: a ramp between interpolated and original frequencies
+    over the dimensions set by ``beta_fast``/``beta_slow``, and cos/sin multiplied by
+    ``attention_factor`` (``None``: ``0.1 * ln(factor) + 1``).
+    """
+
+    kind: str
+    factor: float
+    original_max_positions: int = 0  # pretraining context length (llama3, yarn)
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn
+    truncate: bool = True  # yarn: round the ramp's ends to whole dimensions
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROPE_SCALINGS:
+            raise ValueError(f"RopeScaling: kind={self.kind!r}; choose one of {list(ROPE_SCALINGS)}")
+        if not self.factor >= 1.0:
+            raise ValueError(f"RopeScaling: factor={self.factor} must be >= 1 (the context grows by this factor)")
+        if self.kind != "linear" and self.original_max_positions < 1:
+            raise ValueError(
+                f"RopeScaling: {self.kind} needs original_max_positions (the pretraining context length), "
+                f"got {self.original_max_positions}"
+            )
+        if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(
+                f"RopeScaling: llama3 needs high_freq_factor > low_freq_factor, got {self.high_freq_factor} "
+                f"and {self.low_freq_factor}"
+            )
+        if self.attention_factor is not None and not self.attention_factor > 0:
+            raise ValueError(f"RopeScaling: attention_factor={self.attention_factor} must be positive")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -19,31 +61,71 @@ class ModelConfig:
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
     init_std: float = 0.02
+    head_dim_override: int = 0  # per-head size when it is not dim // n_heads (e.g. Qwen3); 0: dim // n_heads
+    qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    rope_scaling: RopeScaling | None = None  # context extension of RoPE (None: plain RoPE)
+    max_positions: int = 0  # context length the model is meant for (HF max_position_embeddings); 0: unset
+    sliding_window: int = 0  # token i sees j only if i - j < sliding_window (Mistral style); 0: no window
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ModelConfig: {name}={value!r} must be a positive integer")
-        if self.dim % self.n_heads != 0:
+        if isinstance(self.head_dim_override, bool) or self.head_dim_override < 0:
+            raise ValueError(f"ModelConfig: head_dim_override={self.head_dim_override!r} must be 0 or positive")
+        if self.head_dim_override == 0 and self.dim % self.n_heads != 0:
             raise ValueError(f"ModelConfig: dim={self.dim} is not divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads != 0:
             raise ValueError(
                 f"ModelConfig: n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads} (GQA)"
             )
+        if self.max_positions < 0:
+            raise ValueError(f"ModelConfig: max_positions={self.max_positions} must not be negative")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise TypeError(f"ModelConfig: rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
+        if isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int) or self.sliding_window < 0:
+            raise ValueError(f"ModelConfig: sliding_window={self.sliding_window!r} must be 0 (none) or positive")
         if self.head_dim % 2 != 0:
             raise ValueError(f"ModelConfig: head_dim={self.head_dim} must be even for RoPE")
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_dim_override or self.dim // self.n_heads
+
+    def layer_matmul_params(self) -> int:
+        """Weights of one layer's matmuls: the q, k, v, o projections and the SwiGLU MLP."""
+        d, q, kv = self.dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return d * q + 2 * d * kv + q * d + 3 * d * self.ffn_dim
+
+    def layer_params(self) -> int:
+        """All parameters of one layer: its matmuls, its two RMSNorm weights, and the q/k/v
+        biases (``qkv_bias``) and per-head q/k norms (``qk_norm``) when the model has them."""
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        extras = (q + 2 * kv) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
+        return self.layer_matmul_params() + 2 * self.dim + extras
 
     def num_params(self) -> int:
         """Parameter count (embeddings included; the output matrix once if tied)."""
-        d, kv = self.dim, self.n_kv_heads * self.head_dim
-        per_layer = 2 * d * d + 2 * d * kv + 3 * d * self.ffn_dim + 2 * d
-        embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
-        return self.n_layers * per_layer + embed + d
+        embed = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+        return self.n_layers * self.layer_params() + embed + self.dim
+
+    def flops_per_token(self, seq_len: int, *, causal: bool = True) -> float:
+        """Model FLOPs of one training token in a sequence of ``seq_len`` (forward + backward
+        = 3x forward; recomputation not counted). The one definition of model FLOPs: the
+        trainer's MFU and the planner's predicted MFU both use it.
+
+        Per layer and token the forward does ``2 * layer_matmul_params()`` in the
+        projections and MLP and ``2 * 2 * H * head_dim * ctx`` in attention (scores and the
+        weighted sum), where ``ctx`` is the number of keys a query sees: ``(S + 1) / 2`` on
+        average under a causal mask, ``S`` without one. Plus ``2 * dim * vocab`` for the
+        output layer.
+        """
+        ctx = (seq_len + 1) / 2 if causal else seq_len
+        attention = 4 * self.n_heads * self.head_dim * ctx
+        forward = self.n_layers * (2 * self.layer_matmul_params() + attention) + 2 * self.dim * self.vocab_size
+        return 3.0 * forward
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -71,3 +153,42 @@ def model_config(name: str, **overrides) -> ModelConfig:
     if unknown:
         raise ValueError(f"unknown ModelConfig field(s) {unknown}; known fields: {sorted(known)}")
     return replace(PRESETS[name], **overrides)
+
+
+def extend_context(
+    cfg: ModelConfig,
+    *,
+    rope_theta: float = 0.0,
+    scaling: str = "keep",
+    factor: float = 1.0,
+    original_max_positions: int = 0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    attention_factor: float = 0.0,
+    max_positions: int = 0,
+) -> ModelConfig:
+    """``cfg`` with its RoPE changed for a longer context (the ``[model]`` rope keys).
+
+    ``rope_theta`` > 0 replaces the base. ``scaling``: ``keep`` (``cfg``'s), ``none``, or
+    ``linear`` / ``llama3`` / ``yarn`` with ``factor``; ``original_max_positions`` 0 means
+    ``cfg.max_positions`` (the context the model was trained for). ``max_positions`` > 0
+    sets the new context length, else it becomes original x factor when scaling changes.
+    """
+    theta = rope_theta or cfg.rope_theta
+    if scaling == "keep":
+        return replace(cfg, rope_theta=theta, max_positions=max_positions or cfg.max_positions)
+    if scaling == "none":
+        return replace(cfg, rope_theta=theta, rope_scaling=None, max_positions=max_positions or cfg.max_positions)
+    original = original_max_positions or cfg.max_positions
+    if scaling != "linear" and original < 1:
+        raise ValueError(
+            f"rope scaling {scaling!r} needs the pretraining context length: set model.rope_original_max_positions"
+        )
+    rope = RopeScaling(
+        scaling, float(factor), original if scaling != "linear" else 0, low_freq_factor=low_freq_factor,
+        high_freq_factor=high_freq_factor, beta_fast=beta_fast, beta_slow=beta_slow,
+        attention_factor=attention_factor or None,
+    )  # fmt: skip
+    return replace(cfg, rope_theta=theta, rope_scaling=rope, max_positions=max_positions or int(original * factor))

@@ -1,10 +1,18 @@
 """A Llama-style decoder: RMSNorm, RoPE from position ids, SwiGLU MLP, MHA or GQA.
 
-The model knows nothing of parallelism. Its attention calls ``attention_fn(q, k, v)``
-on ``[B, S, H, d]`` / ``[B, S, G, d]`` tensors with RoPE applied; the default is causal
-SDPA over the local sequence (one device). ``loongtrain.parallelize`` swaps in the
-distributed attention. Positions are passed in, so the same module runs on zigzag
-sequence shards: RoPE uses each token's global position.
+Options for the Hugging Face families (``loongtrain.hf``): q/k/v biases (Qwen2), an
+RMSNorm over each q/k head before RoPE (Qwen3), a head size other than dim / n_heads,
+RoPE scaled for a longer context (linear, llama3, yarn; :mod:`loongtrain.model.rope`),
+and a sliding window (Mistral).
+
+The model knows nothing of parallelism. Its attention calls
+``attention_fn(q, k, v, cu_seqlens=..., window_size=...)`` on ``[B, S, H, d]`` /
+``[B, S, G, d]`` tensors with RoPE applied; the default is causal attention over the
+local sequence (one device). ``loongtrain.parallelize`` swaps in the distributed
+attention. Positions are passed in, so the same module runs on sequence shards: RoPE uses
+each token's position (which restarts at 0 in each document of a packed sequence).
+``cu_seqlens`` (document boundaries of the whole packed sequence, or None) and the
+model's sliding window only reach the attention function.
 """
 
 from __future__ import annotations
@@ -16,14 +24,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loongtrain.model.config import ModelConfig
+from loongtrain.attention.local import masked_attention
+from loongtrain.model.config import ModelConfig, RopeScaling
+from loongtrain.model.rope import rope_frequencies
 
 Tensor = torch.Tensor
-AttentionFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+AttentionFn = Callable[..., Tensor]
 
 
-def sdpa_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Causal attention over the local (unsharded) sequence with PyTorch SDPA."""
+def sdpa_attention(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | None = None, window_size: int | None = None
+) -> Tensor:
+    """Causal attention over the local (unsharded) sequence: PyTorch SDPA, or the document /
+    sliding-window masked attention when ``cu_seqlens`` or ``window_size`` is given."""
+    if cu_seqlens is not None or window_size is not None:
+        return masked_attention(q, k, v, cu_seqlens=cu_seqlens, window_size=window_size)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=k.shape[2] != q.shape[2]
     )
@@ -42,11 +57,15 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def rope_tables(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+def rope_tables(
+    positions: Tensor, head_dim: int, theta: float, scaling: RopeScaling | None = None
+) -> tuple[Tensor, Tensor]:
     """cos/sin [*positions.shape, head_dim/2] (float32) for integer ``positions``."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    inv_freq, multiplier = rope_frequencies(head_dim, theta, scaling, positions.device)
     angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq
-    return angles.cos(), angles.sin()
+    if multiplier == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * multiplier, angles.sin() * multiplier
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -61,18 +80,25 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.window = cfg.sliding_window or None
+        # Qwen3: RMSNorm over each head of q and k (weights shared by the heads)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.attention_fn: AttentionFn = sdpa_attention
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
         b, s, _ = x.shape
-        q = apply_rope(self.wq(x).view(b, s, self.n_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.wk(x).view(b, s, self.n_kv_heads, self.head_dim), cos, sin)
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim)
+        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
-        out = self.attention_fn(q, k, v)
+        out = self.attention_fn(q, k, v, cu_seqlens=cu_seqlens, window_size=self.window)
         return self.wo(out.reshape(b, s, -1))
 
 
@@ -97,13 +123,17 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, cu_seqlens)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Transformer(nn.Module):
-    """Decoder-only LM: ``forward(tokens [B, S], positions [B, S] or [S]) -> logits [B, S, V]``."""
+    """Decoder-only LM: ``forward(tokens [B, S], positions [B, S] or [S], cu_seqlens=None) -> logits [B, S, V]``.
+
+    ``cu_seqlens``: document boundaries ``[0, ..., S]`` of a packed sequence (of the whole
+    sequence when the model runs on shards), or None for one causal sequence.
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -113,13 +143,13 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
-    def forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, positions: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
         if positions.dim() == 1:
             positions = positions.unsqueeze(0)
-        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
+        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, cu_seqlens)
         h = self.norm(h)
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
         return F.linear(h, weight)
@@ -133,12 +163,14 @@ def _param_seed(seed: int, name: str) -> int:
 def init_value(cfg: ModelConfig, name: str, shape: torch.Size, seed: int, device: torch.device) -> Tensor:
     """The full initial value of parameter ``name``: a function of (seed, name) only.
 
-    Norm weights are ones; the residual-branch outputs (``wo``, ``w2``) use a std scaled
+    Norm weights are ones, biases zeros; the residual-branch outputs (``wo``, ``w2``) use a std scaled
     by ``1/sqrt(2 * n_layers)``; everything else ``N(0, init_std)``. Independent of how
     the model is sharded, so every layout starts from the same weights.
     """
     if name.endswith("norm.weight"):
         return torch.ones(shape, device=device)
+    if name.endswith(".bias"):
+        return torch.zeros(shape, device=device)
     std = cfg.init_std
     if name.endswith(("wo.weight", "w2.weight")):
         std = std / (2 * cfg.n_layers) ** 0.5

@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
-Placement = Literal["head_first", "context_first"]
-ContextOrder = Literal["contiguous", "interleaved"]
-
-PLACEMENTS: tuple[str, ...] = ("head_first", "context_first")
-CONTEXT_ORDERS: tuple[str, ...] = ("contiguous", "interleaved")
+from loongtrain.options import BALANCES, CONTEXT_ORDERS, PLACEMENTS, ContextOrder, Placement
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -36,6 +31,10 @@ class ParallelConfig:
         context_order: ``"contiguous"`` makes windows of consecutive context-group
             members; ``"interleaved"`` makes window ``o`` take every ``n``-th member
             (``n = cp // window``), so the outer ring joins neighbouring members.
+        balance: how sequences are laid out on the sp group when the caller does not say:
+            ``"zigzag"`` (balanced for one causal document) or ``"documents"`` (chunks
+            assigned from each batch's document boundaries); the default of
+            ``shard_sequence``, ``unshard_sequence`` and ``head_context_attention``.
     """
 
     hp: int = 1
@@ -44,6 +43,7 @@ class ParallelConfig:
     placement: Placement = "head_first"
     dp: int | None = None
     context_order: ContextOrder = "contiguous"
+    balance: str = "zigzag"
 
     def __post_init__(self) -> None:
         _check_positive_int("hp", self.hp)
@@ -59,6 +59,8 @@ class ParallelConfig:
             )
         if self.placement not in PLACEMENTS:
             raise ValueError(f"ParallelConfig: unknown placement={self.placement!r}; use one of {list(PLACEMENTS)}")
+        if self.balance not in BALANCES:
+            raise ValueError(f"ParallelConfig: unknown balance={self.balance!r}; use one of {list(BALANCES)}")
         if self.context_order not in CONTEXT_ORDERS:
             raise ValueError(
                 f"ParallelConfig: unknown context_order={self.context_order!r}; use one of {list(CONTEXT_ORDERS)}"

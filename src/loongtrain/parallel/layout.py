@@ -40,6 +40,20 @@ def check_head_split(heads: int, kv_heads: int, hp: int) -> None:
         )
 
 
+def check_sequence_length(seq_len: int, hp: int, cp: int) -> None:
+    """Raise ValueError unless ``seq_len`` can be sharded over ``hp x cp`` ranks:
+    ``seq_len % (2 * hp * cp) == 0`` (zigzag cuts it into ``2*cp`` chunks, each split over
+    ``hp`` ranks; the document balance needs the same multiple)."""
+    multiple = 2 * hp * cp
+    if seq_len <= 0 or seq_len % multiple != 0:
+        padded = max(multiple, -(-seq_len // multiple) * multiple)
+        raise ValueError(
+            f"sequence length {seq_len} is not divisible by 2*sp = 2*{hp}*{cp} = {multiple} "
+            f"(zigzag sharding cuts it into 2*cp chunks split over hp ranks); pad the "
+            f"sequence to a multiple of {multiple} (e.g. {padded})"
+        )
+
+
 @dataclass(frozen=True)
 class RankCoords:
     """Coordinates of one global rank in the ``dp x hp x cp`` layout."""

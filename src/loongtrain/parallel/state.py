@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import itertools
+import types
 import weakref
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
+from loongtrain.options import ZERO_SCOPES, check_zero_scope
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.layout import RankCoords, RankLayout
 from loongtrain.parallel.stats import AttentionStats
+from loongtrain.parallel.zero_grid import zero_mesh_grid
 
 
 @dataclass(frozen=True)
@@ -34,7 +39,8 @@ class ParallelState:
     """Everything a rank needs to run 2D attention: layout, coordinates and groups.
 
     Built by :func:`init_parallel` and passed explicitly to the attention functions.
-    Groups of size one are ``None`` (no communication happens on them).
+    Groups of size one are ``None`` (no communication happens on them). ``zero_meshes``
+    holds the DeviceMesh of each ZeRO scope that ``init_parallel`` built (read-only).
     """
 
     config: ParallelConfig
@@ -51,7 +57,7 @@ class ParallelState:
     verify_inputs: bool = True
     stats: AttentionStats = field(default_factory=AttentionStats)
     key: int = field(default_factory=lambda: next(_KEYS))
-    meshes: dict = field(default_factory=dict, repr=False)  # DeviceMeshes built for ZeRO, by scope
+    zero_meshes: Mapping[str, DeviceMesh] = field(default_factory=dict, repr=False)
     _world_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -134,11 +140,27 @@ def _build_ring(groups: list[tuple[int, ...]], rank: int, ring_of) -> RingLink |
     )
 
 
+def zero_mesh_ranks(world: int, dp: int, scope: str) -> tuple[torch.Tensor, tuple[str, ...]]:
+    """The rank tensor and dim names of ``scope``'s ZeRO mesh (:func:`zero_mesh_grid` as a tensor)."""
+    grid, names = zero_mesh_grid(world, dp, scope)
+    ranks = torch.tensor(grid)
+    return (ranks.flatten() if len(names) == 1 else ranks), names
+
+
+def _build_zero_meshes(layout: RankLayout, device: torch.device, scopes: Iterable[str]) -> Mapping[str, DeviceMesh]:
+    meshes = {}
+    for scope in dict.fromkeys(scopes):  # every rank builds them in the same order
+        ranks, names = zero_mesh_ranks(layout.world_size, layout.dp, scope)
+        meshes[scope] = DeviceMesh(device.type, ranks, mesh_dim_names=names)
+    return types.MappingProxyType(meshes)
+
+
 def init_parallel(
     config: ParallelConfig,
     *,
     device: torch.device | str | None = None,
     verify_inputs: bool = True,
+    zero_scopes: Iterable[str] = ZERO_SCOPES,
 ) -> ParallelState:
     """Build every process group of ``config`` once and return this rank's state.
 
@@ -147,8 +169,12 @@ def init_parallel(
     ``verify_inputs`` makes the attention check, with one tiny all-gather per call, that
     every rank of the sp group passes the same shapes: a mismatch then raises a clear
     error on every rank instead of crashing inside a transfer. Turn it off once the
-    shapes are known good to save that collective.
+    shapes are known good to save that collective. ``zero_scopes`` are the ZeRO scopes
+    whose DeviceMesh is built (``parallelize`` can use only those); ``()`` builds none.
     """
+    zero_scopes = tuple(zero_scopes)
+    for scope in zero_scopes:
+        check_zero_scope(scope)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "loongtrain.init_parallel: torch.distributed is not initialised; call "
@@ -165,12 +191,13 @@ def init_parallel(
     context_group = _build_family(layout.all_context_groups(), rank)
     inner = _build_ring(layout.all_inner_rings(), rank, layout.inner_ring)
     outer = _build_ring(layout.all_outer_rings(), rank, layout.outer_ring)
+    device = torch.device(device) if device is not None else default_device()
     return ParallelState(
         config=config,
         layout=layout,
         rank=rank,
         coords=layout.coords(rank),
-        device=torch.device(device) if device is not None else default_device(),
+        device=device,
         sp_group=sp_group,
         dp_group=dp_group,
         head_group=head_group,
@@ -178,5 +205,6 @@ def init_parallel(
         inner_ring=inner,
         outer_ring=outer,
         verify_inputs=verify_inputs,
+        zero_meshes=_build_zero_meshes(layout, device, zero_scopes),
         _world_group=dist.group.WORLD,
     )

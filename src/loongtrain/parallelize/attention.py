@@ -20,8 +20,12 @@ def check_model_fits(cfg: ModelConfig, hp: int) -> None:
 
 
 def apply_attention(model: Transformer, state: ParallelState) -> None:
-    """Make every layer call :func:`head_context_attention` (causal) on this state."""
-    check_model_fits(model.config, state.config.hp)
+    """Make every layer call :func:`head_context_attention` (causal) on this state.
+
+    The model passes each batch's ``cu_seqlens`` and its sliding window through; packed
+    batches are laid out with the state's ``config.balance``.
+    """
+    check_model_fits(model.config, state.hp)
     attention = partial(head_context_attention, state=state, causal=True)
     for layer in model.layers:
         layer.attention.attention_fn = attention

@@ -19,8 +19,9 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from loongtrain.attention.ops import ATTENTION_OPS
 from loongtrain.model.llama import Transformer
+from loongtrain.options import CHECKPOINT_MODES, check_checkpoint_mode
 
-CHECKPOINT_MODES: tuple[str, ...] = ("none", "full", "sc++")
+__all__ = ["CHECKPOINT_MODES", "apply_checkpoint", "check_checkpoint_mode"]
 
 # The attention ops kept by sc++: the distributed ones, and PyTorch's own SDPA kernels so
 # that sc++ means the same on a single device.
@@ -45,13 +46,6 @@ def _keep_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 def _sc_plus_plus_context():
     return create_selective_checkpoint_contexts(_keep_attention)
-
-
-def check_checkpoint_mode(mode: str, every: int = 1) -> None:
-    if mode not in CHECKPOINT_MODES:
-        raise ValueError(f"unknown activation checkpoint mode {mode!r}; choose one of {list(CHECKPOINT_MODES)}")
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"checkpoint every={every!r} must be a positive integer (1 = every layer)")
 
 
 def apply_checkpoint(model: Transformer, mode: str, every: int = 1) -> None:

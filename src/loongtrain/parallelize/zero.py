@@ -19,35 +19,22 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from loongtrain.model.llama import Transformer
+from loongtrain.options import ZERO_SCOPES, check_zero_scope
 from loongtrain.parallel import ParallelState
+from loongtrain.parallel.state import zero_mesh_ranks
 
-ZERO_SCOPES: tuple[str, ...] = ("none", "dp", "sp", "dp_sp")
-
-
-def check_zero_scope(scope: str) -> None:
-    if scope not in ZERO_SCOPES:
-        raise ValueError(f"unknown ZeRO scope {scope!r}; choose one of {list(ZERO_SCOPES)}")
-
-
-def zero_mesh_ranks(world: int, dp: int, scope: str) -> tuple[torch.Tensor, tuple[str, ...]]:
-    """The (replicate, shard) rank grid for ``scope``; pure. Global rank = d * sp + local."""
-    check_zero_scope(scope)
-    grid = torch.arange(world).view(dp, world // dp)  # [dp, sp]
-    if scope == "dp_sp":
-        return grid.flatten(), ("shard",)
-    if scope == "sp":
-        return grid, ("replicate", "shard")
-    if scope == "dp":
-        return grid.T.contiguous(), ("replicate", "shard")
-    return grid.flatten().view(world, 1), ("replicate", "shard")
+__all__ = ["ZERO_SCOPES", "apply_zero", "check_zero_scope", "zero_mesh", "zero_mesh_ranks"]
 
 
 def zero_mesh(state: ParallelState, scope: str) -> DeviceMesh:
-    """The DeviceMesh FSDP uses for ``scope`` (built once per state and scope)."""
-    if scope not in state.meshes:
-        ranks, names = zero_mesh_ranks(state.layout.world_size, state.dp, scope)
-        state.meshes[scope] = DeviceMesh(state.device.type, ranks, mesh_dim_names=names)
-    return state.meshes[scope]
+    """The DeviceMesh FSDP uses for ``scope`` (built by ``init_parallel``)."""
+    check_zero_scope(scope)
+    if scope not in state.zero_meshes:
+        raise ValueError(
+            f"ZeRO scope {scope!r} has no mesh on this ParallelState: init_parallel built "
+            f"{sorted(state.zero_meshes)}; pass zero_scopes including {scope!r} to init_parallel"
+        )
+    return state.zero_meshes[scope]
 
 
 def apply_zero(

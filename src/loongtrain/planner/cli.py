@@ -6,6 +6,9 @@ the local machine, or validate the cost model against measured runs.
     loongtrain plan ... --layout hp=8,cp=8,window=4,placement=context_first,zero=dp_sp,ckpt=sc++
     loongtrain plan --calibrate            # writes clusters/local.toml
     loongtrain plan --validate             # measured vs predicted on local processes
+
+Planning imports no torch; ``--calibrate``, ``--validate`` and ``--check-groups`` import
+their measuring code (``loongtrain.bench``) when asked for.
 """
 
 from __future__ import annotations
@@ -51,9 +54,19 @@ _LAYOUT_KEYS = {"dp": "dp", "hp": "hp", "cp": "cp", "window": "window", "w": "wi
 _LAYOUT_KEYS.update({"zero": "zero", "ckpt": "checkpoint", "checkpoint": "checkpoint"})
 
 
-def parse_layout(text: str, devices: int):
-    """``"hp=8,cp=8,window=4,placement=head_first,zero=dp_sp,ckpt=sc++"`` -> ``Layout`` (dp derived)."""
-    from loongtrain.planner.cost import Layout
+DEFAULT_GLOBAL_BATCH = 4 * 2**20  # tokens per optimizer step (LLaMA-2's 4M-token batch)
+
+
+def _tokens_arg(text: str) -> int:
+    try:
+        return parse_length(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_candidate(text: str, devices: int):
+    """``"hp=8,cp=8,window=4,placement=head_first,zero=dp_sp,ckpt=sc++"`` -> ``Candidate`` (dp derived)."""
+    from loongtrain.planner.cost import Candidate
 
     values: dict = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
@@ -74,7 +87,7 @@ def parse_layout(text: str, devices: int):
     if "dp" not in values and devices % (hp * cp) != 0:
         raise PlanError(f"--layout: hp*cp = {hp}*{cp} = {hp * cp} does not divide devices={devices}")
     values.setdefault("dp", max(1, devices // (hp * cp)))
-    return Layout(**values)
+    return Candidate(**values)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,7 +99,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seq-len", type=_lengths_arg, default=None, help="tokens per sequence, e.g. 128K, 1M (a list: a sweep)"
     )
     what.add_argument("--devices", type=_ints_arg, default=None, help="devices, whole nodes (a list: a sweep)")
-    what.add_argument("--batch", type=int, default=1, help="sequences per optimizer step, all replicas (1)")
+    what.add_argument(
+        "--global-batch",
+        type=_tokens_arg,
+        default=DEFAULT_GLOBAL_BATCH,
+        metavar="TOKENS",
+        help="tokens per optimizer step over all replicas, a multiple of the sequence length (4M)",
+    )
     what.add_argument("--micro-batch", type=int, default=1, help="sequences per forward/backward (1)")
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=int, default=10, help="rows of the table (10)")
@@ -104,6 +123,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument("--heads", type=int, default=8, help="--validate/--calibrate: query heads (8)")
     mode.add_argument("--kv-heads", type=int, default=8, help="--validate: key/value heads (8)")
     mode.add_argument("--head-dim", type=int, default=64, help="--validate/--calibrate: head dim (64)")
+
+
+def _workload(args: argparse.Namespace, model, seq_len: int):
+    from loongtrain.planner.cost import Workload
+
+    return Workload.from_tokens(model, seq_len, args.global_batch, micro_batch=args.micro_batch)
 
 
 def _timeline(cluster, workload, layout, path: str) -> dict:
@@ -128,9 +153,8 @@ def _timeline(cluster, workload, layout, path: str) -> dict:
 
 def _sweep(args: argparse.Namespace, cluster, model) -> None:
     """One summary row per (sequence length, devices); infeasible cases say why."""
-    from loongtrain.planner.cost import Workload
     from loongtrain.planner.report import SWEEP_HEADER, format_length, json_report, sweep_row
-    from loongtrain.planner.search import plan
+    from loongtrain.planner.search import search_layouts
 
     if args.layout or args.timeline or args.check_groups:
         raise PlanError("--layout, --timeline and --check-groups take one --seq-len and one --devices")
@@ -138,7 +162,7 @@ def _sweep(args: argparse.Namespace, cluster, model) -> None:
     for seq in args.seq_len:
         for devices in args.devices:
             try:
-                result = plan(cluster, Workload(model, seq, batch=args.batch, micro_batch=args.micro_batch), devices)
+                result = search_layouts(cluster, _workload(args, model, seq), devices)
             except PlanError as exc:
                 rows.append({"seq_len": seq, "devices": devices, "error": str(exc)})
                 lines.append(f"{format_length(seq):>5s} {devices:4d}  {exc}")
@@ -148,7 +172,10 @@ def _sweep(args: argparse.Namespace, cluster, model) -> None:
     if args.json:
         print(json.dumps(rows, indent=1))
         return
-    print(f"loongtrain plan sweep: {args.model} on '{cluster.name}', {args.batch} sequence(s) per step")
+    print(
+        f"loongtrain plan sweep: {args.model} on '{cluster.name}', global batch "
+        f"{format_length(args.global_batch)} tokens per step (sequences per step = global batch / length)"
+    )
     print("best layout per case (hf/cf: head_first/context_first; a2a, ring: exposed seconds per step);")
     print("right: the best MFU of each baseline family under the same model ('-': no valid layout fits)")
     print(SWEEP_HEADER)
@@ -156,10 +183,9 @@ def _sweep(args: argparse.Namespace, cluster, model) -> None:
 
 
 def _plan(args: argparse.Namespace) -> None:
-    from loongtrain.planner.cost import Workload
     from loongtrain.planner.estimate import estimate
     from loongtrain.planner.report import HEADER, json_report, row_dict, row_text, text_report
-    from loongtrain.planner.search import check_layout, plan
+    from loongtrain.planner.search import check_candidate, search_layouts
     from loongtrain.planner.specs import cluster_spec, model_spec
 
     if args.seq_len is None or args.devices is None:
@@ -172,21 +198,21 @@ def _plan(args: argparse.Namespace) -> None:
         _sweep(args, cluster, model)
         return
     devices = args.devices[0]
-    workload = Workload(model, args.seq_len[0], batch=args.batch, micro_batch=args.micro_batch)
-    result = plan(cluster, workload, devices)
+    workload = _workload(args, model, args.seq_len[0])
+    result = search_layouts(cluster, workload, devices)
     chosen = None
     if args.layout:
-        layout = parse_layout(args.layout, devices)
-        check_layout(workload, layout, devices)
-        chosen = estimate(cluster, workload, layout)
+        candidate = parse_candidate(args.layout, devices)
+        check_candidate(workload, candidate, devices)
+        chosen = estimate(cluster, workload, candidate)
     target = chosen if chosen is not None else result.best
     extra: dict = {}
     if args.timeline:
-        extra["timeline"] = _timeline(cluster, workload, target.layout, args.timeline)
+        extra["timeline"] = _timeline(cluster, workload, target.candidate, args.timeline)
     if args.check_groups:
-        from loongtrain.planner.groups import check_groups
+        from loongtrain.bench.groups import check_groups  # builds process groups: imports torch
 
-        extra["group_check"] = check_groups(target.layout, cluster.devices_per_node)
+        extra["group_check"] = check_groups(target.candidate, cluster.devices_per_node)
     if args.json:
         out = json_report(result, args.model, args.top)
         if chosen is not None:
@@ -195,7 +221,7 @@ def _plan(args: argparse.Namespace) -> None:
         return
     print(text_report(result, args.model, args.top))
     if chosen is not None:
-        rank = next((i + 1 for i, e in enumerate(result.ranked) if e.layout == chosen.layout), None)
+        rank = next((i + 1 for i, e in enumerate(result.ranked) if e.candidate == chosen.candidate), None)
         where = f"rank {rank} of {len(result.ranked)}" if rank else "does not fit in memory"
         print(f"\n--layout ({where}; {chosen.step_s / result.best.step_s:.2f}x the winner's time):")
         print(HEADER)
@@ -203,12 +229,12 @@ def _plan(args: argparse.Namespace) -> None:
     if "timeline" in extra:
         t = extra["timeline"]
         print(
-            f"\ntimeline of {target.layout.label()}: {t['path']} (forward {t['forward_s'] * 1e3:.1f} ms, "
+            f"\ntimeline of {target.candidate.label()}: {t['path']} (forward {t['forward_s'] * 1e3:.1f} ms, "
             f"{t['forward_exposed_s'] * 1e3:.1f} exposed; backward {t['backward_s'] * 1e3:.1f} ms, "
             f"{t['backward_exposed_s'] * 1e3:.1f} exposed)"
         )
     if "group_check" in extra:
-        print(f"\ngroups built by init_parallel (fake backend, {target.layout.devices} ranks) match the plan:")
+        print(f"\ngroups built by init_parallel (fake backend, {target.candidate.devices} ranks) match the plan:")
         print("\n".join(f"  {line}" for line in extra["group_check"]))
 
 
@@ -219,14 +245,14 @@ def _run(args: argparse.Namespace) -> None:
         if args.nproc < 2:
             raise PlanError(f"--nproc={args.nproc}: calibration and validation need at least 2 processes")
     if args.calibrate:
-        from loongtrain.planner import calibrate
+        from loongtrain.bench import calibrate  # spawns processes: imports torch
 
         args.reps = args.reps or 7
         args.calib_heads, args.calib_head_dim = args.heads, args.head_dim
         calibrate.run(args)
         return
     if args.validate:
-        from loongtrain.planner import validate
+        from loongtrain.bench import validate  # spawns processes: imports torch
         from loongtrain.planner.specs import cluster_spec
 
         cluster = cluster_spec(args.cluster or "local")

@@ -5,6 +5,7 @@ every step of a causal ring is half of a (S/cp x S/cp) block (the first one a ca
 diagonal block, the others exactly half a block), so every step does
 ``2 * B * (S/cp)^2 * (H/hp) * d`` forward FLOPs; non-causal steps do twice that.
 Backward kernels do 2.5x the forward FLOPs (FlashAttention recomputes the scores).
+Model FLOPs (MFU) come from :meth:`ModelConfig.flops_per_token`, the trainer's definition.
 
 Bytes are what one rank sends per attention call, in the units ``AttentionStats``
 counts (the packed all-to-all buffer, own chunk included; one ring block per hop).
@@ -12,19 +13,21 @@ counts (the packed all-to-all buffer, own chunk included; one ring block per hop
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.config import ParallelConfig
-from loongtrain.planner.specs import ClusterSpec
-from loongtrain.planner.topology import HeadTraffic, RingTraffic, Topology
+from loongtrain.planner.specs import ClusterSpec, PlanError
+from loongtrain.planner.topology import HeadTraffic, RingTraffic, Topology, analyze
 
 BWD_FLOP_RATIO = 2.5
 
 
 @dataclass(frozen=True)
-class Layout:
-    """One candidate: the parallel degrees and placement plus the memory options."""
+class Candidate:
+    """One layout the planner prices: the parallel degrees and placement (what
+    :class:`ParallelConfig` holds) plus the memory options (ZeRO scope, checkpointing)."""
 
     dp: int
     hp: int
@@ -47,7 +50,7 @@ class Layout:
         return self.cp // self.window
 
     def parallel_config(self) -> ParallelConfig:
-        """The :class:`ParallelConfig` that ``init_parallel`` takes for this layout."""
+        """The :class:`ParallelConfig` that ``init_parallel`` takes for this layout (validated)."""
         return ParallelConfig(hp=self.hp, cp=self.cp, window=self.window, placement=self.placement, dp=self.dp)
 
     def label(self) -> str:
@@ -67,24 +70,39 @@ class Workload:
     dtype_bytes: int = 2  # activations and communication (bf16)
     causal: bool = True
 
+    @classmethod
+    def from_tokens(cls, model: ModelConfig, seq_len: int, global_batch_tokens: int, micro_batch: int = 1) -> Workload:
+        """A step of ``global_batch_tokens`` tokens: ``global_batch_tokens / seq_len`` sequences."""
+        if global_batch_tokens < seq_len:
+            raise PlanError(
+                f"global batch {global_batch_tokens} tokens is less than one sequence of {seq_len}; "
+                f"use --global-batch {seq_len} or more"
+            )
+        if global_batch_tokens % seq_len != 0:
+            raise PlanError(
+                f"global batch {global_batch_tokens} tokens is not a whole number of {seq_len}-token sequences; "
+                f"use a multiple of {seq_len} (e.g. {global_batch_tokens // seq_len * seq_len})"
+            )
+        return cls(model, seq_len, batch=global_batch_tokens // seq_len, micro_batch=micro_batch)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per optimizer step (the global batch)."""
+        return self.batch * self.seq_len
+
     @property
     def accum_bytes(self) -> int:
         """Bytes of the gradient-accumulation dtype (fp32, or fp64 for fp64 inputs)."""
         return max(4, self.dtype_bytes)
 
 
+def candidate_topology(c: ClusterSpec, candidate: Candidate) -> Topology:
+    """Where ``candidate``'s transfers go on ``c``'s nodes and NICs."""
+    x = candidate
+    return analyze(x.hp, x.cp, x.window, x.placement, c.devices_per_node, c.nics_per_node)
+
+
 # -- FLOPs ------------------------------------------------------------------------------
-def linear_params_per_layer(m: ModelConfig) -> int:
-    """Weights of one layer's matmuls (q, k, v, o projections and the SwiGLU MLP)."""
-    d, hd = m.dim, m.head_dim
-    return d * m.n_heads * hd + 2 * d * m.n_kv_heads * hd + m.n_heads * hd * d + 3 * d * m.ffn_dim
-
-
-def params_per_layer(m: ModelConfig) -> int:
-    """All parameters of one layer (matmuls and the two norms)."""
-    return linear_params_per_layer(m) + 2 * m.dim
-
-
 def ring_step_flops(w: Workload, hp: int, cp: int) -> float:
     """Forward FLOPs of one ring step (one block kernel) on one rank."""
     m = w.model
@@ -93,13 +111,13 @@ def ring_step_flops(w: Workload, hp: int, cp: int) -> float:
 
 
 def attention_flops_fwd(w: Workload, hp: int, cp: int) -> float:
-    """Forward attention FLOPs of one layer on one rank (``cp`` ring steps)."""
+    """Forward attention kernel FLOPs of one layer on one rank (``cp`` ring steps)."""
     return cp * ring_step_flops(w, hp, cp)
 
 
 def linear_flops_fwd(w: Workload, sp: int) -> float:
     """Forward FLOPs of one layer's matmuls on one rank (``S/sp`` tokens)."""
-    return 2.0 * w.micro_batch * (w.seq_len / sp) * linear_params_per_layer(w.model)
+    return 2.0 * w.micro_batch * (w.seq_len / sp) * w.model.layer_matmul_params()
 
 
 def head_flops_fwd(w: Workload, sp: int) -> float:
@@ -107,10 +125,10 @@ def head_flops_fwd(w: Workload, sp: int) -> float:
     return 2.0 * w.micro_batch * (w.seq_len / sp) * w.model.dim * w.model.vocab_size
 
 
-def model_flops_per_microbatch(w: Workload, layout: Layout) -> float:
-    """Model FLOPs (forward + backward = 3x forward, no recompute) of one rank per micro-batch."""
-    per_layer = linear_flops_fwd(w, layout.sp) + attention_flops_fwd(w, layout.hp, layout.cp)
-    return 3.0 * (w.model.n_layers * per_layer + head_flops_fwd(w, layout.sp))
+def model_flops_per_microbatch(w: Workload, candidate: Candidate) -> float:
+    """Model FLOPs of one rank per micro-batch: its tokens x :meth:`ModelConfig.flops_per_token`."""
+    tokens = w.micro_batch * w.seq_len / candidate.sp
+    return tokens * w.model.flops_per_token(w.seq_len, causal=w.causal)
 
 
 # -- communication volumes --------------------------------------------------------------
@@ -166,26 +184,84 @@ def kv_block_bytes(w: Workload, hp: int, cp: int, dtype_bytes: int | None = None
     return 2.0 * w.micro_batch * (w.seq_len / cp) * (gr / hp) * w.model.head_dim * e
 
 
+def head_all_to_all_bytes(w: Workload, sp: int, hp: int) -> tuple[float, float]:
+    """Packed all-to-all buffers of one rank: ``(q + kv, out)`` bytes (KV heads replicated to ``max(G, hp)``)."""
+    m = w.model
+    local = w.micro_batch * w.seq_len / sp
+    qkv = local * m.head_dim * w.dtype_bytes * (m.n_heads + 2 * replicated_kv_heads(m, hp))
+    return qkv, local * m.head_dim * w.dtype_bytes * m.n_heads
+
+
 # -- link times -------------------------------------------------------------------------
 def transfer_seconds(nbytes: float, latency_us: float, bw_gbs: float) -> float:
     """Alpha-beta time of one transfer."""
     return latency_us * 1e-6 + nbytes / (bw_gbs * 1e9)
 
 
-def ring_hop_seconds(c: ClusterSpec, ring: RingTraffic, concurrent: RingTraffic | None, nbytes: float) -> float:
-    """One ring step's transfer of ``nbytes`` per rank; ``concurrent`` is the other ring
-    of a double ring when its hops are in flight at the same time (they share links)."""
+def ring_hop_seconds(c: ClusterSpec, ring: RingTraffic, nbytes: float) -> float:
+    """One step of ``ring`` moving ``nbytes`` per rank, with only this ring's hops in flight.
+
+    The step runs at the speed of its slowest hop: a hop that leaves its node goes through
+    its rank's NIC, shared by the ``ring.per_nic`` hops that use that NIC at once; a hop
+    inside the node runs at ``intra_bw_gbs``, capped by the node fabric shared by the
+    ``ring.on_node`` hops inside it.
+    """
     if nbytes <= 0:
         return 0.0
-    other_off = concurrent.off_node if concurrent is not None else 0
-    other_on = concurrent.on_node if concurrent is not None else 0
-    if ring.crosses:  # the slowest hop leaves the node: NIC speed, NICs shared
-        flows = ring.off_node + other_off
-        bw = min(c.nic_bw_gbs, c.nic_bw_gbs * c.nics_per_node / flows)
-        return transfer_seconds(nbytes, c.inter_latency_us, bw)
-    flows = max(1, ring.on_node + other_on)
-    bw = min(c.intra_bw_gbs, c.intra_node_bw_gbs / flows)
+    if ring.crosses:
+        return transfer_seconds(nbytes, c.inter_latency_us, c.nic_bw_gbs / max(1, ring.per_nic))
+    bw = min(c.intra_bw_gbs, c.intra_node_bw_gbs / max(1, ring.on_node))
     return transfer_seconds(nbytes, c.intra_latency_us, bw)
+
+
+def shared_outer_step_seconds(
+    c: ClusterSpec, topo: Topology, t_c: float, inner_bytes: list[float], outer_bytes: float, overlap: float = 1.0
+) -> float:
+    """One outer step of a double ring whose two rings share links: ``inner_bytes[s]`` per
+    rank leave on inner step ``s`` (each hop hidden behind one block of ``t_c``) while the
+    outer transfer of ``outer_bytes`` per rank is in flight.
+
+    This is how the double ring shares the hardware: the outer transfer crosses its NIC
+    once per outer step, next to the inner hops of that step that use the same NIC. On
+    each NIC both rings use (``topo.nic_loads``: ``i`` inner and ``o`` outer hops), flows
+    share it fairly: an inner hop runs at ``1/(i+o)`` of the NIC while the outer transfer
+    lasts (which slows the steps it overlaps), at ``1/i`` after; the outer transfer takes
+    ``1/o`` of the NIC while no inner hop runs. The node's fabric bounds the step too.
+    """
+    bw, latency = c.nic_bw_gbs * 1e9, c.inter_latency_us * 1e-6
+    runs: list[list] = []  # [bytes, count]: consecutive inner steps that send the same
+    for b in inner_bytes:
+        if runs and runs[-1][0] == b:
+            runs[-1][1] += 1
+        else:
+            runs.append([b, 1])
+    worst = 0.0
+    for i, o in topo.nic_loads:
+        if i == 0 or o == 0:
+            continue
+        left, total = outer_bytes, 0.0
+        for b, count in runs:
+            solo = overlapped(t_c, latency + b * i / bw, overlap) if b > 0 else t_c
+            if left <= 0 or b <= 0:  # no sharing in this run (or nothing to share with)
+                if b <= 0 and left > 0:  # compute only: the outer transfer has the NIC to itself
+                    left = max(0.0, left - count * t_c * bw / o)
+                total += count * solo
+                continue
+            hop = latency + b * (i + o) / bw  # a hop while the outer transfer is in flight
+            step = overlapped(t_c, hop, overlap)
+            per_step = b + (step - hop) * bw / o  # outer bytes moved per such step
+            full = min(count, int(left // per_step))
+            total += full * step
+            left -= full * per_step
+            if full < count:  # the outer transfer ends during this step; the rest run alone
+                shared = min(b, left)
+                hop = latency + shared * (i + o) / bw + (b - shared) * i / bw
+                step = overlapped(t_c, hop, overlap)
+                left = max(0.0, left - shared - (step - hop) * bw / o)
+                total += step + (count - full - 1) * solo
+        worst = max(worst, total + left * o / bw)
+    fabric = (topo.inner.on_node * sum(inner_bytes) + topo.outer.on_node * outer_bytes) / (c.intra_node_bw_gbs * 1e9)
+    return max(worst, fabric)
 
 
 def all_to_all_seconds(c: ClusterSpec, head: HeadTraffic, nbytes: float) -> float:
@@ -201,7 +277,7 @@ def all_to_all_seconds(c: ClusterSpec, head: HeadTraffic, nbytes: float) -> floa
         share = min(c.a2a_bw_gbs, c.nic_bw_gbs * c.nics_per_node / max(1, head.ranks_off))
         t_off = head.off_peers * chunk / (share * 1e9)
     latency = (c.inter_latency_us if head.off_peers else c.a2a_latency_us) * (hp - 1)
-    return latency * 1e-6 + max(t_on, t_off)
+    return latency * 1e-6 + max(t_on, t_off) + c.hop_sync_us * 1e-6
 
 
 # -- the ring schedule with overlap -----------------------------------------------------
@@ -212,39 +288,142 @@ def overlapped(compute: float, transfer: float, overlap: float) -> float:
     return max(transfer, compute + (1.0 - overlap) * transfer)
 
 
-def ring_forward_seconds(n: int, w: int, t_c: float, hop_in: float, hop_out: float, overlap: float = 1.0) -> float:
+def ring_forward_seconds(
+    n: int, w: int, t_c: float, hop_in: float, hop_out: float, overlap: float = 1.0, shared_step: float = 0.0
+) -> float:
     """Double-ring forward: per outer step ``w`` block computes, each inner hop hidden behind
-    one compute, the outer hop behind the whole outer step (as ``ring_forward`` runs)."""
+    one compute, the outer hop behind the whole outer step (as ``ring_forward`` runs).
+
+    ``shared_step`` is the time of one outer step with its outer transfer in flight when both
+    rings share links (:func:`shared_outer_step_seconds`; 0: they share none).
+    """
     inner_part = (w - 1) * overlapped(t_c, hop_in, overlap) + t_c
-    return (n - 1) * overlapped(inner_part, hop_out, overlap) + inner_part
+    return (n - 1) * max(overlapped(inner_part, hop_out, overlap), shared_step) + inner_part
 
 
-def ring_backward_seconds(n: int, w: int, t_c: float, hop_in, hop_out, kv: float, dkv: float, overlap: float = 1.0):
+def ring_backward_seconds(
+    n: int,
+    w: int,
+    t_c: float,
+    hop_in: Callable[[float], float],
+    hop_out: Callable[[float], float],
+    kv: float,
+    dkv: float,
+    overlap: float = 1.0,
+    shared: Callable[[list[float], float], float] | None = None,
+) -> float:
     """Double-ring backward (as ``ring_backward`` runs); ``hop_in``/``hop_out`` map bytes to
-    seconds, ``kv``/``dkv`` are the bytes of one block and of its fp32 gradient.
+    seconds, ``kv``/``dkv`` are the bytes of one block and of its fp32 gradient, and
+    ``shared(inner_bytes, outer_bytes)`` is an outer step's time when both rings share links
+    (:func:`shared_outer_step_seconds`; ``inner_bytes`` per inner step).
 
     During inner step ``s`` the next KV block and the previous step's dK/dV partial share
     the inner link; during outer step ``j`` the next KV block and the previous outer
     step's dK/dV total share the outer link; the last dK/dV hop(s) are exposed.
     """
 
-    def inner_part(first_outer: bool) -> float:
+    def inner_bytes(first_outer: bool) -> list[float]:
+        """Bytes each inner step of one outer step sends on the inner ring."""
         if w == 1:
-            return t_c
-        total = 0.0
-        for s in (0, 1, w - 1) if w > 2 else (0, w - 1):
-            nbytes = (kv if s + 1 < w else 0.0) + (dkv if (s > 0 or not first_outer) else 0.0)
-            repeat = w - 2 if (s == 1 and w > 2) else 1
-            total += repeat * overlapped(t_c, hop_in(nbytes), overlap)
-        return total
+            return [0.0]
+        return [(kv if s + 1 < w else 0.0) + (dkv if (s > 0 or not first_outer) else 0.0) for s in range(w)]
 
     total = 0.0
     for j in sorted({0, min(1, n - 1), n - 1}):
         nbytes = (kv if j + 1 < n else 0.0) + (dkv if j > 0 else 0.0)
         repeat = n - 2 if (j == 1 and j != n - 1) else 1
-        total += repeat * overlapped(inner_part(j == 0), hop_out(nbytes), overlap)
+        steps = inner_bytes(j == 0)
+        seconds = sum(  # the steps send at most three distinct sizes: price each once
+            steps.count(b) * (overlapped(t_c, hop_in(b), overlap) if b > 0 else t_c) for b in set(steps)
+        )
+        step = overlapped(seconds, hop_out(nbytes), overlap)
+        if shared is not None and n > 1:
+            step = max(step, shared(steps, nbytes))
+        total += repeat * step
     tail = (hop_in(dkv) if w > 1 else 0.0) + (hop_out(dkv) if n > 1 else 0.0)
     return total + tail
+
+
+# -- one ring step's work on the device -------------------------------------------------
+def merge_bytes(w: Workload, hp: int, cp: int) -> tuple[float, float, float]:
+    """Device-memory bytes moved per ring step outside the block kernels, by this library's
+    ring step (``attention/blocks.py``, ``merge.py``): ``(forward, forward first, backward)``.
+
+    Forward: the block output is cast to the fp32 accumulator and merged into it with one
+    in-place ``lerp_`` (read both, write one), over the local query rows the block covers
+    (all of them for the larger of the two half-block kinds). First step: the cast only.
+    Backward: ``dq`` and the block's ``dk``/``dv`` are added into fp32 accumulators (read
+    both, write one) over the rows the larger kind touches.
+    """
+    m, e, a = w.model, w.dtype_bytes, w.accum_bytes
+    rows = w.micro_batch * w.seq_len / cp  # local query (and key) rows of a context rank
+    heads, kv_heads = m.n_heads / hp, replicated_kv_heads(m, hp) / hp
+    out = rows * heads * m.head_dim
+    cast = out * (e + a) if e != a else 0.0
+    forward = cast + out * 3 * a
+    q_grad = out * (2 * a + e)
+    kv_grad = 2 * rows * kv_heads * m.head_dim * (2 * a + e)
+    return forward, cast, q_grad + kv_grad
+
+
+@dataclass(frozen=True)
+class BlockTimes:
+    """One ring step on the device: the block kernel, the merge/accumulation around it and
+    the hop's launch/sync cost. ``fwd``/``bwd`` for the half blocks, ``*_first`` for the
+    first step (the causal diagonal block; the same as the others when not causal)."""
+
+    fwd: float
+    bwd: float
+    fwd_first: float
+    bwd_first: float
+    kernel_fwd: float  # the half-block kernel alone (no merge, no hop cost)
+    kernel_bwd: float
+    kernel_fwd_first: float  # the first step's kernel alone
+    kernel_bwd_first: float
+
+
+def wave_efficiency(c: ClusterSpec, rows: float) -> float:
+    """Fraction of the kernel rate a block of ``rows`` (rows x heads x batch) reaches:
+    ``rows / (rows + attn_wave_rows / 2)`` (half a wave of tiles lost on average); 1 when
+    ``attn_wave_rows`` is 0."""
+    return rows / (rows + c.attn_wave_rows / 2) if c.attn_wave_rows > 0 else 1.0
+
+
+def block_seconds(c: ClusterSpec, w: Workload, hp: int, cp: int) -> BlockTimes:
+    """Forward and backward time of one ring step.
+
+    The kernel: ``overhead + FLOPs / (rate * wave_efficiency)`` -- both make small blocks
+    slower per FLOP -- with the causal diagonal block's masked tile halves. The rows of a
+    step are those of its smaller block kind (the slowest rank sets the ring's pace):
+    half the local rows in a causal ring (query rows forward, key rows backward), all of
+    them for the diagonal block and without a causal mask. Around the kernel: the merge
+    (:func:`merge_bytes` at ``hbm_bw_gbs``) and ``hop_sync_us`` for posting the step's
+    transfer and waiting for it.
+    """
+    flops = ring_step_flops(w, hp, cp)
+    rows = w.micro_batch * w.seq_len / cp * w.model.n_heads / hp
+    eff_first = wave_efficiency(c, rows)
+    eff = wave_efficiency(c, rows / 2) if w.causal else eff_first
+    bwd_overhead = c.kernel_bwd_overhead_us if c.kernel_bwd_overhead_us is not None else c.kernel_overhead_us
+    fwd = c.kernel_overhead_us * 1e-6 + flops / (c.attn_fwd_tflops * 1e12 * eff)
+    bwd = bwd_overhead * 1e-6 + BWD_FLOP_RATIO * flops / (c.attn_bwd_tflops * 1e12 * eff)
+    # a causal diagonal block of S/cp tokens also computes the masked halves of its diagonal tiles
+    first = 1.0 + c.causal_tile * cp / w.seq_len if w.causal else 1.0
+    fwd_first = c.kernel_overhead_us * 1e-6 + first * flops / (c.attn_fwd_tflops * 1e12 * eff_first)
+    bwd_first = bwd_overhead * 1e-6 + first * BWD_FLOP_RATIO * flops / (c.attn_bwd_tflops * 1e12 * eff_first)
+    merge_fwd, merge_first, merge_bwd = merge_bytes(w, hp, cp)
+    hbm = c.hbm_bw_gbs * 1e9 if c.hbm_bw_gbs > 0 else float("inf")
+    hop = c.hop_sync_us * 1e-6 if cp > 1 else 0.0
+    return BlockTimes(
+        fwd=fwd + merge_fwd / hbm + hop,
+        bwd=bwd + merge_bwd / hbm + hop,
+        fwd_first=fwd_first + merge_first / hbm + hop,
+        bwd_first=bwd_first + merge_bwd / hbm + hop,
+        kernel_fwd=fwd,
+        kernel_bwd=bwd,
+        kernel_fwd_first=fwd_first,
+        kernel_bwd_first=bwd_first,
+    )
 
 
 @dataclass(frozen=True)
@@ -255,7 +434,7 @@ class AttentionTimes:
     a2a_bwd: float
     ring_fwd: float  # the whole ring loop (compute and exposed transfers)
     ring_bwd: float
-    kernels_fwd: float  # block kernels alone
+    kernels_fwd: float  # the ring steps' device work alone (kernels, merges, hop costs)
     kernels_bwd: float
 
     @property
@@ -267,58 +446,37 @@ class AttentionTimes:
         return self.a2a_bwd + self.ring_bwd
 
 
-@dataclass(frozen=True)
-class BlockTimes:
-    """One ring step's block kernel: ``fwd``/``bwd`` for the half blocks, ``*_first`` for
-    the first step (the causal diagonal block; the same as the others when not causal)."""
-
-    fwd: float
-    bwd: float
-    fwd_first: float
-    bwd_first: float
-
-
-def block_seconds(c: ClusterSpec, w: Workload, hp: int, cp: int) -> BlockTimes:
-    """Forward and backward time of one ring step's block kernel."""
-    flops = ring_step_flops(w, hp, cp)
-    overhead = c.kernel_overhead_us * 1e-6
-    fwd = flops / (c.attn_fwd_tflops * 1e12)
-    bwd = BWD_FLOP_RATIO * flops / (c.attn_bwd_tflops * 1e12)
-    # a causal diagonal block of S/cp tokens also computes the masked halves of its diagonal tiles
-    first = 1.0 + c.causal_tile * cp / w.seq_len if w.causal else 1.0
-    return BlockTimes(overhead + fwd, overhead + bwd, overhead + fwd * first, overhead + bwd * first)
-
-
-def attention_seconds(c: ClusterSpec, w: Workload, layout: Layout, topo: Topology) -> AttentionTimes:
+def attention_seconds(c: ClusterSpec, w: Workload, candidate: Candidate, topo: Topology) -> AttentionTimes:
     """All-to-alls and the double ring of one layer, forward and backward."""
-    hp, cp, win = layout.hp, layout.cp, layout.window
+    hp, cp, win = candidate.hp, candidate.cp, candidate.window
     n = cp // win
     bt = block_seconds(c, w, hp, cp)
     a2a_fwd = a2a_bwd = 0.0
     if hp > 1:  # the packed buffers whose bytes comm_volume counts
-        m, e = w.model, w.dtype_bytes
-        local = w.micro_batch * w.seq_len / layout.sp
-        qkv = local * m.head_dim * e * (m.n_heads + 2 * replicated_kv_heads(m, hp))
-        out = local * m.head_dim * e * m.n_heads
+        qkv, out = head_all_to_all_bytes(w, candidate.sp, hp)
         a2a_fwd = all_to_all_seconds(c, topo.head, qkv) + all_to_all_seconds(c, topo.head, out)
         a2a_bwd = all_to_all_seconds(c, topo.head, out) + all_to_all_seconds(c, topo.head, qkv)
     if cp == 1:
         return AttentionTimes(a2a_fwd, a2a_bwd, bt.fwd_first, bt.bwd_first, bt.fwd_first, bt.bwd_first)
-    both = topo.double_ring_concurrent
-    inner_other = topo.outer if both else None
-    outer_other = topo.inner if both else None
 
     def hop_in(nbytes: float) -> float:
-        return ring_hop_seconds(c, topo.inner, inner_other, nbytes)
+        return ring_hop_seconds(c, topo.inner, nbytes)
 
     def hop_out(nbytes: float) -> float:
-        return ring_hop_seconds(c, topo.outer, outer_other, nbytes)
+        return ring_hop_seconds(c, topo.outer, nbytes)
 
     kv = kv_block_bytes(w, hp, cp)
     dkv = kv_block_bytes(w, hp, cp, w.accum_bytes)
     ov = c.overlap
-    ring_fwd = ring_forward_seconds(n, win, bt.fwd, hop_in(kv), hop_out(kv), ov)
-    ring_bwd = ring_backward_seconds(n, win, bt.bwd, hop_in, hop_out, kv, dkv, ov)
+    both = topo.double_ring_concurrent
+
+    def shared_bwd(inner_bytes: list[float], outer_bytes: float) -> float:
+        return shared_outer_step_seconds(c, topo, bt.bwd, inner_bytes, outer_bytes, ov)
+
+    fwd_inner = [kv] * (win - 1) + [0.0]
+    shared_step = shared_outer_step_seconds(c, topo, bt.fwd, fwd_inner, kv, ov) if both else 0.0
+    ring_fwd = ring_forward_seconds(n, win, bt.fwd, hop_in(kv), hop_out(kv), ov, shared_step)
+    ring_bwd = ring_backward_seconds(n, win, bt.bwd, hop_in, hop_out, kv, dkv, ov, shared_bwd if both else None)
     # the first step is the causal diagonal block; its transfer is one KV block
     first_hop = hop_in(kv) if win > 1 else hop_out(kv)
     ring_fwd += overlapped(bt.fwd_first, first_hop, ov) - overlapped(bt.fwd, first_hop, ov)

@@ -15,26 +15,27 @@ from dataclasses import dataclass
 
 from loongtrain.planner.cost import (
     AttentionTimes,
-    Layout,
+    Candidate,
     Workload,
     attention_seconds,
+    candidate_topology,
     head_flops_fwd,
     linear_flops_fwd,
     model_flops_per_microbatch,
 )
 from loongtrain.planner.memory import MemoryBreakdown, memory_bytes
 from loongtrain.planner.specs import ClusterSpec
-from loongtrain.planner.topology import Topology, analyze
+from loongtrain.planner.topology import Topology
 from loongtrain.planner.zero import exposed_zero_seconds, zero_seconds
 
 
 @dataclass(frozen=True)
 class Estimate:
-    """Predicted cost of one layout for one optimizer step (seconds per step)."""
+    """Predicted cost of one candidate layout for one optimizer step (seconds per step)."""
 
-    layout: Layout
+    candidate: Candidate
     step_s: float
-    compute_s: float  # kernels: matmuls, attention blocks, recompute
+    compute_s: float  # kernels: matmuls, attention ring steps (with their merges), recompute
     a2a_s: float  # head all-to-alls (all exposed)
     ring_s: float  # ring transfers not hidden behind block kernels
     zero_s: float  # ZeRO collectives not hidden behind layers
@@ -51,9 +52,9 @@ class Estimate:
         return self.memory.total <= self.memory_limit
 
 
-def estimate(c: ClusterSpec, w: Workload, layout: Layout) -> Estimate:
+def estimate(c: ClusterSpec, w: Workload, layout: Candidate) -> Estimate:
     """Predict ``layout`` on cluster ``c`` for workload ``w``."""
-    topo = analyze(layout.hp, layout.cp, layout.window, layout.placement, c.devices_per_node)
+    topo = candidate_topology(c, layout)
     at = attention_seconds(c, w, layout, topo)
     mm = c.matmul_tflops * 1e12
     lin = linear_flops_fwd(w, layout.sp) / mm
@@ -71,10 +72,10 @@ def estimate(c: ClusterSpec, w: Workload, layout: Layout) -> Estimate:
     micro = compute + a2a + ring + zero
     steps = w.batch // (layout.dp * w.micro_batch)
     step = steps * micro
-    tokens = w.batch * w.seq_len
+    tokens = w.tokens
     mfu = steps * model_flops_per_microbatch(w, layout) / (step * c.peak_tflops * 1e12)
     return Estimate(
-        layout=layout,
+        candidate=layout,
         step_s=step,
         compute_s=steps * compute,
         a2a_s=steps * a2a,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from loongtrain.planner.estimate import Estimate
-from loongtrain.planner.search import PlanResult
+from loongtrain.planner.search import SearchResult
 from loongtrain.planner.topology import Topology
 
 GiB = 2**30
@@ -39,18 +39,22 @@ def describe_topology(t: Topology, hp: int, cp: int, window: int) -> str:
     else:
         rings = []
     for ring, label in rings:
-        where = f"crosses nodes ({ring.off_node} hops per node share its NICs)" if ring.crosses else "stays in a node"
+        where = (
+            f"crosses nodes ({ring.off_node} hops leave a node, {ring.per_nic} per NIC)"
+            if ring.crosses
+            else "stays in a node"
+        )
         parts.append(f"{label} {where}")
     return "; ".join(parts) if parts else "no attention communication"
 
 
-def _variant_line(result: PlanResult, best: Estimate, knob: str, label: str) -> str | None:
+def _variant_line(result: SearchResult, best: Estimate, knob: str, label: str) -> str | None:
     """Best layout differing from the winner only in ``knob`` (hp moves cp with it)."""
     pool = result.ranked + result.too_big
-    lay = best.layout
+    lay = best.candidate
 
     def same_but(e: Estimate) -> bool:
-        x = e.layout
+        x = e.candidate
         if knob == "hp":
             return x.hp != lay.hp and replace(x, hp=lay.hp, cp=lay.cp, window=lay.window) == lay
         if knob == "window" and lay.cp > 1:
@@ -62,11 +66,11 @@ def _variant_line(result: PlanResult, best: Estimate, knob: str, label: str) -> 
         return None
     alt = options[0]
     value = {
-        "window": f"window={alt.layout.window}" if alt.layout.window > 1 else "a plain ring",
-        "placement": alt.layout.placement,
-        "checkpoint": f"checkpoint {alt.layout.checkpoint}",
-        "zero": f"ZeRO scope {alt.layout.zero}",
-        "hp": f"hp={alt.layout.hp}, cp={alt.layout.cp}",
+        "window": f"window={alt.candidate.window}" if alt.candidate.window > 1 else "a plain ring",
+        "placement": alt.candidate.placement,
+        "checkpoint": f"checkpoint {alt.candidate.checkpoint}",
+        "zero": f"ZeRO scope {alt.candidate.zero}",
+        "hp": f"hp={alt.candidate.hp}, cp={alt.candidate.cp}",
     }[knob]
     if not alt.fits:
         if alt.step_s < best.step_s:
@@ -79,10 +83,10 @@ def _variant_line(result: PlanResult, best: Estimate, knob: str, label: str) -> 
     return f"{label}: {value} is {slower:.1%} slower ({_main_difference(best, alt)})"
 
 
-def explain(result: PlanResult) -> list[str]:
+def explain(result: SearchResult) -> list[str]:
     """Short lines on why ``result.best`` wins."""
     best = result.best
-    lay = best.layout
+    lay = best.candidate
     lines = [
         f"{lay.label()}: {_ms(best.step_s)} per step = compute {_ms(best.compute_s)} + all-to-all "
         f"{_ms(best.a2a_s)} + exposed ring {_ms(best.ring_s)} + ZeRO {_ms(best.zero_s)}; "
@@ -93,16 +97,16 @@ def explain(result: PlanResult) -> list[str]:
     if close:
         lines.append(
             f"{len(close)} other layout(s) are within 1% (below the model's accuracy), e.g. "
-            + "; ".join(e.layout.label() for e in close[:2])
+            + "; ".join(e.candidate.label() for e in close[:2])
         )
     for name, base in result.baselines.items():
         if base is None:
             lines.append(f"vs {name}: no layout of that family is valid and fits")
-        elif base.layout == lay:
+        elif base.candidate == lay:
             lines.append(f"vs {name}: the winner is in that family")
         else:
             lines.append(
-                f"vs {name} (best {base.layout.label()}): {base.step_s / best.step_s:.2f}x the time "
+                f"vs {name} (best {base.candidate.label()}): {base.step_s / best.step_s:.2f}x the time "
                 f"({_main_difference(best, base)})"
             )
     for knob, label in (

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loongtrain.model.config import ModelConfig
-from loongtrain.planner.cost import Layout, Workload, params_per_layer, replicated_kv_heads
+from loongtrain.planner.cost import Candidate, Workload, replicated_kv_heads
 from loongtrain.planner.zero import shard_degree
 
 
@@ -72,11 +72,11 @@ class MemoryBreakdown:
         return self.states + self.gathered + self.activations + self.recompute + self.attention + self.logits
 
 
-def memory_bytes(w: Workload, layout: Layout) -> MemoryBreakdown:
+def memory_bytes(w: Workload, layout: Candidate) -> MemoryBreakdown:
     """Peak memory of one device for ``layout`` running ``w`` (micro-batch ``w.micro_batch``)."""
     m, e = w.model, w.dtype_bytes
     tokens = w.micro_batch * w.seq_len / layout.sp
-    p_layer = params_per_layer(m)
+    p_layer = m.layer_params()
     p_root = m.num_params() - m.n_layers * p_layer
     states = 16.0 * m.num_params() / shard_degree(layout)
     gathered = 2 * p_layer * e + p_layer * 4 + p_root * (e + 4)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+from loongtrain.planner.cost import Workload
 from loongtrain.planner.estimate import Estimate
 from loongtrain.planner.explain import explain
-from loongtrain.planner.search import BASELINES, PlanResult
+from loongtrain.planner.search import BASELINES, SearchResult
 
 GiB = 2**30
 
@@ -25,8 +26,13 @@ def format_length(tokens: int) -> str:
     return str(tokens)
 
 
+def batch_text(w: Workload) -> str:
+    """The global batch a report assumed: ``"global batch 4M tokens (32 x 128K sequences)"``."""
+    return f"global batch {format_length(w.tokens)} tokens ({w.batch} x {format_length(w.seq_len)} sequences)"
+
+
 def row_text(index: int | str, e: Estimate) -> str:
-    x = e.layout
+    x = e.candidate
     window = "-" if x.cp == 1 else str(x.window)
     return (
         f"{index!s:>3s} {x.dp:3d} {x.hp:3d} {x.cp:4d} {window:>3s} {x.placement:13s} {x.zero:5s} {x.checkpoint:4s} "
@@ -38,7 +44,7 @@ def row_text(index: int | str, e: Estimate) -> str:
 def row_dict(e: Estimate) -> dict:
     """One estimate as plain data (seconds per step, GiB)."""
     return {
-        **asdict(e.layout),
+        **asdict(e.candidate),
         "step_s": e.step_s,
         "tokens_per_s_per_device": e.tokens_per_s_per_device,
         "mfu": e.mfu,
@@ -53,10 +59,10 @@ def row_dict(e: Estimate) -> dict:
     }
 
 
-def baseline_gap(result: PlanResult, name: str) -> str:
+def baseline_gap(result: SearchResult, name: str) -> str:
     """Why a baseline family has no row: nothing valid, or nothing that fits."""
     keep = BASELINES[name]
-    too_big = [e for e in result.too_big if keep(e.layout)]
+    too_big = [e for e in result.too_big if keep(e.candidate)]
     if too_big:
         lean = min(too_big, key=lambda e: e.memory.total)
         return f"no layout fits (leanest needs {lean.memory.total / GiB:.1f} GiB)"
@@ -66,12 +72,12 @@ def baseline_gap(result: PlanResult, name: str) -> str:
     return "no valid layout"
 
 
-def baseline_lines(result: PlanResult) -> list[str]:
+def baseline_lines(result: SearchResult) -> list[str]:
     best = result.best
     lines = [f"{'family':18s} {'step s':>8s} {'tok/s/dev':>9s} {'MFU':>6s} {'loongtrain x':>12s}  best layout"]
     lines.append(
         f"{'loongtrain':18s} {best.step_s:8.3g} {best.tokens_per_s_per_device:9.4g} {best.mfu:6.1%} "
-        f"{'':>12s}  {best.layout.label()}"
+        f"{'':>12s}  {best.candidate.label()}"
     )
     for name, e in result.baselines.items():
         if e is None:
@@ -80,18 +86,19 @@ def baseline_lines(result: PlanResult) -> list[str]:
         speedup = f"{e.step_s / best.step_s:.2f}x"
         lines.append(
             f"{name:18s} {e.step_s:8.3g} {e.tokens_per_s_per_device:9.4g} {e.mfu:6.1%} {speedup:>12s}  "
-            f"{e.layout.label()}"
+            f"{e.candidate.label()}"
         )
     return lines
 
 
-def text_report(result: PlanResult, model_name: str, top: int = 10) -> str:
+def text_report(result: SearchResult, model_name: str, top: int = 10) -> str:
     """The table of the ``top`` layouts, the baselines' best rows and the explanation."""
     c, w = result.cluster, result.workload
     lines = [
-        f"loongtrain plan: {model_name}, {format_length(w.seq_len)} tokens ({w.seq_len}) x {w.batch} sequence(s) "
-        f"per step on {result.devices} devices of '{c.name}' ({c.devices_per_node} per node; {c.description})",
-        f"{result.candidates} layouts, {len(result.ranked)} fit in {c.usable_memory_bytes / GiB:.1f} GiB per device; "
+        f"loongtrain plan: {model_name}, {format_length(w.seq_len)} tokens ({w.seq_len}) per sequence, "
+        f"{batch_text(w)} per step, on {result.devices} devices of '{c.name}' ({c.devices_per_node} per node; "
+        f"{c.description})",
+        f"{result.n_candidates} layouts, {len(result.ranked)} fit in {c.usable_memory_bytes / GiB:.1f} GiB per device; "
         f"planned in {result.elapsed_s * 1e3:.0f} ms",
         "",
         "times in seconds per optimizer step; compute = kernels incl. recompute; a2a, ring, zero = exposed",
@@ -108,17 +115,18 @@ def text_report(result: PlanResult, model_name: str, top: int = 10) -> str:
     return "\n".join(lines)
 
 
-def json_report(result: PlanResult, model_name: str, top: int = 10) -> dict:
+def json_report(result: SearchResult, model_name: str, top: int = 10) -> dict:
     """Machine-readable plan."""
     c, w = result.cluster, result.workload
     return {
         "model": model_name,
         "seq_len": w.seq_len,
+        "global_batch_tokens": w.tokens,
         "batch": w.batch,
         "micro_batch": w.micro_batch,
         "devices": result.devices,
         "cluster": asdict(c),
-        "candidates": result.candidates,
+        "candidates": result.n_candidates,
         "feasible": len(result.ranked),
         "elapsed_s": result.elapsed_s,
         "ranked": [row_dict(e) for e in result.ranked[:top]],
@@ -137,14 +145,14 @@ SWEEP_HEADER = (
 
 
 def _short(e: Estimate) -> str:
-    x = e.layout
+    x = e.candidate
     ring = "" if x.cp == 1 else (" ring" if x.window == 1 else f" w{x.window}")
     place = "" if x.hp == 1 or x.cp == 1 else (" hf" if x.placement == "head_first" else " cf")
     dp = f"dp{x.dp} " if x.dp > 1 else ""
     return f"{dp}hp{x.hp} cp{x.cp}{ring}{place} {x.zero} {x.checkpoint}"
 
 
-def sweep_row(result: PlanResult) -> str:
+def sweep_row(result: SearchResult) -> str:
     """One line per (sequence length, devices): the winner and the baselines' best MFU."""
     best = result.best
     mfus = [f"{e.mfu:.1%}" if e is not None else "-" for e in result.baselines.values()]

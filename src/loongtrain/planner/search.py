@@ -13,10 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loongtrain.model.config import ModelConfig
-from loongtrain.parallel.layout import check_head_split
-from loongtrain.parallelize.checkpoint import CHECKPOINT_MODES
-from loongtrain.parallelize.zero import ZERO_SCOPES
-from loongtrain.planner.cost import Layout, Workload
+from loongtrain.options import CHECKPOINT_MODES, PLACEMENTS, ZERO_SCOPES, check_checkpoint_mode, check_zero_scope
+from loongtrain.parallel.layout import check_head_split, check_sequence_length
+from loongtrain.planner.cost import Candidate, Workload
 from loongtrain.planner.estimate import Estimate, estimate
 from loongtrain.planner.memory import memory_bytes
 from loongtrain.planner.specs import ClusterSpec, PlanError
@@ -28,13 +27,22 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def head_degree_ok(m: ModelConfig, hp: int) -> bool:
-    """``hp`` divides the query heads and fits the KV heads (the library's own rule)."""
+def _passes(check, *args) -> bool:
     try:
-        check_head_split(m.n_heads, m.n_kv_heads, hp)
+        check(*args)
     except ValueError:
         return False
     return True
+
+
+def head_degree_ok(m: ModelConfig, hp: int) -> bool:
+    """``hp`` divides the query heads and fits the KV heads (the library's ``check_head_split``)."""
+    return _passes(check_head_split, m.n_heads, m.n_kv_heads, hp)
+
+
+def sequence_ok(seq_len: int, sp: int) -> bool:
+    """``seq_len`` zigzag-shards over ``sp`` ranks (the library's ``check_sequence_length``)."""
+    return _passes(check_sequence_length, seq_len, 1, sp)
 
 
 def zero_scopes(dp: int, sp: int) -> tuple[str, ...]:
@@ -45,7 +53,7 @@ def zero_scopes(dp: int, sp: int) -> tuple[str, ...]:
         return ("none", "dp_sp")
     if sp == 1:
         return ("none", "dp")
-    return ("none", "dp", "sp", "dp_sp")
+    return ZERO_SCOPES
 
 
 def check_devices(c: ClusterSpec, devices: int) -> None:
@@ -67,6 +75,7 @@ def check_devices(c: ClusterSpec, devices: int) -> None:
 
 
 def check_workload(w: Workload) -> None:
+    """Raise :class:`PlanError` unless the workload's sizes are positive integers that fit together."""
     for name in ("seq_len", "batch", "micro_batch"):
         value = getattr(w, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -75,26 +84,26 @@ def check_workload(w: Workload) -> None:
         raise PlanError(f"batch={w.batch} is not a multiple of micro_batch={w.micro_batch}")
 
 
-def enumerate_layouts(m: ModelConfig, w: Workload, devices: int) -> list[Layout]:
+def enumerate_layouts(m: ModelConfig, w: Workload, devices: int) -> list[Candidate]:
     """Every distinct valid layout of ``devices`` for ``w`` (memory not yet checked)."""
-    out: list[Layout] = []
+    out: list[Candidate] = []
     for sp in divisors(devices):
         dp = devices // sp
         if w.batch % (dp * w.micro_batch) != 0:
             continue
-        if w.seq_len % (2 * sp if w.causal else sp) != 0:
+        if not sequence_ok(w.seq_len, sp):
             continue
         for hp in divisors(sp):
             if not head_degree_ok(m, hp):
                 continue
             cp = sp // hp
             windows = [x for x in divisors(cp) if x < cp] or [1]
-            placements = ("head_first", "context_first") if hp > 1 and cp > 1 else ("head_first",)
+            placements = PLACEMENTS if hp > 1 and cp > 1 else ("head_first",)
             for window in windows:
                 for placement in placements:
                     for zero in zero_scopes(dp, sp):
                         for ckpt in CHECKPOINT_MODES:
-                            out.append(Layout(dp, hp, cp, window, placement, zero, ckpt))
+                            out.append(Candidate(dp, hp, cp, window, placement, zero, ckpt))
     return out
 
 
@@ -103,7 +112,7 @@ def _why_none_valid(m: ModelConfig, w: Workload, devices: int) -> str:
     batch_ok = [sp for sp in sps if w.batch % (devices // sp * w.micro_batch) == 0]
     if not batch_ok:
         return f"batch={w.batch} sequences cannot be split over any data-parallel degree of {devices} devices"
-    seq_ok = [sp for sp in batch_ok if w.seq_len % (2 * sp) == 0]
+    seq_ok = [sp for sp in batch_ok if sequence_ok(w.seq_len, sp)]
     if not seq_ok:
         return (
             f"seq_len={w.seq_len} is not a multiple of 2*sp for any sequence-parallel degree sp in {batch_ok} "
@@ -116,7 +125,7 @@ def _why_none_valid(m: ModelConfig, w: Workload, devices: int) -> str:
 
 
 #: Baselines priced by the same model: layout families people would otherwise run.
-BASELINES: dict[str, Callable[[Layout], bool]] = {
+BASELINES: dict[str, Callable[[Candidate], bool]] = {
     # DeepSpeed-Ulysses: head all-to-all only (sp = hp <= H); ZeRO, ordinary checkpointing
     "DeepSpeed-Ulysses": lambda x: x.cp == 1 and x.checkpoint != "sc++",
     # Megatron-LM context parallelism: one zigzag ring over the sp ranks (hp = 1)
@@ -127,7 +136,7 @@ BASELINES: dict[str, Callable[[Layout], bool]] = {
 
 
 @dataclass
-class PlanResult:
+class SearchResult:
     """Ranked estimates of a request; ``ranked`` holds the layouts that fit, fastest first."""
 
     cluster: ClusterSpec
@@ -136,7 +145,7 @@ class PlanResult:
     ranked: list[Estimate]
     too_big: list[Estimate]
     baselines: dict[str, Estimate | None]
-    candidates: int
+    n_candidates: int  # layouts evaluated
     elapsed_s: float
     notes: list[str] = field(default_factory=list)
 
@@ -145,7 +154,7 @@ class PlanResult:
         return self.ranked[0]
 
 
-def _memory_floor(w: Workload, layouts: list[Layout]) -> tuple[float, Layout]:
+def _memory_floor(w: Workload, layouts: list[Candidate]) -> tuple[float, Candidate]:
     best = min(layouts, key=lambda x: memory_bytes(w, x).total)
     return memory_bytes(w, best).total, best
 
@@ -160,7 +169,7 @@ def _devices_that_fit(c: ClusterSpec, w: Workload, devices: int) -> int | None:
     return None
 
 
-def plan(c: ClusterSpec, w: Workload, devices: int) -> PlanResult:
+def search_layouts(c: ClusterSpec, w: Workload, devices: int) -> SearchResult:
     """Estimate every valid layout of ``devices``; raise :class:`PlanError` if none is valid or fits."""
     check_devices(c, devices)
     check_workload(w)
@@ -181,43 +190,39 @@ def plan(c: ClusterSpec, w: Workload, devices: int) -> PlanResult:
             f"{c.usable_memory_bytes / GiB:.1f} GiB ({c.usable_memory_fraction:.0%} of {c.device_memory_gib:g} GiB)"
             f"{hint}, or use a shorter sequence"
         )
-    baselines = {name: next((e for e in ranked if keep(e.layout)), None) for name, keep in BASELINES.items()}
-    return PlanResult(
+    baselines = {name: next((e for e in ranked if keep(e.candidate)), None) for name, keep in BASELINES.items()}
+    return SearchResult(
         cluster=c,
         workload=w,
         devices=devices,
         ranked=ranked,
         too_big=too_big,
         baselines=baselines,
-        candidates=len(layouts),
+        n_candidates=len(layouts),
         elapsed_s=time.perf_counter() - t0,
     )
 
 
-def check_layout(w: Workload, layout: Layout, devices: int) -> None:
-    """Raise :class:`PlanError` naming what makes ``layout`` invalid for ``w`` on ``devices``."""
-    m = w.model
-    x = layout
-    for name in ("dp", "hp", "cp", "window"):
-        value = getattr(x, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise PlanError(f"layout {name}={value!r} must be a positive integer")
-    if x.devices != devices:
-        raise PlanError(f"layout dp*hp*cp = {x.dp}*{x.hp}*{x.cp} = {x.devices} is not devices={devices}")
-    if x.cp % x.window != 0:
-        raise PlanError(f"layout cp={x.cp} is not divisible by window={x.window}; use one of {divisors(x.cp)}")
-    if x.placement not in ("head_first", "context_first"):
-        raise PlanError(f"layout placement={x.placement!r}: use head_first or context_first")
-    if x.zero not in ZERO_SCOPES:
-        raise PlanError(f"layout zero={x.zero!r}: use one of {list(ZERO_SCOPES)}")
-    if x.checkpoint not in CHECKPOINT_MODES:
-        raise PlanError(f"layout ckpt={x.checkpoint!r}: use one of {list(CHECKPOINT_MODES)}")
-    if not head_degree_ok(m, x.hp):
-        raise PlanError(
-            f"layout hp={x.hp} does not fit the model's heads (H={m.n_heads}, G={m.n_kv_heads}): hp must divide H "
-            "and either divide G or be a multiple of it"
-        )
-    if w.seq_len % (2 * x.sp) != 0:
-        raise PlanError(f"seq_len={w.seq_len} is not a multiple of 2*sp = {2 * x.sp} (zigzag sharding)")
+def check_candidate(w: Workload, candidate: Candidate, devices: int) -> None:
+    """Raise :class:`PlanError` naming what makes ``candidate`` invalid for ``w`` on ``devices``.
+
+    The rules are the library's own: ``ParallelConfig`` (degrees, window, placement, the
+    world size), ``check_head_split``, ``check_sequence_length`` and the option checks.
+    """
+    m, x = w.model, candidate
+    try:
+        x.parallel_config().resolve_dp(devices)
+    except ValueError as exc:
+        raise PlanError(f"layout: {exc}") from None
+    for what, check, args in (
+        (f"layout zero={x.zero!r}", check_zero_scope, (x.zero,)),
+        (f"layout ckpt={x.checkpoint!r}", check_checkpoint_mode, (x.checkpoint,)),
+        (f"layout hp={x.hp} does not fit the model's heads", check_head_split, (m.n_heads, m.n_kv_heads, x.hp)),
+        (f"seq_len={w.seq_len}", check_sequence_length, (w.seq_len, x.hp, x.cp)),
+    ):
+        try:
+            check(*args)
+        except ValueError as exc:
+            raise PlanError(f"{what}: {exc}") from None
     if w.batch % (x.dp * w.micro_batch) != 0:
         raise PlanError(f"batch={w.batch} is not a multiple of dp*micro_batch = {x.dp}*{w.micro_batch}")

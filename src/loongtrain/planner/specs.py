@@ -41,7 +41,7 @@ class ClusterSpec:
     matmul_tflops: float  # achieved by the linear layers
     attn_fwd_tflops: float  # achieved by the attention kernel, forward
     attn_bwd_tflops: float  # achieved by the attention kernel, backward (2.5x forward FLOPs)
-    kernel_overhead_us: float  # fixed time per attention block call (launch, merge)
+    kernel_overhead_us: float  # fixed time per forward block-kernel call (small blocks: lower efficiency)
     intra_bw_gbs: float  # point to point inside a node, per device and direction
     intra_node_bw_gbs: float  # all transfers inside one node together
     intra_latency_us: float
@@ -52,6 +52,10 @@ class ClusterSpec:
     inter_latency_us: float
     causal_tile: float = 128.0  # tokens: a causal diagonal block of S tokens costs (1 + tile/S) x its FLOPs
     overlap: float = 1.0  # fraction of a transfer that proceeds while the device computes
+    kernel_bwd_overhead_us: float | None = None  # fixed time per backward block-kernel call (None: forward's)
+    attn_wave_rows: float = 0.0  # rows x heads of one block kernel that fill the device once (0: not modelled)
+    hbm_bw_gbs: float = 0.0  # device-memory bandwidth of the merges around each block (0: not modelled)
+    hop_sync_us: float = 0.0  # per ring step and all-to-all: posting the transfer and waiting for the peer
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -61,11 +65,13 @@ class ClusterSpec:
                 if not isinstance(value, str):
                     raise PlanError(f"cluster {self.name!r}: {f.name} must be a string, got {value!r}")
                 continue
+            if value is None and f.name in _MAY_BE_NONE:
+                continue
             if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int)):
                 raise PlanError(f"cluster {self.name!r}: {f.name}={value!r} must be an integer")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise PlanError(f"cluster {self.name!r}: {f.name}={value!r} must be a finite number")
-            if value <= 0:
+            if value < 0 or (value == 0 and f.name not in _MAY_BE_ZERO):
                 raise PlanError(f"cluster {self.name!r}: {f.name}={value!r} must be positive")
         for name in ("usable_memory_fraction", "overlap"):
             if getattr(self, name) > 1:
@@ -82,34 +88,52 @@ class ClusterSpec:
         return self.device_memory_gib * 2**30 * self.usable_memory_fraction
 
 
+_MAY_BE_NONE = ("kernel_bwd_overhead_us",)
+_MAY_BE_ZERO = ("attn_wave_rows", "hbm_bw_gbs", "hop_sync_us")
 CLUSTER_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(ClusterSpec))
-_OPTIONAL = ("name", "causal_tile", "overlap", "description")
+_OPTIONAL = ("name", "causal_tile", "overlap", "description", *_MAY_BE_NONE, *_MAY_BE_ZERO)
 _REQUIRED = tuple(name for name in CLUSTER_FIELDS if name not in _OPTIONAL)
 
-# Achievable fractions assumed for every GPU preset (not measured here):
-#   linear layers (cuBLAS bf16 GEMM at these shapes): 75% of peak on A100, 70% on Hopper;
-#   FlashAttention-2: forward 65% / backward 55% of peak on A100 (FA2 paper: 50-73%),
-#   40% / 35% on Hopper (FA2 is not tuned for Hopper; FlashAttention-3 would reach ~75%);
-#   NVLink point to point: 80% of the per-direction spec; all-to-all: 70%;
-#   causal diagonal blocks compute whole 128-token tiles on the diagonal (FA2 block size);
-#   InfiniBand: 90% of line rate; NCCL latency: 10 us inside a node, 15 us between nodes.
+# GPU presets. Every constant is a spec-sheet number times an achievable fraction, or a
+# fit to a published measurement; docs/planner.md ("Where the constants come from") gives
+# each source. In short:
+#   matmul: 75% of peak (A100) / 70% (Hopper), assumed for cuBLAS bf16 GEMMs of 7B shapes;
+#   attention on A100: FlashAttention-2 at the rates that reproduce ring-flash-attention's
+#     published single-GPU flash_attn step (one 8192-token causal call, 32 heads of 128:
+#     373.4 it/s forward, 94.7 it/s forward + backward; anchors.flash_attention2_rates):
+#     forward 215.6, backward 182.2 TFLOP/s; 20 us fixed per kernel call (assumed);
+#   attention on Hopper: the cuDNN / FlashAttention-3 class kernel (PyTorch SDPA's cuDNN
+#     backend), time = overhead + FLOPs / rate fitted to FA3's published H100 times
+#     (tritonbench PR #1267, causal, B=4, H=48, d=128, S=1024..8192): forward 68 us +
+#     FLOPs at 695 TFLOP/s, backward 478 us + FLOPs at 556 TFLOP/s;
+#   block-size efficiency: a block kernel works on tiles of 128 query rows (key rows in
+#     backward) per head, one per SM at head dim 128 (FlashAttention-2 paper, section 3.2),
+#     so rows x heads = 128 x SMs fill the device once (A100: 108 SMs, Hopper: 132); a
+#     block of R such rows runs at R / (R + wave/2) of the rate (half a wave lost on average);
+#   device memory (merges around each block): 85% of the spec-sheet HBM bandwidth;
+#   NVLink point to point 80% of the per-direction spec, all-to-all 70%; InfiniBand 90%
+#   of line rate; NCCL latency 10 us inside a node, 15 us between nodes; 10 us per ring
+#   hop to post the transfer and wait for it (kernel launch + stream sync, assumed);
+#   causal diagonal blocks compute whole 128-token tiles on the diagonal.
 #   nodes=128 (1024 devices) is a planning size, not a real machine's.
-_GPU_COMMON = dict(
-    nodes=128, devices_per_node=8, usable_memory_fraction=0.9, kernel_overhead_us=20.0, causal_tile=128.0
-)
+_GPU_COMMON = dict(nodes=128, devices_per_node=8, usable_memory_fraction=0.9, causal_tile=128.0, hop_sync_us=10.0)
+HBM_FRACTION = 0.85
 
 
-def _hopper(name: str, memory_gib: float, nvlink_gbs: float, description: str) -> ClusterSpec:
-    """An 8-GPU Hopper node (989 TFLOP/s bf16 dense) with 8 x 400 Gb/s NICs; ``nvlink_gbs``
-    is NVLink per direction. Achievable fractions: matmul 70%, attention 40% / 35%
-    (forward / backward), links 80% (all-to-all 70%), NICs 90%."""
+def _hopper(name: str, memory_gib: float, hbm_gbs: float, nvlink_gbs: float, description: str) -> ClusterSpec:
+    """An 8-GPU Hopper node (989 TFLOP/s bf16 dense) with 8 x 400 Gb/s NICs; ``hbm_gbs`` is the
+    spec-sheet memory bandwidth and ``nvlink_gbs`` NVLink per direction."""
     return ClusterSpec(
         name=name,
         device_memory_gib=memory_gib,
         peak_tflops=989.0,
         matmul_tflops=0.70 * 989.0,
-        attn_fwd_tflops=0.40 * 989.0,
-        attn_bwd_tflops=0.35 * 989.0,
+        attn_fwd_tflops=695.0,
+        attn_bwd_tflops=556.0,
+        kernel_overhead_us=68.0,
+        kernel_bwd_overhead_us=478.0,
+        attn_wave_rows=132 * 128,
+        hbm_bw_gbs=HBM_FRACTION * hbm_gbs,
         intra_bw_gbs=0.8 * nvlink_gbs,
         intra_node_bw_gbs=8 * 0.8 * nvlink_gbs,
         intra_latency_us=10.0,
@@ -124,16 +148,19 @@ def _hopper(name: str, memory_gib: float, nvlink_gbs: float, description: str) -
 
 
 CLUSTER_PRESETS: dict[str, ClusterSpec] = {
-    # NVIDIA A100 SXM4 80GB spec sheet: 312 TFLOP/s bf16 dense; NVLink 3 600 GB/s
-    # bidirectional (300 GB/s per direction); DGX-A100-like node with 4 x 200 Gb/s HDR
-    # InfiniBand NICs (25 GB/s each): the LoongTrain paper's cluster.
+    # NVIDIA A100 SXM4 80GB spec sheet: 312 TFLOP/s bf16 dense, HBM2e 2039 GB/s, NVLink 3
+    # 600 GB/s bidirectional (300 GB/s per direction); DGX-A100-like node with 4 x 200 Gb/s
+    # HDR InfiniBand NICs (25 GB/s each): the LoongTrain paper's cluster.
     "a100": ClusterSpec(
         name="a100",
         device_memory_gib=80.0,
         peak_tflops=312.0,
         matmul_tflops=0.75 * 312.0,
-        attn_fwd_tflops=0.65 * 312.0,
-        attn_bwd_tflops=0.55 * 312.0,
+        attn_fwd_tflops=215.6,  # 69% of peak
+        attn_bwd_tflops=182.2,  # 58% of peak
+        kernel_overhead_us=20.0,
+        attn_wave_rows=108 * 128,
+        hbm_bw_gbs=HBM_FRACTION * 2039.0,
         intra_bw_gbs=0.8 * 300.0,
         intra_node_bw_gbs=8 * 0.8 * 300.0,
         intra_latency_us=10.0,
@@ -142,19 +169,25 @@ CLUSTER_PRESETS: dict[str, ClusterSpec] = {
         nics_per_node=4,
         nic_bw_gbs=0.9 * 25.0,
         inter_latency_us=15.0,
-        description="A100-80GB SXM, 8 per node, NVLink 600 GB/s, 4 x 200 Gb/s IB per node",
+        description="A100-80GB SXM, 8 per node, NVLink 600 GB/s, 4 x 200 Gb/s IB per node, FlashAttention-2",
         **_GPU_COMMON,
     ),
-    # NVIDIA H100 SXM5 80GB: 989 TFLOP/s bf16 dense; NVLink 4 900 GB/s bidirectional
-    # (450 per direction); DGX-H100 node: 8 x 400 Gb/s NDR InfiniBand (50 GB/s each).
-    "h100": _hopper("h100", 80.0, 450.0, "H100-80GB SXM, 8 per node, NVLink 900 GB/s, 8 x 400 Gb/s IB per node"),
-    # NVIDIA H800 SXM5 80GB: H100 compute with NVLink cut to 400 GB/s bidirectional (200
-    # per direction; DeepSeek-V3 report: ~160 GB/s achieved); 8 x 400 Gb/s InfiniBand per
-    # node (DeepSeek-V3 report: 50 GB/s per GPU).
-    "h800": _hopper("h800", 80.0, 200.0, "H800-80GB SXM, 8 per node, NVLink 400 GB/s, 8 x 400 Gb/s IB per node"),
-    # NVIDIA H200 SXM 141GB (HBM3e; ~140 GiB usable by CUDA): H100 compute, NVLink 4
-    # 900 GB/s bidirectional, 8 x 400 Gb/s InfiniBand per node.
-    "h200": _hopper("h200", 140.0, 450.0, "H200-141GB SXM, 8 per node, NVLink 900 GB/s, 8 x 400 Gb/s IB per node"),
+    # NVIDIA H100 SXM5 80GB: 989 TFLOP/s bf16 dense, HBM3 3350 GB/s; NVLink 4 900 GB/s
+    # bidirectional (450 per direction); DGX-H100 node: 8 x 400 Gb/s NDR InfiniBand.
+    "h100": _hopper(
+        "h100", 80.0, 3350.0, 450.0, "H100-80GB SXM, 8 per node, NVLink 900 GB/s, 8 x 400 Gb/s IB per node, cuDNN/FA3"
+    ),
+    # NVIDIA H800 SXM5 80GB: H100 compute and memory with NVLink cut to 400 GB/s
+    # bidirectional (200 per direction; DeepSeek-V3 report: ~160 GB/s achieved); 8 x 400 Gb/s
+    # InfiniBand per node (DeepSeek-V3 report: 50 GB/s per GPU).
+    "h800": _hopper(
+        "h800", 80.0, 3350.0, 200.0, "H800-80GB SXM, 8 per node, NVLink 400 GB/s, 8 x 400 Gb/s IB per node, cuDNN/FA3"
+    ),
+    # NVIDIA H200 SXM 141GB (HBM3e 4800 GB/s; ~140 GiB usable by CUDA): H100 compute,
+    # NVLink 4 900 GB/s bidirectional, 8 x 400 Gb/s InfiniBand per node.
+    "h200": _hopper(
+        "h200", 140.0, 4800.0, 450.0, "H200-141GB SXM, 8 per node, NVLink 900 GB/s, 8 x 400 Gb/s IB per node, cuDNN/FA3"
+    ),
 }
 
 #: Where ``--cluster local`` is looked for (first hit wins): the working directory's
@@ -247,6 +280,8 @@ def cluster_to_toml(spec: ClusterSpec, comments: dict[str, str] | None = None, h
     comments = comments or {}
     lines = [f"# {line}" if line else "#" for line in header.splitlines()]
     for key, value in asdict(spec).items():
+        if value is None:  # an optional key at its default
+            continue
         line = f"{key} = {_toml_value(value)}"
         if key in comments:
             line = f"{line:<40s} # {comments[key]}"

@@ -1,14 +1,18 @@
-"""Which transfers of a layout leave a node, read from :class:`RankLayout`. Pure.
+"""Which transfers of a layout leave a node, and through which NIC, read from
+:class:`RankLayout`. Pure.
 
 All context groups (and all head groups) of a layout run their transfers at the same
 time, so what matters for a ring step is the slowest hop of the ring and how many
-transfers leave each node at once (they share the node's NICs).
+transfers share a link: a node's fabric, or a NIC. A node's ``nics_per_node`` NICs serve
+consecutive local ranks (GPU-NIC affinity: NCCL sends a GPU's inter-node traffic through
+its closest NIC), so the hops of ranks bound to one NIC share it.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 from loongtrain.parallel.config import ParallelConfig
@@ -21,13 +25,15 @@ class RingTraffic:
 
     ``crosses``: some hop leaves its node (the ring step then runs at NIC speed);
     ``off_node``/``on_node``: the largest number of hops that leave / stay inside one node
-    at the same time (over all rings of the family, per node).
+    at the same time (over all rings of the family, per node); ``per_nic``: the largest
+    number of hops that go through one NIC at the same time (sending or receiving).
     """
 
     size: int
     crosses: bool
     off_node: int
     on_node: int
+    per_nic: int = 0
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,8 @@ class Topology:
     head: HeadTraffic
     inner: RingTraffic
     outer: RingTraffic
+    #: distinct (inner hops, outer hops) through one NIC, over the NICs both rings use
+    nic_loads: tuple[tuple[int, int], ...] = ()
 
     @property
     def double_ring_concurrent(self) -> bool:
@@ -59,21 +67,40 @@ def _scan_world(sp: int, devices_per_node: int) -> int:
     return sp * devices_per_node // math.gcd(sp, devices_per_node)
 
 
-def _ring_traffic(rings: list[tuple[int, ...]], devices_per_node: int) -> RingTraffic:
+def nic_of(rank: int, devices_per_node: int, nics_per_node: int) -> tuple[int, int]:
+    """``(node, NIC)`` that ``rank``'s inter-node traffic goes through: NICs serve consecutive local ranks."""
+    node, local = divmod(rank, devices_per_node)
+    return node, local * nics_per_node // devices_per_node
+
+
+@functools.lru_cache(maxsize=64)
+def _nodes_and_nics(world: int, devices_per_node: int, nics_per_node: int) -> tuple[list[int], list[int]]:
+    """Every rank's node and NIC (numbered over all nodes)."""
+    node = [r // devices_per_node for r in range(world)]
+    return node, [node[r] * nics_per_node + nic_of(r, devices_per_node, nics_per_node)[1] for r in range(world)]
+
+
+def _ring_traffic(rings: list[tuple[int, ...]], node: list[int], nic: list[int]) -> tuple[RingTraffic, dict]:
+    """The family's traffic and its hops per NIC (``{NIC id: hops}``, receiving sides as
+    ``~id``); ``node`` and ``nic`` give every scanned rank's node and (globally numbered) NIC."""
     size = len(rings[0])
-    off: dict[int, int] = {}
-    on: dict[int, int] = {}
-    for members in rings:
-        if size < 2:
-            break
-        for pos, src in enumerate(members):
-            dst = members[(pos + 1) % size]
-            node = src // devices_per_node
-            table = off if dst // devices_per_node != node else on
-            table[node] = table.get(node, 0) + 1
-    return RingTraffic(
-        size=size, crosses=bool(off), off_node=max(off.values(), default=0), on_node=max(on.values(), default=0)
+    off, on = [0] * (node[-1] + 1), [0] * (node[-1] + 1)
+    sent, received = [0] * (nic[-1] + 1), [0] * (nic[-1] + 1)
+    if size > 1:
+        for members in rings:
+            for src, dst in zip(members, members[1:] + members[:1]):
+                a = node[src]
+                if a == node[dst]:
+                    on[a] += 1
+                else:
+                    off[a] += 1
+                    sent[nic[src]] += 1
+                    received[nic[dst]] += 1
+    nics = {i: hops for i, hops in enumerate(sent) if hops} | {~i: hops for i, hops in enumerate(received) if hops}
+    traffic = RingTraffic(
+        size=size, crosses=any(off), off_node=max(off), on_node=max(on), per_nic=max(nics.values(), default=0)
     )
+    return traffic, nics
 
 
 @functools.lru_cache(maxsize=256)
@@ -85,34 +112,50 @@ def _rank_table(hp: int, cp: int, placement: str, world: int) -> tuple[tuple[tup
 
 
 @functools.lru_cache(maxsize=4096)
-def analyze(hp: int, cp: int, window: int, placement: str, devices_per_node: int) -> Topology:
-    """Node locality of a layout's groups on nodes of ``devices_per_node`` ranks.
+def analyze(
+    hp: int, cp: int, window: int, placement: str, devices_per_node: int, nics_per_node: int | None = None
+) -> Topology:
+    """Node locality of a layout's groups on nodes of ``devices_per_node`` ranks with
+    ``nics_per_node`` NICs (default: one per rank).
 
     Scans every ring and head group of ``lcm(sp, devices_per_node)`` ranks, with members in
     the order ``RankLayout.inner_ring`` / ``outer_ring`` / ``head_group`` give them.
     """
+    nics_per_node = nics_per_node or devices_per_node
     ParallelConfig(hp=hp, cp=cp, window=window, placement=placement)  # type: ignore[arg-type]  # validates
     table = _rank_table(hp, cp, placement, _scan_world(hp * cp, devices_per_node))
     n = cp // window
-    inner_rings, outer_rings, head_groups = [], [], []
+    inner_rings, outer_rings = [], []
     for by_head in table:
         for ranks in by_head:  # context index c = o * window + i
             inner_rings += [ranks[o * window : (o + 1) * window] for o in range(n)]
             outer_rings += [ranks[i::window] for i in range(window)]
-        head_groups += [tuple(ranks[c] for ranks in by_head) for c in range(cp)]
-    off_peers, ranks_off = 0, {}
-    for members in head_groups:
-        nodes = [r // devices_per_node for r in members]
-        for node in nodes:
-            peers_off = sum(1 for other in nodes if other != node)
-            off_peers = max(off_peers, peers_off)
-            if peers_off:
-                ranks_off[node] = ranks_off.get(node, 0) + 1
+    node, nic = _nodes_and_nics(len(table) * hp * cp, devices_per_node, nics_per_node)
+    inner, inner_nics = _ring_traffic(inner_rings, node, nic)
+    outer, outer_nics = _ring_traffic(outer_rings, node, nic)
+    loads = {(inner_nics.get(i, 0), outer_nics.get(i, 0)) for i in inner_nics.keys() | outer_nics.keys()}
     return Topology(
-        head=HeadTraffic(size=hp, off_peers=off_peers, ranks_off=max(ranks_off.values(), default=0)),
-        inner=_ring_traffic(inner_rings, devices_per_node),
-        outer=_ring_traffic(outer_rings, devices_per_node),
+        head=_head_traffic(hp, cp, placement, devices_per_node),
+        inner=inner,
+        outer=outer,
+        nic_loads=tuple(sorted(loads)),
     )
+
+
+@functools.lru_cache(maxsize=1024)
+def _head_traffic(hp: int, cp: int, placement: str, devices_per_node: int) -> HeadTraffic:
+    """The head groups' node locality (the window does not move ranks)."""
+    table = _rank_table(hp, cp, placement, _scan_world(hp * cp, devices_per_node))
+    off_peers, ranks_off = 0, {}
+    for by_head in table:
+        for c in range(cp):
+            per_node = Counter(ranks[c] // devices_per_node for ranks in by_head)
+            for node, here in per_node.items():
+                peers_off = hp - here  # the group's members on other nodes
+                off_peers = max(off_peers, peers_off)
+                if peers_off:
+                    ranks_off[node] = ranks_off.get(node, 0) + here
+    return HeadTraffic(size=hp, off_peers=off_peers, ranks_off=max(ranks_off.values(), default=0))
 
 
 def group_span(members: tuple[int, ...], devices_per_node: int) -> tuple[int, int]:

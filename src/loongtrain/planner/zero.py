@@ -1,5 +1,8 @@
 """Hybrid-ZeRO communication time by scope (FSDP2 as ``parallelize.zero`` applies it). Pure.
 
+Groups come from :func:`loongtrain.parallel.zero_grid.zero_mesh_grid`, the grid ``init_parallel``
+builds its meshes from.
+
 Per micro-batch, each layer's parameters are all-gathered (bf16) in forward and again in
 backward (``reshard_after_forward=True``), its gradients reduce-scattered (fp32) over
 the shard group and all-reduced over the replicate group. Scope ``none`` only
@@ -13,15 +16,16 @@ import functools
 from dataclasses import dataclass
 
 from loongtrain.model.config import ModelConfig
-from loongtrain.parallelize.zero import zero_mesh_ranks
-from loongtrain.planner.cost import Layout, params_per_layer
+from loongtrain.parallel.zero_grid import zero_mesh_grid
+from loongtrain.planner.cost import Candidate
 from loongtrain.planner.specs import ClusterSpec
 from loongtrain.planner.topology import group_span
 
 
-def shard_degree(layout: Layout) -> int:
+def shard_degree(candidate: Candidate) -> int:
     """Ranks one copy of the model states is sharded over, by ZeRO scope."""
-    return {"none": 1, "dp": layout.dp, "sp": layout.sp, "dp_sp": layout.devices}[layout.zero]
+    grid, _ = zero_mesh_grid(candidate.devices, candidate.dp, candidate.zero)
+    return len(grid[0])
 
 
 GroupShape = tuple[int, int, int]  # (members, nodes spanned, members on the fullest node)
@@ -34,10 +38,9 @@ def group_shape(members: tuple[int, ...], devices_per_node: int) -> GroupShape:
 
 @functools.lru_cache(maxsize=1024)
 def _groups(dp: int, hp: int, cp: int, zero: str, devices_per_node: int) -> tuple[GroupShape, GroupShape]:
-    """Shapes of rank 0's (shard group, replicate group) in the mesh ``apply_zero`` builds."""
-    ranks, _ = zero_mesh_ranks(dp * hp * cp, dp, zero)
-    grid = ranks.view(1, -1) if ranks.dim() == 1 else ranks  # [replicate, shard]
-    shard, replicate = tuple(grid[0].tolist()), tuple(grid[:, 0].tolist())
+    """Shapes of rank 0's (shard group, replicate group) in the mesh ``init_parallel`` builds."""
+    grid, _ = zero_mesh_grid(dp * hp * cp, dp, zero)  # [replicate][shard]
+    shard, replicate = grid[0], tuple(row[0] for row in grid)
     return group_shape(shard, devices_per_node), group_shape(replicate, devices_per_node)
 
 
@@ -68,15 +71,15 @@ class ZeroTimes:
     reduce_root: float
 
 
-def zero_seconds(c: ClusterSpec, m: ModelConfig, layout: Layout, dtype_bytes: int = 2) -> ZeroTimes:
-    """Collective times of ``layout.zero`` for one layer and for the root parameters."""
-    return _zero_seconds(c, m, layout.dp, layout.hp, layout.cp, layout.zero, dtype_bytes)
+def zero_seconds(c: ClusterSpec, m: ModelConfig, candidate: Candidate, dtype_bytes: int = 2) -> ZeroTimes:
+    """Collective times of ``candidate.zero`` for one layer and for the root parameters."""
+    return _zero_seconds(c, m, candidate.dp, candidate.hp, candidate.cp, candidate.zero, dtype_bytes)
 
 
 @functools.lru_cache(maxsize=4096)
 def _zero_seconds(c: ClusterSpec, m: ModelConfig, dp: int, hp: int, cp: int, zero: str, dtype_bytes: int) -> ZeroTimes:
     shard, replicate = _groups(dp, hp, cp, zero, c.devices_per_node)
-    p_layer = params_per_layer(m)
+    p_layer = m.layer_params()
     p_root = m.num_params() - m.n_layers * p_layer
 
     def times(params: int) -> tuple[float, float]:

@@ -26,19 +26,8 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
-    """Model FLOPs of one training token (forward + backward = 3x forward; no recompute).
-
-    Per layer and token the forward does ``2 * (d*H*hd + 2*d*G*hd + H*hd*d + 3*d*ffn)``
-    in the projections and MLP, and ``2 * 2 * H * hd * ctx`` in attention (scores and the
-    weighted sum), where ``ctx`` is the keys a query sees: ``(S + 1) / 2`` on average
-    under a causal mask, ``S`` without. Plus ``2 * d * vocab`` for the output layer.
-    """
-    d, hd, heads, groups = cfg.dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-    linear = 2 * (d * heads * hd + 2 * d * groups * hd + heads * hd * d + 3 * d * cfg.ffn_dim)
-    ctx = (seq_len + 1) / 2 if causal else seq_len
-    attention = 4 * heads * hd * ctx
-    forward = cfg.n_layers * (linear + attention) + 2 * d * cfg.vocab_size
-    return 3.0 * forward
+    """Model FLOPs of one training token: :meth:`ModelConfig.flops_per_token`."""
+    return cfg.flops_per_token(seq_len, causal=causal)
 
 
 def device_peak_tflops(device: torch.device, dtype: torch.dtype) -> float | None:

@@ -13,10 +13,11 @@ import torch
 
 from loongtrain.attention.sharding import check_sequence_length
 from loongtrain.config import ConfigError, OptimSection, TrainConfig
-from loongtrain.data import RecallTask, TokenFile, TokenFileError, TokenFileSource
+from loongtrain.data import PackedRecallTask, RecallTask, TokenFile, TokenFileError, TokenFileSource
 from loongtrain.data.loader import rows_per_microbatch
+from loongtrain.hf.run import model_config_for
 from loongtrain.launch import check_device
-from loongtrain.model import ModelConfig, model_config
+from loongtrain.model import ModelConfig
 from loongtrain.parallel import ParallelConfig
 from loongtrain.parallelize import check_model_fits
 from loongtrain.train.checkpoint import CheckpointManager, check_model_shape
@@ -28,25 +29,36 @@ class RunSpec:
 
     parallel: ParallelConfig
     model: ModelConfig
-    task: RecallTask | None  # the synthetic task, or None for a token file
+    task: RecallTask | PackedRecallTask | None  # the synthetic task, or None for a token file
 
 
 def parallel_config(cfg: TrainConfig) -> ParallelConfig:
     p = cfg.parallel
     return ParallelConfig(
-        hp=p.hp, cp=p.cp, window=p.window, placement=p.placement, dp=p.dp or None, context_order=p.context_order
-    )
+        hp=p.hp, cp=p.cp, window=p.window, placement=p.placement, dp=p.dp or None, context_order=p.context_order,
+        balance=p.balance,
+    )  # fmt: skip
 
 
-def make_source(cfg: TrainConfig) -> RecallTask | TokenFileSource:
+def make_source(cfg: TrainConfig) -> RecallTask | PackedRecallTask | TokenFileSource:
     """The configured data source (a token file is memory-mapped, so this is cheap)."""
     d = cfg.data
     if d.source == "recall":
-        return RecallTask(
+        recall = dict(
             seq_len=d.seq_len, keys=d.recall_keys, values=d.recall_values, facts=d.recall_facts,
             queries=d.recall_queries, filler=d.recall_filler, seed=d.seed,
         )  # fmt: skip
-    return TokenFileSource(TokenFile(d.path), d.seq_len, d.seed)
+        return PackedRecallTask(doc_len=d.doc_len, **recall) if d.pack else RecallTask(**recall)
+    file = TokenFile(d.path)
+    eos = None
+    if d.pack:
+        eos = d.eos_id if d.eos_id >= 0 else file.eos
+        if eos is None:
+            raise ConfigError(
+                f"data.pack=true needs the end-of-document token, but {d.path} records none (written before "
+                f"loongtrain recorded it, or by a tokenizer without one); set data.eos_id"
+            )
+    return TokenFileSource(file, d.seq_len, d.seed, eos=eos)
 
 
 def model_shape(mcfg: ModelConfig) -> dict:
@@ -82,7 +94,7 @@ def preflight(cfg: TrainConfig, world_size: int, local_world_size: int | None = 
     try:
         layout = parallel_config(cfg)
         dp = layout.resolve_dp(world_size)
-        mcfg = model_config(cfg.model.preset, **cfg.model.overrides())
+        mcfg = model_config_for(cfg.model)  # a preset or the [model] init_from HF folder, with the RoPE keys
         check_model_fits(mcfg, layout.hp)
         check_sequence_length(cfg.data.seq_len, layout.hp, layout.cp)
         rows_per_microbatch(cfg.data.global_batch, dp, cfg.data.micro_batches)
@@ -93,7 +105,7 @@ def preflight(cfg: TrainConfig, world_size: int, local_world_size: int | None = 
     except ValueError as e:
         raise ConfigError(str(e)) from None
     check_optimizer(cfg.optim)
-    if isinstance(source, RecallTask) and source.vocab_size > mcfg.vocab_size:
+    if isinstance(source, RecallTask | PackedRecallTask) and source.vocab_size > mcfg.vocab_size:
         raise ConfigError(
             f"the recall task needs {source.vocab_size} token ids but the model's vocabulary is "
             f"{mcfg.vocab_size}; set model.vocab_size >= {source.vocab_size} or use fewer keys/values/filler"
@@ -106,4 +118,4 @@ def preflight(cfg: TrainConfig, world_size: int, local_world_size: int | None = 
         newest = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep).newest_readable()
         if newest is not None:
             check_model_shape(newest[1], newest[2], model_shape(mcfg))
-    return RunSpec(parallel=layout, model=mcfg, task=source if isinstance(source, RecallTask) else None)
+    return RunSpec(parallel=layout, model=mcfg, task=None if isinstance(source, TokenFileSource) else source)

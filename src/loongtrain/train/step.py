@@ -1,8 +1,13 @@
 """One optimisation step's forward/backward on sequence shards, with the loss normalised
-by the global number of target tokens (so summed gradients equal the unsharded ones)."""
+by the global number of target tokens (so summed gradients equal the unsharded ones).
+
+Packed microbatches (``Microbatch.cu_seqlens``) are sharded with the state's balance; the
+model gets each shard's in-document positions and the global boundaries, which its
+attention turns into document masks."""
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -10,21 +15,40 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from loongtrain.attention import shard_sequence
+from loongtrain.attention.comm import all_gather_flat
 from loongtrain.attention.sharding import check_sequence_length
+from loongtrain.data.batch import Microbatch
 from loongtrain.data.recall import IGNORE_INDEX
 from loongtrain.parallel import ParallelState
+
+
+@dataclass(frozen=True)
+class ShardedBatch:
+    """This rank's shard of a :class:`Microbatch`: what the model and the loss take."""
+
+    tokens: torch.Tensor  # [B, S/sp]
+    labels: torch.Tensor  # [B, S/sp]
+    positions: torch.Tensor  # [1, S/sp] RoPE positions (restarting per document)
+    cu_seqlens: torch.Tensor | None  # global document boundaries (CPU), or None
+
+
+def shard_microbatch(batch: Microbatch, state: ParallelState) -> ShardedBatch:
+    """This rank's shard of ``batch`` (tokens, labels, positions), laid out by ``state.config.balance``."""
+    check_sequence_length(batch.tokens.shape[1], state.hp, state.cp)
+    cu = batch.attention_documents
+
+    def shard(x: torch.Tensor) -> torch.Tensor:
+        return shard_sequence(x, state, cu_seqlens=cu)
+
+    return ShardedBatch(shard(batch.tokens), shard(batch.labels), shard(batch.positions()), cu)
 
 
 def shard_batch(
     tokens: torch.Tensor, labels: torch.Tensor, state: ParallelState
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This rank's shard of ``tokens``/``labels`` [B, S] and the matching position ids."""
-    if tokens.shape != labels.shape or tokens.dim() != 2:
-        raise ValueError(f"tokens {tuple(tokens.shape)} and labels {tuple(labels.shape)} must both be [B, S]")
-    seq = tokens.shape[1]
-    check_sequence_length(seq, state.config.hp, state.config.cp)
-    positions = torch.arange(seq, device=tokens.device).unsqueeze(0)
-    return shard_sequence(tokens, state), shard_sequence(labels, state), shard_sequence(positions, state)
+    """This rank's shard of unpacked ``tokens``/``labels`` [B, S] and the matching position ids."""
+    sharded = shard_microbatch(Microbatch(tokens, labels), state)
+    return sharded.tokens, sharded.labels, sharded.positions
 
 
 def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -32,14 +56,44 @@ def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def count_targets(labels: list[torch.Tensor], device: torch.device, group=None) -> torch.Tensor:
-    """Target tokens in ``labels`` summed over the ranks of ``group`` (default: all)."""
-    count = torch.zeros((), dtype=torch.float64, device=device)
-    for lab in labels:
-        count += (lab != IGNORE_INDEX).sum()
-    if dist.is_initialized():
-        dist.all_reduce(count, group=group)
-    return count
+def batch_signature(batches: list[Microbatch]) -> int:
+    """A 32-bit digest of what must agree across an sp group: shapes and document boundaries."""
+    parts = [
+        (tuple(mb.tokens.shape), None if mb.cu_seqlens is None else tuple(mb.cu_seqlens.tolist()), mb.mask_documents)
+        for mb in batches
+    ]
+    return zlib.crc32(repr(parts).encode())
+
+
+def agree_and_count(batches: list[Microbatch], shards: list[ShardedBatch], state: ParallelState) -> int:
+    """Global target count, checking that every sp group's ranks hold the same batch layout.
+
+    One all-gather of three numbers per rank and one host read per step (this replaces the
+    attention's per-call input check in training): ranks of an sp group that were handed
+    different shapes or boundaries raise the same error on every rank, before any attention
+    transfer could mismatch.
+    """
+    device = shards[0].tokens.device
+    local = torch.zeros(3, dtype=torch.float64, device=device)
+    for sb in shards:
+        local[0] += (sb.labels != IGNORE_INDEX).sum()
+    local[1], local[2] = batch_signature(batches), len(batches)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        rows = [local.tolist()]
+    else:
+        gathered = local.new_empty((dist.get_world_size() * 3,))
+        all_gather_flat(gathered, local, group=None)
+        rows = gathered.view(-1, 3).tolist()
+    layout = state.layout
+    for group in layout.all_sp_groups():
+        seen = {(rows[r][1], rows[r][2]) for r in group}
+        if len(seen) > 1:
+            detail = ", ".join(f"rank {r}: {int(rows[r][2])} microbatch(es), digest {int(rows[r][1])}" for r in group)
+            raise ValueError(
+                f"the ranks of sequence-parallel group {list(group)} were given different batches ({detail}); "
+                "every rank of an sp group must get the same full sequences (shapes and cu_seqlens)"
+            )
+    return int(sum(row[0] for row in rows))
 
 
 @dataclass(frozen=True)
@@ -51,35 +105,43 @@ class StepResult:
     targets: int  # target tokens in the global batch
 
 
+def as_microbatch(batch: Microbatch | tuple[torch.Tensor, torch.Tensor]) -> Microbatch:
+    """A :class:`Microbatch`, also from a plain ``(tokens, labels)`` pair."""
+    return batch if isinstance(batch, Microbatch) else Microbatch(*batch)
+
+
 def forward_backward(
     model: torch.nn.Module,
     state: ParallelState,
-    microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+    microbatches: list[Microbatch | tuple[torch.Tensor, torch.Tensor]],
     *,
     backward: bool = True,
 ) -> StepResult:
     """Forward (and backward) over this replica's ``microbatches`` of full sequences.
 
-    Each microbatch is ``(tokens, labels)`` [B, S] of this data-parallel replica (the same
-    on every rank of its sp group). With ``backward`` the gradients of the global mean
-    loss accumulate in the parameters; without it (evaluation) no graph is built.
+    Each microbatch is a :class:`Microbatch` (or a ``(tokens, labels)`` pair) [B, S] of this
+    data-parallel replica (the same on every rank of its sp group). With ``backward`` the
+    gradients of the global mean loss accumulate in the parameters; without it
+    (evaluation) no graph is built.
     """
-    shards = [shard_batch(tok, lab, state) for tok, lab in microbatches]
-    device = shards[0][0].device
+    batches = [as_microbatch(mb) for mb in microbatches]
+    shards = [shard_microbatch(mb, state) for mb in batches]
+    device = shards[0].tokens.device
     # every sp rank sees its own shard, so this sums each replica's targets exactly once
-    total_targets = count_targets([lab for _, lab, _ in shards], device).item()
+    total_targets = agree_and_count(batches, shards, state)
     if total_targets == 0:
         raise ValueError("the batch has no target tokens (every label is IGNORE_INDEX)")
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, correct predictions
     with torch.set_grad_enabled(backward):
-        for tokens, labels, positions in shards:
-            logits = model(tokens, positions)
+        for sb in shards:
+            logits = model(sb.tokens, sb.positions, sb.cu_seqlens)
+            labels = sb.labels
             loss = lm_loss_sum(logits, labels) / total_targets
             if backward:
                 loss.backward()
             scored = labels != IGNORE_INDEX
             sums[0] += loss.detach()
-            sums[1] += (logits.detach().argmax(dim=-1)[scored] == labels[scored]).sum()
+            sums[1] += ((logits.detach().argmax(dim=-1) == labels) & scored).sum()  # no boolean indexing: no sync
     dist.all_reduce(sums)
     loss_sum, correct = sums.tolist()
     return StepResult(loss=loss_sum, accuracy=correct / total_targets, targets=int(total_targets))

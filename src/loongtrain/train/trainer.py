@@ -23,9 +23,10 @@ import torch.distributed as dist
 
 from loongtrain.config import ConfigError, TrainConfig, to_toml
 from loongtrain.data import BatchLoader
+from loongtrain.hf.run import init_weights
 from loongtrain.model import build_model
 from loongtrain.parallel import ParallelState, init_parallel
-from loongtrain.parallelize import materialize, parallelize
+from loongtrain.parallelize import parallelize
 from loongtrain.train.checkpoint import CheckpointManager
 from loongtrain.train.collectives import broadcast_object
 from loongtrain.train.faults import restart_notice, say
@@ -53,15 +54,9 @@ def _no_beat(step: int, phase: str) -> None:
     pass
 
 
-def to_device(batch, device: torch.device):
-    """``batch`` with every tensor moved to ``device`` (tuples, lists and dicts are walked)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch
+def to_device(microbatches: list, device: torch.device) -> list:
+    """The microbatches (each a :class:`~loongtrain.data.Microbatch`) on ``device``."""
+    return [mb.to(device) for mb in microbatches]
 
 
 # -- building the run ---------------------------------------------------------------------
@@ -121,9 +116,12 @@ def build_run(device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat 
         zero=cfg.parallel.zero, param_dtype=None if param_dtype == torch.float32 else param_dtype,
         reshard_after_forward=cfg.parallel.reshard_after_forward,
     )  # fmt: skip
-    materialize(model, device, seed=cfg.run.seed)
+    init_weights(model, device, cfg.model, run_dir, seed=cfg.run.seed)  # random, or the init_from HF weights
     optimizer = build_optimizer(model.parameters(), cfg.optim)
-    loader = BatchLoader(make_source(cfg), cfg.data.global_batch, cfg.data.micro_batches, state.dp, state.coords.dp)
+    loader = BatchLoader(
+        make_source(cfg), cfg.data.global_batch, cfg.data.micro_batches, state.dp, state.coords.dp,
+        mask_documents=cfg.data.document_masks,
+    )  # fmt: skip
     checkpoints = CheckpointManager(checkpoint_dir, cfg.checkpoint.keep, run_id=folder.run_id, say=say)
 
     start, resumed_from = 0, None

@@ -10,10 +10,12 @@ paths the attention uses and every rank busy at once (as in a real run):
   flash kernels plus the fp32 merge/accumulation) on non-causal half blocks and causal
   diagonal blocks of several sizes, on every rank at once (ranks share the cores);
 - matmul: ``torch.mm`` alone in one process (the "peak") and on every rank at once;
-- overlap: a block computed while a ring transfer is in flight.
+- overlap: a block computed while a ring transfer is in flight;
+- synchronisation: ring steps (a block, then a tiny exchange with the neighbours) against
+  the same blocks alone: what ranks that time-share cores lose meeting at each transfer.
 
-Each measurement is the median over repetitions of the slowest rank. Latency and
-bandwidth (or kernel overhead and throughput) come from least-squares line fits.
+Each measurement is the median over repetitions of the slowest rank. The fits (pure) are
+``loongtrain.planner.fit.fit_cluster``.
 """
 
 from __future__ import annotations
@@ -28,9 +30,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from loongtrain.planner.cost import BWD_FLOP_RATIO
-from loongtrain.planner.fit import fit_line, fit_two
-from loongtrain.planner.specs import ClusterSpec, cluster_to_toml, default_local_path
+from loongtrain.planner.fit import fit_cluster
+from loongtrain.planner.specs import cluster_to_toml, default_local_path
 
 COMM_SIZES = (2**16, 2**18, 2**20, 2**22, 2**23, 2**24)
 NONCAUSAL_TOKENS = (512, 1024, 2048, 4096)  # tokens per context rank (two zigzag chunks)
@@ -93,7 +94,7 @@ def measure_comm(reps: int) -> dict:
     return out
 
 
-def _time_block(tokens: int, kind, heads: int, head_dim: int, reps: int, gen) -> tuple[float, float]:
+def time_block(tokens: int, kind, heads: int, head_dim: int, reps: int, gen) -> tuple[float, float]:
     """Forward and backward seconds of one ring step of ``kind`` on ``tokens`` local tokens."""
     from loongtrain.attention.blocks import OutputAccumulator, add_kv_grad, backward_block, forward_block
     from loongtrain.attention.schedule import BlockKind
@@ -124,7 +125,7 @@ def measure_blocks(heads: int, head_dim: int, reps: int) -> dict:
     shapes = [(s, BlockKind.KV_FIRST_HALF) for s in NONCAUSAL_TOKENS] + [(s, BlockKind.DIAGONAL) for s in CAUSAL_TOKENS]
     for tokens, kind in shapes:
         flops = 2.0 * tokens * tokens * heads * head_dim  # half of a tokens x tokens block
-        fwd_s, bwd_s = _time_block(tokens, kind, heads, head_dim, reps, gen)
+        fwd_s, bwd_s = time_block(tokens, kind, heads, head_dim, reps, gen)
         out["fwd"].append((flops, fwd_s, kind is BlockKind.DIAGONAL))
         out["bwd"].append((flops, bwd_s, kind is BlockKind.DIAGONAL))
     return out
@@ -168,6 +169,34 @@ def measure_overlap(heads: int, head_dim: int, reps: int, tokens: int = 2048, nb
     }
 
 
+def measure_step(heads: int, head_dim: int, reps: int, tokens: int = 1024, steps: int = 4) -> dict:
+    """``steps`` ring steps of every rank (a non-causal half block, then a 1 KiB exchange with
+    the ring neighbours) against the same blocks without the exchange: seconds per step."""
+    from loongtrain.attention.blocks import OutputAccumulator, forward_block
+    from loongtrain.attention.comm import ring_exchange
+    from loongtrain.attention.schedule import BlockKind
+    from loongtrain.parallel.stats import AttentionStats
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    link, stats = _ring_link(list(range(world)), rank), AttentionStats()
+    q = torch.randn(1, tokens, heads, head_dim)
+    kv = torch.randn(2, 1, tokens, heads, head_dim)
+    token = torch.zeros(256)
+    acc = OutputAccumulator()
+    forward_block(q, kv, BlockKind.DIAGONAL, head_dim**-0.5, acc)
+
+    def blocks(exchange: bool):
+        for _ in range(steps):
+            forward_block(q, kv, BlockKind.KV_FIRST_HALF, head_dim**-0.5, acc)
+            if exchange:
+                ring_exchange(token, link, stats, "calib").wait()
+
+    return {
+        "step": _median_of_slowest(lambda: blocks(True), reps) / steps,
+        "block": _median_of_slowest(lambda: blocks(False), reps) / steps,
+    }
+
+
 def load_average() -> float:
     """One-minute load average (0 where unknown)."""
     try:
@@ -187,84 +216,6 @@ def _memory_gib() -> float:
     return 8.0
 
 
-# -- the fit (pure) ---------------------------------------------------------------------
-def fit_cluster(meas: dict, name: str = "local") -> tuple[ClusterSpec, dict[str, str]]:
-    """Turn raw measurements into a one-node :class:`ClusterSpec` and per-field comments."""
-    n = meas["nproc"]
-    a_pair, b_pair = fit_line(*zip(*meas["pair"]))
-    _, b_ring = fit_line(*zip(*meas["ring"]))
-    if meas["a2a"]:
-        rows = [(g - 1, (g - 1) / g * nbytes) for g, nbytes, _ in meas["a2a"]]
-        a_a2a, b_a2a = fit_two(rows, [t for *_, t in meas["a2a"]])
-    else:  # one process: nothing to exchange
-        a_a2a, b_a2a = a_pair, b_pair
-    fwd = [(f, t) for f, t, causal in meas["fwd"] if not causal]
-    bwd = [(f * BWD_FLOP_RATIO, t) for f, t, causal in meas["bwd"] if not causal]
-    t0, s_fwd = fit_line(*zip(*fwd))
-    # backward: the forward's per-call overhead, slope refitted (relative error, as fit_line)
-    s_bwd = sum(f * (t - t0) / t**2 for f, t in bwd) / sum(f * f / t**2 for f, t in bwd)
-
-    def causal_tiles(rows, slope, ratio):
-        # a causal block of S tokens costs (1 + tile/S) x its FLOPs: solve for tile
-        tiles = []
-        for f, t, causal in rows:
-            if causal:
-                tokens = (f / (2.0 * meas["calib_heads"] * meas["calib_head_dim"])) ** 0.5
-                tiles.append(tokens * ((t - t0) / (f * ratio * slope) - 1.0))
-        return sorted(tiles)[len(tiles) // 2]
-
-    tile = (causal_tiles(meas["fwd"], s_fwd, 1.0) + causal_tiles(meas["bwd"], s_bwd, BWD_FLOP_RATIO)) / 2
-    ov = meas["overlap"]
-    hidden = (ov["compute"] + ov["transfer"] - ov["both"]) / min(ov["compute"], ov["transfer"])
-    overlap = min(1.0, max(0.05, hidden))
-    intra_bw = 1e-9 / b_pair
-    spec = ClusterSpec(
-        name=name,
-        nodes=1,
-        devices_per_node=n,
-        device_memory_gib=round(meas["memory_gib"] / n, 2),
-        usable_memory_fraction=0.8,
-        peak_tflops=meas["matmul_alone"] / 1e12,
-        matmul_tflops=meas["matmul_all"] / 1e12,
-        attn_fwd_tflops=1e-12 / s_fwd,
-        attn_bwd_tflops=1e-12 / s_bwd,
-        causal_tile=max(1.0, tile),
-        kernel_overhead_us=t0 * 1e6,
-        intra_bw_gbs=intra_bw,
-        intra_node_bw_gbs=max(intra_bw, n * 1e-9 / b_ring),
-        intra_latency_us=a_pair * 1e6,
-        a2a_bw_gbs=1e-9 / b_a2a,
-        a2a_latency_us=a_a2a * 1e6,
-        nics_per_node=1,
-        nic_bw_gbs=intra_bw,
-        inter_latency_us=a_pair * 1e6,
-        overlap=overlap,
-        description=f"this machine: {n} gloo processes on {meas.get('cpus', '?')} CPUs, "
-        f"{meas.get('threads', '?')} thread(s) each, calibrated {meas.get('date', '')}",
-    )
-    comments = {
-        "devices_per_node": "processes of the calibration (compute rates are per process with all busy)",
-        "device_memory_gib": "RAM / processes",
-        "peak_tflops": "torch.mm 1024^3 fp32, one process alone (MFU denominator)",
-        "matmul_tflops": "torch.mm 1024^3 fp32, every process at once",
-        "attn_fwd_tflops": "forward_block, non-causal half blocks, all at once (fit)",
-        "attn_bwd_tflops": "backward_block, 2.5x forward FLOPs, all at once (fit)",
-        "causal_tile": "extra work of causal diagonal blocks, (1 + tile/S) (median)",
-        "kernel_overhead_us": "intercept of the block-time fit",
-        "intra_bw_gbs": "ring_exchange between two ranks (fit)",
-        "intra_node_bw_gbs": "ring_exchange around all ranks at once, summed (fit)",
-        "intra_latency_us": "intercept of the two-rank fit",
-        "a2a_bw_gbs": "all_to_all_start over pairs and all ranks (fit)",
-        "a2a_latency_us": "per peer (fit)",
-        "nics_per_node": "one node: never used",
-        "nic_bw_gbs": "one node: never used",
-        "inter_latency_us": "one node: never used",
-        "overlap": f"block alone {ov['compute'] * 1e3:.0f} ms, transfer alone {ov['transfer'] * 1e3:.0f} ms, "
-        f"both {ov['both'] * 1e3:.0f} ms",
-    }
-    return spec, comments
-
-
 def _raw_lines(meas: dict) -> list[str]:
     lines = ["raw measurements (median of the slowest rank):"]
     for key in ("pair", "ring"):
@@ -276,6 +227,8 @@ def _raw_lines(meas: dict) -> list[str]:
         for f, t, causal in meas[key]:
             kind = "causal diagonal" if causal else "non-causal half"
             lines.append(f"  {key} {kind}: {f / 1e9:.2f} GFLOP (fwd count) {t * 1e3:.1f} ms")
+    step = meas["step"]
+    lines.append(f"  ring step: {step['step'] * 1e3:.2f} ms, its block alone {step['block'] * 1e3:.2f} ms")
     return lines
 
 
@@ -302,6 +255,7 @@ def _calibrate_rank(device: torch.device, args: argparse.Namespace) -> None:
         print(f"  attention blocks measured ({time.perf_counter() - t_start:.0f} s)", flush=True)
     meas.update(measure_matmul(args.reps))
     meas["overlap"] = measure_overlap(args.calib_heads, args.calib_head_dim, args.reps)
+    meas["step"] = measure_step(args.calib_heads, args.calib_head_dim, args.reps)
     if rank != 0:
         return
     path = Path(args.out) if args.out else default_local_path()

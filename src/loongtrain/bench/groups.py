@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from loongtrain.parallel.layout import RankLayout
 from loongtrain.parallel.state import init_parallel
-from loongtrain.planner.cost import Layout
+from loongtrain.planner.cost import Candidate
 from loongtrain.planner.topology import Topology, analyze
 
 
@@ -19,7 +19,7 @@ def _sample_ranks(world: int) -> list[int]:
     return sorted({0, world // 3, world // 2 + 1, world - 1} & set(range(world)))
 
 
-def check_groups(layout: Layout, devices_per_node: int, ranks: list[int] | None = None) -> list[str]:
+def check_groups(layout: Candidate, devices_per_node: int, ranks: list[int] | None = None) -> list[str]:
     """Build ``layout``'s groups as ``ranks`` (default: four spread ranks) and compare them with
     ``RankLayout`` and with the planner's node-locality claims; raise ``AssertionError`` on a mismatch."""
     if dist.is_initialized():

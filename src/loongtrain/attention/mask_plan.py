@@ -1,0 +1,240 @@
+"""Which kernels a (query block, key/value block) pair runs under a document/window mask. Pure.
+
+A context rank's block is its *content* (see :mod:`sharding`): chunks in ascending global
+order. Cut at document boundaries, a block is a list of *segments*: runs of consecutive
+global positions inside one chunk and one document. Two segments of the same sharding
+are either the same global range or disjoint, so for a query segment ``a`` and a key
+segment ``b`` of one document, token ``i`` of ``a`` sees the contiguous key interval
+``[lo(i), hi(i)]`` of ``b`` (causal: ``j <= i``; window: ``|i - j| < W``), with ``lo``
+and ``hi`` non-decreasing in ``i``. From that, pure interval arithmetic classifies each
+pair, and the block becomes a list of :class:`Call` s:
+
+- ``full``: every row sees every column: the plain kernel;
+- ``causal``: a square whose rows see the columns up to their own (top-left aligned
+  causal kernel);
+- ``band``: anything else (sliding-window edges): a masked kernel on a row tile trimmed
+  to the columns its rows see, so no row is fully masked and masks stay small.
+
+Pairs with no visible token run nothing. Full calls on adjacent rows/columns are merged,
+and in a rank's own block each document's segments form one causal call when the window
+does not cut it, so a single document under zigzag runs exactly the kernels of the plain
+causal ring. Rows and columns of a call are contiguous local ranges (no gathers).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from loongtrain.attention.documents import Boundaries, document_of
+from loongtrain.attention.schedule import ring_source
+from loongtrain.attention.sharding import SequenceSharding
+
+FULL, CAUSAL, BAND = "full", "causal", "band"
+#: Largest row tile of a masked (band) call; a tile of ``t`` rows costs a ``t x (window + t)`` mask.
+MAX_BAND_TILE = 512
+MIN_BAND_TILE = 64
+
+
+class Segment(NamedTuple):
+    """A run of consecutive global positions in one chunk and one document."""
+
+    local: int  # first local index
+    start: int  # first global position
+    length: int
+    doc: int
+
+
+class Call(NamedTuple):
+    """One kernel call: local query rows ``[row0, row1)`` against local key columns ``[col0, col1)``.
+
+    ``kind`` is ``full``, ``causal`` or ``band``; for ``band``, ``q_start``/``k_start`` are the
+    global positions of the first row and column (the mask is computed from them).
+    """
+
+    row0: int
+    row1: int
+    col0: int
+    col1: int
+    kind: str
+    q_start: int = 0
+    k_start: int = 0
+
+    @property
+    def computed(self) -> int:
+        """Score elements the kernel computes (a causal square counts its triangle)."""
+        rows, cols = self.row1 - self.row0, self.col1 - self.col0
+        return rows * (rows + 1) // 2 if self.kind == CAUSAL else rows * cols
+
+
+def segments(ranges, boundaries: Boundaries) -> list[Segment]:
+    """The segments of content ``ranges`` (global ``(start, length)`` in local order)."""
+    out: list[Segment] = []
+    local = 0
+    for start, length in ranges:
+        pos, end = start, start + length
+        doc = document_of(boundaries, pos)
+        while pos < end:
+            stop = min(end, boundaries[doc + 1])
+            out.append(Segment(local, pos, stop - pos, doc))
+            local += stop - pos
+            pos, doc = stop, doc + 1
+    return out
+
+
+@dataclass(frozen=True)
+class _Pair:
+    """Visibility of key range ``[ks, ke)`` from query range ``[qs, qe)`` (one document)."""
+
+    qs: int
+    qe: int
+    ks: int
+    ke: int
+    causal: bool
+    window: int | None
+
+    def lo(self, i: int) -> int:
+        return self.ks if self.window is None else max(self.ks, i - self.window + 1)
+
+    def hi(self, i: int) -> int:
+        if self.causal:
+            return min(self.ke - 1, i)
+        return self.ke - 1 if self.window is None else min(self.ke - 1, i + self.window - 1)
+
+    def rows(self) -> tuple[int, int] | None:
+        """First and last query position that sees any key, or None."""
+        first, last = self.qs, self.qe - 1
+        if self.causal:
+            first = max(first, self.ks)
+        if self.window is not None:
+            first = max(first, self.ks - self.window + 1)
+            last = min(last, self.ke + self.window - 2)
+        return (first, last) if first <= last else None
+
+
+def _tile_call(pair: _Pair, t0: int, t1: int, row_base: int, col_base: int) -> Call:
+    """The call for query positions ``[t0, t1]`` (inclusive, all seeing something)."""
+    lo0, hi1 = pair.lo(t0), pair.hi(t1)
+    row0, row1 = row_base + t0 - pair.qs, row_base + t1 + 1 - pair.qs
+    col0, col1 = col_base + lo0 - pair.ks, col_base + hi1 + 1 - pair.ks
+    if pair.lo(t1) == lo0 and pair.hi(t0) == hi1:
+        return Call(row0, row1, col0, col1, FULL)
+    if pair.lo(t1) == lo0 and pair.hi(t0) == lo0 and hi1 - lo0 == t1 - t0:
+        return Call(row0, row1, col0, col1, CAUSAL)
+    return Call(row0, row1, col0, col1, BAND, t0, lo0)
+
+
+def pair_calls(a: Segment, b: Segment, causal: bool, window: int | None) -> list[Call]:
+    """Calls for query segment ``a`` against key segment ``b`` of the same document."""
+    pair = _Pair(a.start, a.start + a.length, b.start, b.start + b.length, causal, window)
+    rows = pair.rows()
+    if rows is None:
+        return []
+    first, last = rows
+    whole = _tile_call(pair, first, last, a.local, b.local)
+    if whole.kind != BAND:
+        return [whole]
+    tile = max(MIN_BAND_TILE, min(MAX_BAND_TILE, window or MAX_BAND_TILE))
+    return [_tile_call(pair, t, min(t + tile, last + 1) - 1, a.local, b.local) for t in range(first, last + 1, tile)]
+
+
+def _merge_full(calls: list[Call]) -> list[Call]:
+    """Merge full calls that share rows and touch in columns, then share columns and touch in rows."""
+    full = sorted(c for c in calls if c.kind == FULL)
+    rest = [c for c in calls if c.kind != FULL]
+    merged: list[Call] = []
+    for c in full:  # sorted by rows then columns
+        if merged and merged[-1][:2] == c[:2] and merged[-1].col1 == c.col0:
+            merged[-1] = merged[-1]._replace(col1=c.col1)
+        else:
+            merged.append(c)
+    merged.sort(key=lambda c: (c.col0, c.col1, c.row0))
+    out: list[Call] = []
+    for c in merged:
+        if out and (out[-1].col0, out[-1].col1) == (c.col0, c.col1) and out[-1].row1 == c.row0:
+            out[-1] = out[-1]._replace(row1=c.row1)
+        else:
+            out.append(c)
+    return sorted(out + rest)
+
+
+def block_calls(
+    q_segs: list[Segment], k_segs: list[Segment], same_block: bool, causal: bool, window: int | None
+) -> tuple[Call, ...]:
+    """The calls of one (query block, key/value block) pair, sorted by rows."""
+    by_doc: dict[int, list[Segment]] = {}
+    for s in k_segs:
+        by_doc.setdefault(s.doc, []).append(s)
+    calls: list[Call] = []
+    q_by_doc: dict[int, list[Segment]] = {}
+    for s in q_segs:
+        q_by_doc.setdefault(s.doc, []).append(s)
+    for doc, qs in q_by_doc.items():
+        ks = by_doc.get(doc)
+        if not ks:
+            continue
+        if same_block:
+            first, last = qs[0], qs[-1]
+            span = last.start + last.length - 1 - first.start
+            if window is None or span < window:  # one square: the document's own triangle (or all of it)
+                row0, row1 = first.local, last.local + last.length
+                calls.append(Call(row0, row1, row0, row1, CAUSAL if causal else FULL))
+                continue
+        for a in qs:
+            for b in ks:
+                calls += pair_calls(a, b, causal, window)
+    return tuple(_merge_full(calls))
+
+
+@dataclass(frozen=True)
+class MaskPlan:
+    """The calls of every (context rank, key/value source) pair for one mask and sharding."""
+
+    sharding: SequenceSharding
+    boundaries: Boundaries
+    causal: bool
+    window: int | None
+
+    @functools.cached_property
+    def _segments(self) -> list[list[Segment]]:
+        return [segments(self.sharding.content[c], self.boundaries) for c in range(self.sharding.cp)]
+
+    def segments(self, context: int) -> list[Segment]:
+        return self._segments[context]
+
+    @functools.cached_property
+    def _calls(self) -> dict[tuple[int, int], tuple[Call, ...]]:
+        return {}
+
+    def calls(self, context: int, source: int) -> tuple[Call, ...]:
+        """Calls of context rank ``context`` on the key/value block of context rank ``source``."""
+        found = self._calls.get((context, source))
+        if found is None:
+            found = self._calls[(context, source)] = block_calls(
+                self._segments[context], self._segments[source], context == source, self.causal, self.window
+            )
+        return found
+
+    @functools.cached_property
+    def _empty_steps(self) -> dict[int, frozenset[tuple[int, int]]]:
+        return {}
+
+    def empty_steps(self, window: int) -> frozenset[tuple[int, int]]:
+        """Ring steps ``(outer, inner)`` at which no rank of the context group computes anything."""
+        found = self._empty_steps.get(window)
+        if found is None:
+            cp = self.sharding.cp
+            found = self._empty_steps[window] = frozenset(
+                (j, s)
+                for j in range(cp // window)
+                for s in range(window)
+                if not any(self.calls(c, ring_source(c, cp, window, j, s)) for c in range(cp))
+            )
+        return found
+
+
+@functools.lru_cache(maxsize=32)
+def mask_plan(sharding: SequenceSharding, boundaries: Boundaries, causal: bool, window: int | None) -> MaskPlan:
+    """The (cached) :class:`MaskPlan`; build it once per batch layout."""
+    return MaskPlan(sharding, boundaries, causal, window)

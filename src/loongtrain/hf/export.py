@@ -1,0 +1,191 @@
+"""``loongtrain export <run>/checkpoints/step-N -o folder``: a training checkpoint as a
+Hugging Face folder that ``transformers`` loads with ``from_pretrained`` (no custom code).
+
+Written: ``config.json`` (the imported model's config with the trained shape and RoPE,
+``max_position_embeddings`` = the extended context), the weights as safetensors (one file,
+or shards of at most ``max_shard_bytes`` with ``model.safetensors.index.json``), and the
+generation config and tokenizer files the run imported with the model. One process; the
+checkpoint is read one output shard at a time with ``torch.distributed.checkpoint``
+(resharded from whatever layout trained it), so memory holds one shard, not the model.
+
+Everything is written into a hidden sibling folder that is renamed to the target only
+when complete; on any error it is removed, so no partial output folder is left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tomllib
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from loongtrain.hf.families import hf_config_dict, require_transformers
+from loongtrain.hf.folder import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, HFFormatError
+from loongtrain.hf.run import SOURCE_DIR
+from loongtrain.hf.weights import inverse_order, parameter_map, rope_row_order
+from loongtrain.model.config import ModelConfig, RopeScaling
+from loongtrain.train.checkpoint import STATE_FILE
+
+MODEL_PREFIX = "model."  # the checkpoint holds {"model": ..., "optim": ...}
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    folder: Path
+    files: list[str]
+    tensors: int
+    dtype: str
+
+
+def model_config_of_checkpoint(step_dir: Path) -> ModelConfig:
+    """The ``ModelConfig`` a checkpoint was trained with (its ``model_shape``)."""
+    try:
+        shape = json.loads((step_dir / STATE_FILE).read_text())["model_shape"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise HFFormatError(
+            f"{step_dir} is not a complete loongtrain checkpoint ({STATE_FILE} with model_shape: {e}); pass "
+            "<run>/checkpoints/step-N"
+        ) from None
+    scaling = shape.get("rope_scaling")
+    return ModelConfig(**{**shape, "rope_scaling": RopeScaling(**scaling) if scaling else None})
+
+
+def _run_seq_len(run_dir: Path) -> int:
+    try:
+        return int(tomllib.loads((run_dir / "config.toml").read_text())["data"]["seq_len"])
+    except (OSError, KeyError, ValueError, tomllib.TOMLDecodeError):
+        return 0
+
+
+def _shards(names: list[str], nbytes: dict[str, int], max_bytes: int) -> list[list[str]]:
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        if groups[-1] and size + nbytes[name] > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes[name]
+    return groups
+
+
+def _checkpoint_tensors(step_dir: Path) -> dict:
+    metadata = dcp.FileSystemReader(str(step_dir)).read_metadata()
+    return {k[len(MODEL_PREFIX) :]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(MODEL_PREFIX)}
+
+
+def _load_checkpoint_tensors(step_dir: Path, state: dict[str, torch.Tensor]) -> None:
+    try:
+        with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the intent here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"model": state}, checkpoint_id=str(step_dir), no_dist=True)
+    except (CheckpointException, OSError, RuntimeError, EOFError) as e:
+        detail = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise HFFormatError(
+            f"{step_dir}: reading the checkpoint's weights failed ({detail}); the checkpoint is damaged or "
+            "incomplete, export another step-N"
+        ) from None
+
+
+def export_checkpoint(
+    step_dir: str | Path, out: str | Path, dtype: str = "source", max_shard_bytes: int = 5 * 2**30
+) -> ExportResult:
+    """Write the checkpoint ``step_dir`` as a Hugging Face folder ``out`` (must not exist).
+
+    ``dtype``: ``source`` (the imported model's dtype; float32 for a run that did not
+    import one), ``float32``, ``bfloat16`` or ``float16``.
+    """
+    step_dir, out = Path(step_dir), Path(out)
+    if out.exists():
+        raise HFFormatError(f"export target {str(out)!r} already exists; choose a new folder (nothing was written)")
+    if not step_dir.is_dir():
+        raise HFFormatError(f"checkpoint folder {str(step_dir)!r} does not exist; pass <run>/checkpoints/step-N")
+    cfg = model_config_of_checkpoint(step_dir)
+    source_dir = step_dir.parent.parent / SOURCE_DIR
+    source = json.loads((source_dir / CONFIG_FILE).read_text()) if (source_dir / CONFIG_FILE).is_file() else None
+    if dtype == "source":
+        declared = (source or {}).get("dtype", (source or {}).get("torch_dtype"))
+        dtype = declared if declared in EXPORT_DTYPES else "float32"
+    if dtype not in EXPORT_DTYPES:
+        raise HFFormatError(f"export dtype {dtype!r}; choose one of {['source', *EXPORT_DTYPES]}")
+    max_positions = cfg.max_positions or _run_seq_len(step_dir.parent.parent) or 2048
+    config = hf_config_dict(cfg, source, dtype, max_positions)
+
+    mapping = parameter_map(cfg)
+    saved = _checkpoint_tensors(step_dir)
+    missing = sorted(set(mapping) - set(saved))
+    if missing:
+        raise HFFormatError(f"{step_dir}: the checkpoint lacks model tensors {missing[:4]} of its model_shape")
+    torch_dtype = EXPORT_DTYPES[dtype]
+    names = list(mapping)
+    nbytes = {n: saved[n].size.numel() * torch_dtype.itemsize for n in names}
+    groups = _shards(names, nbytes, max_shard_bytes)
+    files = [SINGLE_FILE] if len(groups) == 1 else [
+        f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))
+    ]  # fmt: skip
+
+    transformers = require_transformers()
+    from safetensors.torch import save_file
+
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    try:
+        tmp.mkdir(parents=True)
+        hf_config = transformers.AutoConfig.for_model(**config)
+        hf_config.save_pretrained(tmp)
+        weight_map = {}
+        for file, group in zip(files, groups):
+            state = {n: torch.empty(saved[n].size, dtype=saved[n].properties.dtype) for n in group}
+            _load_checkpoint_tensors(step_dir, state)
+            tensors = {}
+            for name in group:
+                tensor = state.pop(name)
+                target = mapping[name]
+                if target.rope_heads:
+                    tensor = tensor[inverse_order(rope_row_order(target.rope_heads, cfg.head_dim))]
+                tensors[target.hf_name] = tensor.to(torch_dtype).contiguous()
+                weight_map[target.hf_name] = file
+            save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+        if len(files) > 1:
+            index = {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        if source_dir.is_dir():
+            for path in sorted(source_dir.iterdir()):
+                if path.is_file() and path.name != CONFIG_FILE:
+                    shutil.copy2(path, tmp / path.name)
+        tmp.replace(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ExportResult(folder=out, files=files, tensors=len(names), dtype=dtype)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="a complete checkpoint folder: <run>/checkpoints/step-N")
+    parser.add_argument("-o", "--output", required=True, help="Hugging Face folder to write (must not exist)")
+    parser.add_argument(
+        "--dtype", default="source", choices=["source", *EXPORT_DTYPES],
+        help="weights' dtype (source: the imported model's, else float32)",
+    )  # fmt: skip
+    parser.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file, in GiB")
+
+
+def main(args: argparse.Namespace) -> None:
+    try:
+        result = export_checkpoint(args.checkpoint, args.output, args.dtype, int(args.max_shard_gb * 2**30))
+    except (HFFormatError, OSError) as e:
+        print(f"loongtrain export: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(
+        f"wrote {result.tensors} tensors ({result.dtype}) in {len(result.files)} file(s) to {result.folder}; "
+        "load it with transformers.AutoModelForCausalLM.from_pretrained"
+    )

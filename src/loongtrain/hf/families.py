@@ -1,0 +1,209 @@
+"""Hugging Face configs <-> ``ModelConfig`` for the supported families.
+
+Import reads ``config.json`` through transformers' own config classes (so defaults and
+legacy keys such as ``rope_scaling`` mean what they mean to transformers) and refuses,
+with the fix, whatever the loongtrain model would compute differently (a sliding window on
+some layers only, partial rotary, other RoPE types, an output-projection bias, dropout,
+another activation). A sliding window on every layer (Mistral's ``sliding_window``, Qwen's
+``use_sliding_window`` with ``max_window_layers = 0``) becomes ``ModelConfig.sliding_window``.
+Export writes the config back as a plain dict for those classes.
+"""
+
+from __future__ import annotations
+
+import math
+
+from loongtrain.hf.folder import HFFormatError, read_config
+from loongtrain.model.config import ModelConfig, RopeScaling
+
+# model_type -> what the family adds to Llama
+FAMILIES: dict[str, dict] = {
+    "llama": {"architecture": "LlamaForCausalLM"},
+    "mistral": {"architecture": "MistralForCausalLM"},
+    "qwen2": {"architecture": "Qwen2ForCausalLM", "qkv_bias": True},
+    "qwen3": {"architecture": "Qwen3ForCausalLM", "qk_norm": True},
+}
+
+
+def require_transformers():
+    """The ``transformers`` module, or a clear error saying how to install it."""
+    try:
+        import transformers
+    except ImportError:
+        raise HFFormatError(
+            "Hugging Face import/export needs the `transformers` and `safetensors` packages: "
+            "pip install 'loongtrain[hf]'"
+        ) from None
+    return transformers
+
+
+def check_model_type(raw: dict, where: str) -> str:
+    model_type = raw.get("model_type")
+    if model_type not in FAMILIES:
+        raise HFFormatError(
+            f"{where}: model_type {model_type!r} is not supported; supported model types: {sorted(FAMILIES)}"
+        )
+    return model_type
+
+
+def load_hf_config(folder: str):
+    """transformers' config object for ``folder`` (local files only, no remote code)."""
+    raw = read_config(folder)
+    check_model_type(raw, f"{folder}/config.json")
+    transformers = require_transformers()
+    try:
+        return transformers.AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds
+        raise HFFormatError(f"transformers cannot read {folder}/config.json: {e}") from None
+
+
+def _yarn_attention_factor(params: dict, factor: float) -> float | None:
+    """transformers' yarn attention factor when ``mscale``/``mscale_all_dim`` set it; else None."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+
+        def get_mscale(scale: float, m: float) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        return float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+    return None
+
+
+def rope_from_hf(params: dict, max_positions: int, where: str) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) from a standardised transformers ``rope_parameters`` dict."""
+    kind = params.get("rope_type", "default")
+    theta = float(params["rope_theta"])
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise HFFormatError(f"{where}: partial_rotary_factor={params['partial_rotary_factor']} is not supported")
+    if kind == "default":
+        return theta, None
+    if kind == "linear":
+        return theta, RopeScaling("linear", float(params["factor"]))
+    if kind == "llama3":
+        return theta, RopeScaling(
+            "llama3", float(params["factor"]), int(params["original_max_position_embeddings"]),
+            low_freq_factor=float(params["low_freq_factor"]), high_freq_factor=float(params["high_freq_factor"]),
+        )  # fmt: skip
+    if kind == "yarn":
+        original = int(params["original_max_position_embeddings"])
+        factor = params.get("factor")
+        factor = float(factor) if factor is not None else max_positions / original
+        return theta, RopeScaling(
+            "yarn", factor, original, beta_fast=float(params.get("beta_fast") or 32),
+            beta_slow=float(params.get("beta_slow") or 1), attention_factor=_yarn_attention_factor(params, factor),
+            truncate=bool(params.get("truncate", True)),
+        )  # fmt: skip
+    raise HFFormatError(
+        f"{where}: rope_type {kind!r} is not supported; supported: default, linear, llama3, yarn "
+        "(override it with model.rope_scaling)"
+    )
+
+
+def model_config_from_hf(hf) -> ModelConfig:
+    """The ``ModelConfig`` of a transformers config of a supported family; raises HFFormatError."""
+    where = f"config.json (model_type {hf.model_type!r})"
+    family = FAMILIES[hf.model_type]
+
+    def refuse(what: str, fix: str) -> None:
+        raise HFFormatError(f"{where}: {what} is not supported by the loongtrain model; {fix}")
+
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        refuse(f"hidden_act={hf.hidden_act!r}", "only SwiGLU (silu) MLPs are")
+    if getattr(hf, "mlp_bias", False):
+        refuse("mlp_bias=true", "only bias-free MLPs are")
+    if getattr(hf, "attention_bias", False):
+        refuse("attention_bias=true (biases on every projection, o_proj included)", "only q/k/v biases (Qwen2) are")
+    if getattr(hf, "attention_dropout", 0.0):
+        refuse(f"attention_dropout={hf.attention_dropout}", "set it to 0.0 in config.json")
+    layer_types = getattr(hf, "layer_types", None) or []
+    window = getattr(hf, "sliding_window", None)
+    if window is not None and hf.model_type in ("qwen2", "qwen3") and not getattr(hf, "use_sliding_window", False):
+        window = None  # transformers ignores the value unless use_sliding_window is set
+    if window is not None and any(t != "sliding_attention" for t in layer_types):
+        refuse(
+            f"a sliding window on some layers only (sliding_window={window}, layer_types={layer_types})",
+            "loongtrain applies one window to every layer: set max_window_layers to 0 for a window everywhere, "
+            "or sliding_window to null (use_sliding_window false) for full causal attention",
+        )
+    max_positions = int(getattr(hf, "max_position_embeddings", 0) or 0)
+    theta, scaling = rope_from_hf(dict(hf.rope_parameters), max_positions, where)
+    heads = hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    try:
+        return ModelConfig(
+            vocab_size=hf.vocab_size, dim=hf.hidden_size, n_layers=hf.num_hidden_layers, n_heads=heads,
+            n_kv_heads=hf.num_key_value_heads or heads, ffn_dim=hf.intermediate_size, norm_eps=float(hf.rms_norm_eps),
+            rope_theta=theta, tie_embeddings=bool(hf.tie_word_embeddings),
+            head_dim_override=0 if head_dim * heads == hf.hidden_size else head_dim,
+            qkv_bias=family.get("qkv_bias", False), qk_norm=family.get("qk_norm", False),
+            rope_scaling=scaling, max_positions=max_positions, sliding_window=int(window or 0),
+        )  # fmt: skip
+    except ValueError as e:
+        raise HFFormatError(f"{where}: {e}") from None
+
+
+def family_of(cfg: ModelConfig) -> str:
+    """The HF model_type that computes what ``cfg`` computes (for export without a source)."""
+    if cfg.qkv_bias and cfg.qk_norm:
+        raise HFFormatError("no supported Hugging Face family has both q/k/v biases and q/k norms")
+    return "qwen2" if cfg.qkv_bias else "qwen3" if cfg.qk_norm else "mistral" if cfg.sliding_window else "llama"
+
+
+def rope_to_hf(cfg: ModelConfig) -> dict:
+    """transformers' ``rope_parameters`` for ``cfg``'s RoPE."""
+    s = cfg.rope_scaling
+    if s is None:
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    params = {"rope_type": s.kind, "rope_theta": cfg.rope_theta, "factor": s.factor}
+    if s.kind == "llama3":
+        params.update(
+            original_max_position_embeddings=s.original_max_positions,
+            low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
+        )  # fmt: skip
+    elif s.kind == "yarn":
+        params.update(
+            original_max_position_embeddings=s.original_max_positions, beta_fast=s.beta_fast,
+            beta_slow=s.beta_slow, truncate=s.truncate,
+        )  # fmt: skip
+        if s.attention_factor is not None:
+            params["attention_factor"] = s.attention_factor
+    return params
+
+
+# keys of a source config.json that the export rewrites from the trained model's config
+_REWRITTEN = ("rope_scaling", "rope_theta", "torch_dtype", "partial_rotary_factor")
+
+
+def hf_config_dict(cfg: ModelConfig, source: dict | None, dtype: str, max_positions: int) -> dict:
+    """The config.json content for ``cfg``: the source's keys (token ids, ...) with every
+    shape and RoPE field taken from ``cfg``."""
+    if source is not None:
+        model_type = check_model_type(source, "the run's source config.json")
+        if model_type == "llama" and cfg.sliding_window:  # Llama has no window; Mistral is Llama with one
+            model_type = "mistral"
+        out = {k: v for k, v in source.items() if k not in _REWRITTEN}
+        out["model_type"] = model_type
+    else:
+        model_type = family_of(cfg)
+        out = {"model_type": model_type}
+    family = FAMILIES[model_type]
+    if cfg.qkv_bias != family.get("qkv_bias", False) or cfg.qk_norm != family.get("qk_norm", False):
+        raise HFFormatError(f"the model (qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm}) is not a {model_type} model")
+    out.update(
+        architectures=[family["architecture"]], vocab_size=cfg.vocab_size, hidden_size=cfg.dim,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+        intermediate_size=cfg.ffn_dim, rms_norm_eps=cfg.norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings, max_position_embeddings=max_positions,
+        rope_parameters=rope_to_hf(cfg), hidden_act="silu", dtype=dtype,
+    )  # fmt: skip
+    if cfg.head_dim_override or "head_dim" in out or model_type == "qwen3":  # Qwen3's default is not dim/heads
+        out["head_dim"] = cfg.head_dim
+    if model_type in ("qwen2", "qwen3", "mistral"):
+        out["sliding_window"] = cfg.sliding_window or None
+        out.pop("layer_types", None)
+    if model_type in ("qwen2", "qwen3"):
+        out["use_sliding_window"] = bool(cfg.sliding_window)
+        out["max_window_layers"] = 0  # the window (if any) on every layer
+    return out

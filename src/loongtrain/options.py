@@ -1,0 +1,39 @@
+"""The names of loongtrain's options, and their checks. A leaf module: no torch, no imports
+from the rest of the package, so the training config, the parallel layout, the
+parallelize functions and the planner all read the same names from here.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+Placement = Literal["head_first", "context_first"]
+ContextOrder = Literal["contiguous", "interleaved"]
+CheckpointMode = Literal["none", "full", "sc++"]
+ZeroScope = Literal["none", "dp", "sp", "dp_sp"]
+Balance = Literal["zigzag", "documents"]
+
+#: ``head_first``: a head group on consecutive ranks; ``context_first``: a context group.
+PLACEMENTS: tuple[str, ...] = get_args(Placement)
+#: ``contiguous``: windows of consecutive context-group members; ``interleaved``: strided.
+CONTEXT_ORDERS: tuple[str, ...] = get_args(ContextOrder)
+#: activation checkpointing per block: nothing, the whole block, or the block minus the attention.
+CHECKPOINT_MODES: tuple[str, ...] = get_args(CheckpointMode)
+#: where model states are sharded: nowhere, across dp, within the sp group, over every rank.
+ZERO_SCOPES: tuple[str, ...] = get_args(ZeroScope)
+#: how sequence chunks are assigned to context ranks (see ``loongtrain.attention.balance``).
+BALANCES: tuple[str, ...] = get_args(Balance)
+
+
+def check_checkpoint_mode(mode: str, every: int = 1) -> None:
+    """Raise ValueError unless ``mode`` is a checkpoint mode and ``every`` a positive integer."""
+    if mode not in CHECKPOINT_MODES:
+        raise ValueError(f"unknown activation checkpoint mode {mode!r}; choose one of {list(CHECKPOINT_MODES)}")
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"checkpoint every={every!r} must be a positive integer (1 = every layer)")
+
+
+def check_zero_scope(scope: str) -> None:
+    """Raise ValueError unless ``scope`` is a ZeRO scope."""
+    if scope not in ZERO_SCOPES:
+        raise ValueError(f"unknown ZeRO scope {scope!r}; choose one of {list(ZERO_SCOPES)}")

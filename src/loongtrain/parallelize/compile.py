@@ -1,0 +1,22 @@
+"""``torch.compile`` per transformer block (the torchtitan recipe).
+
+Each block is compiled in place (``nn.Module.compile``: parameter names do not change, so
+checkpoints load across the switch) after activation checkpointing is applied and before
+FSDP2 wraps it. The distributed attention stays opaque to the compiler: it is three custom
+ops with fake implementations, so inductor fuses the norms, projections, RoPE and MLP
+around it while the ring and all-to-all run as written. Selective Checkpoint++ still keeps
+the attention ops' outputs (its policy is applied by the compiled graph's partitioner).
+"""
+
+from __future__ import annotations
+
+from loongtrain.model.llama import Transformer
+
+
+def apply_compile(model: Transformer, fullgraph: bool = True) -> None:
+    """Compile every transformer block of ``model`` in place.
+
+    ``fullgraph=True`` makes any graph break an error (one graph per block, as intended).
+    """
+    for layer in model.layers:
+        layer.compile(fullgraph=fullgraph)

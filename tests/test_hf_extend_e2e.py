@@ -1,0 +1,45 @@
+"""configs/extend_cpu.toml end to end, as the README shows it: a tiny local HF Llama
+(128-token context), its tokenizer on local text, context x4 with YaRN, training on 4
+processes, export, and generation with plain transformers from the exported folder."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def _run(args: list[str], cwd: Path) -> str:
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=cwd)
+    assert proc.returncode == 0, f"{args}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_extend_cpu_config_end_to_end(tmp_path):
+    for name in ("README.md", "docs", "src"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    _run([sys.executable, str(ROOT / "examples" / "make_tiny_hf.py"), "-o", "runs/tiny-hf"], tmp_path)
+    _run([str(BIN / "loongtrain"), "prepare", "README.md", "docs", "src", "-o", "runs/extend_cpu.tok",
+          "--tokenizer", "runs/tiny-hf"], tmp_path)  # fmt: skip
+    out = _run([str(BIN / "loongtrain"), "train", "--config", "configs/extend_cpu.toml", "--nproc", "4",
+                "--run.steps", "4", "--run.progress", "off", "--run.tensorboard", "false"], tmp_path)  # fmt: skip
+    assert "step     4/4" in out
+    _run([str(BIN / "loongtrain"), "export", "runs/extend_cpu/checkpoints/step-4", "-o", "runs/extend_cpu/hf"],
+         tmp_path)  # fmt: skip
+    config = json.loads((tmp_path / "runs/extend_cpu/hf/config.json").read_text())
+    assert config["max_position_embeddings"] == 512
+    assert config["rope_parameters"]["rope_type"] == "yarn" and config["rope_parameters"]["factor"] == 4.0
+    assert config["rope_parameters"]["original_max_position_embeddings"] == 128
+    text = _run([sys.executable, str(ROOT / "examples" / "generate.py"), "runs/extend_cpu/hf", "--tokens", "8"],
+                tmp_path)  # fmt: skip
+    assert "max_position_embeddings 512" in text and text.strip().splitlines()[-1].startswith("'The ring")

@@ -1,0 +1,182 @@
+"""Document/window masks as pure arithmetic: boundary checks, token work, the document
+balancer, the per-block kernel calls (against a brute-force visibility matrix) and the
+single-process ring replay with masks (against float64 attention)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from loongtrain.attention.balance import balance_documents
+from loongtrain.attention.documents import as_boundaries, check_window, range_work
+from loongtrain.attention.mask_plan import BAND, CAUSAL, FULL, mask_plan
+from loongtrain.attention.replay import RingReplay
+from loongtrain.attention.sharding import sequence_sharding, zigzag_sharding
+
+from reference import attention_with_grads, rel_errors, visibility
+
+
+def _random_case(rng: random.Random):
+    hp, cp = rng.choice([1, 2, 3]), rng.choice([1, 2, 3, 4])
+    seq = 2 * hp * cp * rng.choice([1, 2, 3, 5, 8])
+    cuts = sorted(rng.sample(range(1, seq), min(rng.randint(0, 6), seq - 1)))
+    return hp, cp, seq, (0, *cuts, seq)
+
+
+@pytest.mark.parametrize(
+    "cu, message",
+    [
+        ([1, 8], "must start at 0"),
+        ([0, 4], "must end at the global sequence length S=8"),
+        ([0, 5, 3, 8], "strictly increasing, got 5 then 3"),
+        ([0, 4, 4, 8], "strictly increasing, got 4 then 4"),
+        ([0], "at least two entries"),
+        (torch.tensor([0.0, 8.0]), "1-D integer tensor"),
+        (torch.tensor([[0, 8]]), "1-D integer tensor"),
+    ],
+)
+def test_bad_boundaries_name_the_problem(cu, message):
+    with pytest.raises(ValueError, match=message):
+        as_boundaries(cu, 8)
+
+
+@pytest.mark.parametrize("window", [0, -3, 2.5, True])
+def test_bad_window_is_refused(window):
+    with pytest.raises(ValueError, match="must be a positive int"):
+        check_window(window)
+
+
+def test_boundaries_accept_lists_and_tensors():
+    assert as_boundaries([0, 3, 8], 8) == as_boundaries(torch.tensor([0, 3, 8]), 8) == (0, 3, 8)
+    assert as_boundaries(None, 8) is None
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("window", [None, 1, 3, 7, 100])
+def test_range_work_counts_visible_keys(causal, window):
+    seq, cu = 40, [0, 7, 8, 25, 40]
+    keep = visibility(seq, cu, causal, window)
+    for start, stop in [(0, 40), (3, 19), (8, 9), (24, 31)]:
+        assert range_work(tuple(cu), start, stop, causal, window) == int(keep[start:stop].sum())
+
+
+def test_balancer_is_zigzag_for_one_document():
+    for cp in (1, 2, 4, 8):
+        found = balance_documents(64 * cp, cp, (0, 64 * cp))
+        assert found.chunks == zigzag_sharding(64 * cp, 1, cp).content
+        assert found.imbalance == pytest.approx(1.0)
+
+
+def _zigzag_loads(seq, cp, cu):
+    return [sum(range_work(cu, s, s + n) for s, n in content) for content in zigzag_sharding(seq, 1, cp).content]
+
+
+def test_balancer_fixes_one_long_document_plus_short_ones():
+    seq, cp = 8192, 4
+    cu = (0, 4096, *range(4096 + 256, seq, 256), seq)  # half the sequence one document, then 256-token ones
+    zig = _zigzag_loads(seq, cp, cu)
+    found = balance_documents(seq, cp, cu)
+    assert max(zig) / (sum(zig) / cp) > 1.3  # zigzag is badly balanced here
+    assert found.imbalance <= 1.05
+    assert sum(found.loads) == sum(zig) == range_work(cu, 0, seq)
+    for chunks in found.chunks:
+        assert sum(n for _, n in chunks) == seq // cp and list(chunks) == sorted(chunks)
+
+
+def test_sharding_partitions_the_sequence_for_every_balance():
+    rng = random.Random(3)
+    for _ in range(50):
+        hp, cp, seq, cu = _random_case(rng)
+        for balance in ("zigzag", "documents"):
+            sharding = sequence_sharding(seq, hp, cp, cu, balance)
+            seen = [p for c in range(cp) for h in range(hp) for p in sharding.positions(h, c)]
+            assert sorted(seen) == list(range(seq))
+            for c in range(cp):  # the head all-to-all yields the content in ascending order
+                gathered = [p for h in range(hp) for p in sharding.positions(h, c)]
+                assert gathered == sorted(gathered)
+
+
+def _coverage(plan, seq, cp, causal, window):
+    """How many times the calls compute each (query, key) pair; asserts band rows see something."""
+    content = [torch.tensor([p for s, n in plan.sharding.content[c] for p in range(s, s + n)]) for c in range(cp)]
+    cover = torch.zeros(seq, seq, dtype=torch.int32)
+    for c in range(cp):
+        for src in range(cp):
+            for call in plan.calls(c, src):
+                rows, cols = content[c][call.row0 : call.row1], content[src][call.col0 : call.col1]
+                sub = torch.ones(len(rows), len(cols), dtype=torch.bool)
+                if call.kind == CAUSAL:
+                    sub = sub.tril()
+                elif call.kind == BAND:
+                    i, j = rows[:, None], cols[None, :]
+                    assert (rows == call.q_start + torch.arange(len(rows))).all()
+                    assert (cols == call.k_start + torch.arange(len(cols))).all()
+                    sub = (i - j < window) & ((j <= i) if causal else (j - i < window))
+                    assert sub.any(dim=1).all(), "a masked call has a row that sees nothing"
+                else:
+                    assert call.kind == FULL
+                cover[rows[:, None], cols[None, :]] += sub.int()
+    return cover
+
+
+def test_calls_cover_every_visible_pair_exactly_once():
+    rng = random.Random(0)
+    for _ in range(200):
+        hp, cp, seq, cu = _random_case(rng)
+        window = rng.choice([None, 1, 2, 3, 5, 8, seq, 2 * seq])
+        causal = rng.random() < 0.7
+        balance = rng.choice(["zigzag", "documents"])
+        plan = mask_plan(sequence_sharding(seq, hp, cp, cu, balance), cu, causal, window)
+        cover = _coverage(plan, seq, cp, causal, window)
+        assert cover.max() <= 1, "a pair is computed twice"
+        assert torch.equal(cover == 1, visibility(seq, cu, causal, window)), (hp, cp, seq, cu, window, causal)
+
+
+def test_one_document_runs_the_plain_ring_kernels():
+    """Under zigzag, one document needs exactly the kernels of the plain causal ring: one per block."""
+    seq, cp = 64, 4
+    plan = mask_plan(zigzag_sharding(seq, 1, cp), (0, seq), True, None)
+    for c in range(cp):
+        for src in range(cp):
+            (call,) = plan.calls(c, src)
+            assert call.kind == (CAUSAL if src == c else FULL)
+            if src < c:  # all of q against the first key chunk
+                assert call[:4] == (0, 16, 0, 8)
+            elif src > c:  # the second query chunk against all keys
+                assert call[:4] == (8, 16, 0, 16)
+
+
+def test_documents_on_chunk_edges_skip_every_foreign_block():
+    seq, cp = 64, 4
+    cu = tuple(range(0, seq + 1, seq // (2 * cp)))
+    plan = mask_plan(zigzag_sharding(seq, 1, cp), cu, True, None)
+    for c in range(cp):
+        assert all(not plan.calls(c, src) for src in range(cp) if src != c)
+    assert plan.empty_steps(1) == {(j, 0) for j in range(1, cp)}
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_ring_replay_with_masks_matches_float64(seed):
+    rng = random.Random(seed)
+    cp = rng.choice([1, 2, 3, 4])
+    window = rng.choice([w for w in range(1, cp + 1) if cp % w == 0])
+    seq = 2 * cp * rng.choice([3, 5, 8])
+    cuts = sorted(rng.sample(range(1, seq), rng.randint(1, 6)))
+    cu = (0, *cuts, seq)
+    sliding = rng.choice([None, 2, 5, seq // 2])
+    causal = seed % 3 != 2
+    plan = mask_plan(sequence_sharding(seq, 1, cp, cu, rng.choice(["zigzag", "documents"])), cu, causal, sliding)
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = torch.randn(2, seq, 4, 8, generator=gen), *torch.randn(2, 2, seq, 2, 8, generator=gen)
+    dout = torch.randn_like(q)
+    replay = RingReplay(cp, window, causal, plan)
+    qs = replay.shard(q)
+    kvs = [torch.stack(kv) for kv in zip(replay.shard(k), replay.shard(v))]
+    outs, lses = replay.forward(qs, kvs, 0.3)
+    dqs, dkvs = replay.backward(replay.shard(dout), qs, kvs, outs, lses, 0.3)
+    ref = attention_with_grads(q, k, v, dout, causal, 0.3, visibility(seq, cu, causal, sliding))
+    dkv = replay.unshard([d.permute(1, 2, 0, 3, 4) for d in dkvs])
+    for got, want in zip((replay.unshard(outs), replay.unshard(dqs), dkv[:, :, 0], dkv[:, :, 1]), ref):
+        assert rel_errors(got, want)[0] < 1e-5

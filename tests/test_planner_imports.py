@@ -1,0 +1,79 @@
+"""The planner's pure side imports no torch (``loongtrain plan`` starts in a fraction of a
+second), the measuring side is imported only when asked for, and the top-level package
+exposes the attention and training entry points lazily. Each check runs in a fresh
+interpreter, whose ``sys.modules`` says what was imported."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+PURE_MODULES = [
+    "loongtrain",
+    "loongtrain._lazy",
+    "loongtrain.options",
+    "loongtrain.model.config",
+    "loongtrain.parallel.config",
+    "loongtrain.parallel.layout",
+    "loongtrain.parallel.zero_grid",
+    "loongtrain.attention.schedule",
+    "loongtrain.planner",
+    "loongtrain.planner.cli",
+    "loongtrain.planner.specs",
+    "loongtrain.planner.topology",
+    "loongtrain.planner.cost",
+    "loongtrain.planner.zero",
+    "loongtrain.planner.memory",
+    "loongtrain.planner.estimate",
+    "loongtrain.planner.search",
+    "loongtrain.planner.explain",
+    "loongtrain.planner.report",
+    "loongtrain.planner.simulate",
+    "loongtrain.planner.fit",
+    "loongtrain.planner.validation",
+    "loongtrain.planner.anchors",
+]
+
+
+def _python(code: str) -> str:
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_pure_modules_import_no_torch():
+    imports = "; ".join(f"import {name}" for name in PURE_MODULES)
+    out = _python(f"import sys; {imports}; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])")
+    assert out.strip() == "[]"
+
+
+def test_loongtrain_plan_runs_without_torch():
+    code = (
+        "import sys, contextlib, io\n"
+        "from loongtrain.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+        "    main(['plan', '--model', '7b-gqa', '--seq-len', '128K', '--devices', '64', '--json'])\n"
+        "assert '\"ranked\"' in out.getvalue()\n"
+        "print('torch' in sys.modules, 'loongtrain.bench' in sys.modules)\n"
+    )
+    assert _python(code).split() == ["False", "False"]
+
+
+def test_top_level_exports_are_lazy_and_complete():
+    code = (
+        "import sys, loongtrain as lt\n"
+        "print('torch' in sys.modules)\n"
+        "names = ['ParallelConfig', 'ParallelState', 'RankLayout', 'init_parallel', 'shard_sequence',\n"
+        "         'unshard_sequence', 'head_context_attention', 'model_config', 'build_model', 'parallelize',\n"
+        "         'materialize', 'forward_backward']\n"
+        "assert sorted(names) == sorted(lt.__all__), lt.__all__\n"
+        "from loongtrain.model.llama import build_model\n"
+        "from loongtrain.parallelize import parallelize\n"
+        "from loongtrain.parallelize.init import materialize\n"
+        "from loongtrain.train.step import forward_backward\n"
+        "assert lt.build_model is build_model and lt.materialize is materialize\n"
+        "assert lt.forward_backward is forward_backward and callable(lt.parallelize)\n"
+        "assert lt.parallelize.apply_zero is not None  # the package, callable as parallelize()\n"
+        "print('torch' in sys.modules)\n"
+    )
+    assert _python(code).split() == ["False", "True"]
