@@ -14,7 +14,6 @@ import torch.distributed as dist
 from loongtrain.parallel.state import ParallelState, RingLink
 from loongtrain.parallel.stats import AttentionStats
 
-
 #: Profiler label of the time spent waiting for an attention transfer.
 WAIT_LABEL = "loongtrain::comm_wait"
 
