@@ -190,3 +190,19 @@ def test_keep_k_deletes_only_this_runs_checkpoints(tmp_path):
         (folder / f"step-{step}" / STATE_FILE).write_text(json.dumps({"step": step, "run_id": run_id}))
     CheckpointManager(folder, keep=2, run_id="mine").prune(4)
     assert sorted(p.name for p in folder.iterdir()) == ["step-1", "step-3", "step-4", "step-5"]
+
+
+def test_model_shape_check_reads_settings_an_older_checkpoint_lacks_as_defaults(tmp_path):
+    from dataclasses import asdict, replace
+
+    from loongtrain.model import model_config
+    from loongtrain.train.checkpoint import check_model_shape
+
+    current = asdict(model_config("debug"))
+    older = {k: v for k, v in current.items() if k not in ("qk_norm", "sliding_window")}  # saved before they existed
+    check_model_shape(tmp_path, {"model_shape": older}, current)  # accepted: the missing ones are the defaults
+    windowed = asdict(replace(model_config("debug"), sliding_window=16))
+    with pytest.raises(CheckpointError, match="sliding_window"):
+        check_model_shape(tmp_path, {"model_shape": older}, windowed)  # an older run had no window
+    with pytest.raises(CheckpointError, match="dim"):
+        check_model_shape(tmp_path, {"model_shape": {**current, "dim": 32}}, current)

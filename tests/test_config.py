@@ -24,7 +24,7 @@ def test_defaults_file_and_overrides(tmp_path):
 
 
 def test_resolved_config_round_trips(tmp_path):
-    cfg = load_config(REPO / "configs" / "debug_cpu.toml", ["run.steps=3", "parallel.verify_inputs=false"])
+    cfg = load_config(REPO / "configs" / "debug_cpu.toml", ["run.steps=3"])
     saved = tmp_path / "resolved.toml"
     saved.write_text(to_toml(cfg))
     assert load_config(saved) == cfg

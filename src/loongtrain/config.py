@@ -35,6 +35,11 @@ class RunSection:
     progress: str = _f("auto", "progress bar: auto (when stdout is a terminal), on or off", ("auto", "on", "off"))
     tensorboard: bool = _f(True, "also write TensorBoard logs when the tensorboard package is installed")
     peak_tflops: float = _f(0.0, "peak dense TFLOP/s per device for MFU; 0 looks the GPU up in a table")
+    compile: bool = _f(
+        False,
+        "torch.compile each transformer block (the distributed attention stays opaque); the first steps "
+        "take longer while it compiles",
+    )
     timeout_s: float = _f(
         300.0,
         "a rank that makes no progress for this many seconds ends the job with a message naming it "
@@ -108,7 +113,11 @@ class ParallelSection:
     checkpoint_every: int = _f(1, "checkpoint every k-th layer")
     param_dtype: str = _f("float32", "compute dtype of parameters (fp32 master copy kept)", ("float32", "bfloat16"))
     reshard_after_forward: bool = _f(True, "free gathered weights after forward (ZeRO-3); false: keep (ZeRO-2)")
-    verify_inputs: bool = _f(True, "check with a tiny all-gather per attention call that sp ranks agree on shapes")
+    verify_inputs: bool = _f(
+        False,
+        "also check with an all-gather in every attention call that the sp ranks agree on shapes and masks "
+        "(a debugging aid: each step already checks the batch layout once)",
+    )
 
 
 @dataclass

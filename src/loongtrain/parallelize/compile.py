@@ -10,7 +10,15 @@ the attention ops' outputs (its policy is applied by the compiled graph's partit
 
 from __future__ import annotations
 
+import logging
+
 from loongtrain.model.llama import Transformer
+
+# Under sc++ torch.compile warns once per process that a selective-checkpoint policy is in
+# use ("make sure the checkpointed region does not contain in-place ops"). The blocks hold
+# none (compiled == eager is tested under every checkpoint mode), and the same lines from
+# every rank buried the trainer's output, so that one logger is kept to errors.
+_SELECTIVE_CHECKPOINT_NOTICE = "torch._higher_order_ops.wrap"
 
 
 def apply_compile(model: Transformer, fullgraph: bool = True) -> None:
@@ -18,5 +26,6 @@ def apply_compile(model: Transformer, fullgraph: bool = True) -> None:
 
     ``fullgraph=True`` makes any graph break an error (one graph per block, as intended).
     """
+    logging.getLogger(_SELECTIVE_CHECKPOINT_NOTICE).setLevel(logging.ERROR)
     for layer in model.layers:
         layer.compile(fullgraph=fullgraph)

@@ -24,6 +24,7 @@ folder must be on a filesystem all ranks see.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import json
@@ -42,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from loongtrain.model.config import ModelConfig
 from loongtrain.train.collectives import broadcast_object, first_error, gather_objects
 
 STATE_FILE = "trainer_state.json"
@@ -61,11 +63,19 @@ class CheckpointSaveError(CheckpointError):
     """A checkpoint that could not be written (e.g. the disk is full); the previous one is intact."""
 
 
+#: ModelConfig's defaults, for settings an older checkpoint does not record.
+_SHAPE_DEFAULTS = dataclasses.asdict(ModelConfig())
+
+
 def check_model_shape(path: Path, trainer_state: dict, model_shape: dict) -> None:
-    """Raise CheckpointError if the checkpoint at ``path`` holds another model shape."""
-    saved = trainer_state.get("model_shape") or {}
-    if saved != model_shape:
-        diff = {k: (saved.get(k), v) for k, v in model_shape.items() if saved.get(k) != v}
+    """Raise CheckpointError if the checkpoint at ``path`` holds another model shape.
+
+    A setting the checkpoint does not record (written before the setting existed) counts
+    as its default value.
+    """
+    saved = {**_SHAPE_DEFAULTS, **(trainer_state.get("model_shape") or {})}
+    diff = {k: (saved.get(k), v) for k, v in model_shape.items() if saved.get(k) != v}
+    if diff:
         raise CheckpointError(
             f"checkpoint {path} was written for a different model shape (saved vs this run: {diff}); use the "
             f"same model settings, or set checkpoint.resume=false to start a new run here (the old one is moved "

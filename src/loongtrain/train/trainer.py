@@ -114,7 +114,7 @@ def build_run(device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat 
     parallelize(
         model, state, checkpoint=cfg.parallel.checkpoint, checkpoint_every=cfg.parallel.checkpoint_every,
         zero=cfg.parallel.zero, param_dtype=None if param_dtype == torch.float32 else param_dtype,
-        reshard_after_forward=cfg.parallel.reshard_after_forward,
+        reshard_after_forward=cfg.parallel.reshard_after_forward, compile=cfg.run.compile,
     )  # fmt: skip
     init_weights(model, device, cfg.model, run_dir, seed=cfg.run.seed)  # random, or the init_from HF weights
     optimizer = build_optimizer(model.parameters(), cfg.optim)
@@ -144,8 +144,10 @@ def describe(run: Run) -> str:
     text = (
         f"loongtrain train: {dist.get_world_size()} process(es) on {run.device.type} ({dist.get_backend()}), "
         f"layout dp={state.dp} hp={state.hp} cp={state.cp} window={spec.parallel.window} {spec.parallel.placement}, "
-        f"zero={cfg.parallel.zero}, checkpoint={cfg.parallel.checkpoint}, compute {cfg.parallel.param_dtype}\n"
-        f"model {cfg.model.preset} ({spec.model.num_params() / 1e6:.2f}M parameters), data {cfg.data.source}: "
+        f"zero={cfg.parallel.zero}, checkpoint={cfg.parallel.checkpoint}, compute {cfg.parallel.param_dtype}"
+        f"{', compiled blocks' if cfg.run.compile else ''}\n"
+        f"model {cfg.model.init_from or cfg.model.preset} ({spec.model.num_params() / 1e6:.2f}M parameters), "
+        f"data {cfg.data.source}: "
         f"{cfg.data.global_batch} x {cfg.data.seq_len} tokens per step"
     )
     if run.folder.moved_to is not None:

@@ -1,0 +1,162 @@
+"""``loongtrain bench train``: the trainer's step, eager vs compiled, and where its time goes.
+
+For each case (``main``: the main job's config as it is; ``large``: the same layout with a
+dim-512, 8-layer model on 8K-token sequences) and each mode (eager, ``run.compile``), every
+rank builds the run exactly as ``loongtrain train`` does (:func:`~loongtrain.train.build_run`
+in a scratch folder, no checkpoints), warms up, times ``--steps`` calls of
+:func:`~loongtrain.train.train_step`, then profiles one more step and splits its wall time
+into attention kernels, communication wait, other compute and framework (Python, hooks,
+autograd bookkeeping): see :mod:`loongtrain.bench.step_profile`.
+
+The figures are the median step over the timed steps (slowest rank), tokens/s per device,
+and the breakdown averaged over ranks. Run it with nothing else on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from loongtrain.bench.step_profile import PARTS, breakdown, spans_of
+from loongtrain.config import TrainConfig, load_config
+from loongtrain.launch import launch
+
+#: The main job's config (scripts/main.sh) and the overrides of the larger case.
+MAIN_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "debug_cpu.toml"
+CASES: dict[str, list[str]] = {
+    "main": [],
+    "large": [
+        "model.dim=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=4", "model.ffn_dim=1408",
+        "data.seq_len=8192", "data.global_batch=1",
+    ],
+}  # fmt: skip
+MODES = ("eager", "compiled")
+STEP_RANGE = "loongtrain::bench_step"
+WARMUP = {"eager": 2, "compiled": 3}  # the compiled blocks are built in the first step(s)
+
+
+def case_config(case: str, mode: str, config: Path, folder: Path) -> TrainConfig:
+    """The config of one case and mode: its overrides, no checkpoints, a scratch run folder."""
+    overrides = [
+        *CASES[case], f"run.compile={'true' if mode == 'compiled' else 'false'}", f"run.output_dir={folder}",
+        "checkpoint.every=0", "checkpoint.save_final=false", "checkpoint.resume=false", "run.progress=off",
+    ]  # fmt: skip
+    return load_config(config, overrides)
+
+
+def _timed_steps(run, count: int) -> list[float]:
+    from loongtrain.train.trainer import to_device, train_step
+
+    times = []
+    for _ in range(count):
+        batch = to_device(run.loader.next(), run.device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        train_step(run.model, run.optimizer, run.state, batch, lr=run.cfg.optim.lr, grad_clip=run.cfg.optim.grad_clip)
+        if run.device.type == "cuda":
+            torch.cuda.synchronize(run.device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _profiled_step(run) -> dict[str, float]:
+    from loongtrain.train.trainer import to_device, train_step
+
+    batch = to_device(run.loader.next(), run.device)
+    cuda = run.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    dist.barrier()
+    with profile(activities=activities) as prof:
+        with record_function(STEP_RANGE):
+            train_step(
+                run.model, run.optimizer, run.state, batch, lr=run.cfg.optim.lr, grad_clip=run.cfg.optim.grad_clip
+            )
+            if cuda:
+                torch.cuda.synchronize(run.device)
+    spans, start, end = spans_of(prof.events(), STEP_RANGE, device_kernels=cuda)
+    return {"wall_s": end - start, **breakdown(spans, start, end)}
+
+
+def _bench_rank(device: torch.device, args: argparse.Namespace, folder: Path) -> None:
+    from loongtrain.train.preflight import preflight
+    from loongtrain.train.trainer import build_run
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = []
+    if rank == 0:
+        print(f"{world} processes on {device.type}; median of {args.steps} steps (slowest rank), after warm-up")
+        head = f"{'case':6s} {'mode':9s} {'step s':>7s} {'tok/s/dev':>9s} {'speedup':>7s}  breakdown of one step"
+        print(head, flush=True)
+    for case in args.cases:
+        eager_s = None
+        for mode in args.modes:
+            cfg = case_config(case, mode, args.config, folder / f"{case}-{mode}")
+            spec = preflight(cfg, world)
+            run = build_run(device, cfg, spec)
+            t_first = time.perf_counter()
+            _timed_steps(run, WARMUP[mode])
+            warmup_s = time.perf_counter() - t_first
+            step_s = statistics.median(_timed_steps(run, args.steps))
+            parts = _profiled_step(run)
+            slowest = torch.tensor([step_s], dtype=torch.float64, device=device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            gathered: list = [None] * world
+            dist.all_gather_object(gathered, parts)
+            if rank == 0:
+                step_s = slowest.item()
+                tokens = cfg.data.global_batch * cfg.data.seq_len
+                mean = {k: statistics.fmean(g[k] for g in gathered) for k in ("wall_s", *PARTS)}
+                share = {k: mean[k] / mean["wall_s"] for k in PARTS}
+                eager_s = step_s if mode == "eager" else eager_s
+                speedup = eager_s / step_s if eager_s else float("nan")
+                text = "  ".join(f"{k} {share[k]:5.1%}" for k in PARTS)
+                print(
+                    f"{case:6s} {mode:9s} {step_s:7.3f} {tokens / step_s / world:9.0f} {speedup:7.2f}  {text} "
+                    f"(profiled step {mean['wall_s']:.3f} s; warm-up {warmup_s:.1f} s)",
+                    flush=True,
+                )
+                rows.append({
+                    "case": case, "mode": mode, "world": world, "tokens_per_step": tokens, "step_s": step_s,
+                    "tokens_per_s_per_device": tokens / step_s / world, "speedup_vs_eager": speedup,
+                    "warmup_s": warmup_s, "profiled_step_s": mean["wall_s"], "share": share,
+                    "per_rank": gathered,
+                })  # fmt: skip
+            del run
+            dist.barrier()
+    if rank == 0 and args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+        print(f"wrote {args.json}")
+
+
+def main(args: argparse.Namespace) -> None:
+    unknown = [c for c in args.cases if c not in CASES] + [m for m in args.modes if m not in MODES]
+    if unknown:
+        raise SystemExit(f"bench train: unknown case or mode {unknown}; cases {list(CASES)}, modes {list(MODES)}")
+    folder = Path(tempfile.mkdtemp(prefix="loongtrain-bench-train-"))
+    for case in args.cases:  # a bad --config fails here, before any process is spawned
+        for mode in args.modes:
+            case_config(case, mode, args.config, folder / f"{case}-{mode}")
+    try:
+        launch(_bench_rank, args.nproc, args, folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc", type=int, default=4, help="processes to spawn (ignored under torchrun)")
+    parser.add_argument(
+        "--config", type=Path, default=MAIN_CONFIG, help="the main job's config (the cases start from it)"
+    )
+    parser.add_argument("--cases", nargs="+", default=list(CASES), help=f"cases to run, of {list(CASES)}")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), help=f"modes to run, of {list(MODES)}")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per case and mode (after warm-up)")
+    parser.add_argument("--json", default=None, help="also write the rows as JSON to this file")
