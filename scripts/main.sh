@@ -4,7 +4,7 @@
 # Checkpoint++, ZeRO over all ranks). Prints the loss and recall accuracy as it learns,
 # and where the run folder is. Extra arguments go to `loongtrain train`
 # (e.g. --run.steps 100). A second run resumes from the run folder's last checkpoint;
-# add --checkpoint.resume false (or another --run.output_dir) to start fresh.
+# add --checkpoint.resume false to start fresh (the old run moves to runs/debug_cpu/previous/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

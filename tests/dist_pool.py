@@ -109,11 +109,36 @@ class WorkerPool:
                 p.join(timeout=5)
 
 
+#: States kept per worker. Every gloo process group holds a transport thread that wakes
+#: up while idle; a worker that kept the groups of every layout a test session touches
+#: (hundreds, with the ZeRO meshes) spent a noticeable share of the two cores on them.
+MAX_CACHED_STATES = 6
+
+
+def _release(state) -> None:
+    """Destroy the process groups of ``state`` (every rank evicts the same state at the same call)."""
+    import torch.distributed as dist
+
+    groups = [state.sp_group, state.dp_group, state.head_group, state.context_group]
+    for ring in (state.inner_ring, state.outer_ring):
+        if ring is not None:
+            groups += [ring.kv_group, ring.dkv_group]
+    for mesh in state.zero_meshes.values():
+        groups += mesh.get_all_groups()
+    for group in dict.fromkeys(g for g in groups if g is not None and g != dist.group.WORLD):
+        dist.destroy_process_group(group)
+
+
 def cached_state(**config):
-    """``init_parallel`` for this worker, cached per config (groups are built once)."""
+    """``init_parallel`` for this worker, cached per config (groups are built once); the
+    least recently used of more than :data:`MAX_CACHED_STATES` states is released."""
     import loongtrain as lt
 
     key = tuple(sorted(config.items()))
-    if key not in _state_cache:
-        _state_cache[key] = lt.init_parallel(lt.ParallelConfig(**config))
+    if key in _state_cache:
+        _state_cache[key] = _state_cache.pop(key)  # most recently used last
+        return _state_cache[key]
+    if len(_state_cache) >= MAX_CACHED_STATES:
+        _release(_state_cache.pop(next(iter(_state_cache))))
+    _state_cache[key] = lt.init_parallel(lt.ParallelConfig(**config))
     return _state_cache[key]

@@ -1,9 +1,10 @@
 """torch.compile per block and the host-synchronisation budget of a training step.
 
-- Compiled training (each block compiled, the attention ops opaque) equals eager training:
-  loss and every gradient within 1e-5, on 2D + double ring + Selective Checkpoint++ +
-  ZeRO over all ranks at world 4 with packed documents, and on the single-process model.
-  Under sc++ the compiled backward runs no attention forward transfer (nothing recomputed).
+- Compiled training (``parallelize(..., compile=True)``: each block compiled, the attention
+  ops opaque) equals eager training: loss and every gradient within 1e-5, on 2D + double
+  ring at world 4 with packed documents under each checkpoint mode (sc++ with ZeRO over all
+  ranks, full with ZeRO over sp, none without ZeRO), and on the single-process model. The
+  compiled backward moves as many attention blocks as eager: none recomputed under sc++.
 - The per-layer hot path (the model's forward and backward on shards) reads no value
   from a tensor back to the host: every ``.item()``/``.tolist()``/``bool()``/``int()``/
   ``float()`` on a tensor other than (copies of) the CPU document boundaries, which the
@@ -22,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from loongtrain.data.batch import Microbatch
 from loongtrain.model import build_model, model_config
-from loongtrain.parallelize import materialize
+from loongtrain.parallelize import materialize, parallelize
 from loongtrain.parallelize.attention import apply_attention
 from loongtrain.parallelize.checkpoint import apply_checkpoint
 from loongtrain.parallelize.compile import apply_compile
@@ -52,16 +53,13 @@ def _batches() -> list[Microbatch]:
     return [Microbatch(tokens, labels, torch.tensor(cu)) for cu in ([0, 20, 64], [0, 7, 30, 41, 64])]
 
 
-def _compiled_vs_eager(cfg: dict, checkpoint: str) -> dict:
+def _compiled_vs_eager(cfg: dict, checkpoint: str, zero: str) -> dict:
     state = cached_state(**cfg)
     results = {}
     for compiled in (False, True):
-        model = build_model(model_config("debug"))
-        apply_attention(model, state)
-        apply_checkpoint(model, checkpoint)
-        if compiled:
-            apply_compile(model)
-        apply_zero(model, state, "dp_sp")
+        model = parallelize(
+            build_model(model_config("debug")), state, checkpoint=checkpoint, zero=zero, compile=compiled
+        )
         materialize(model, torch.device("cpu"), SEED)
         losses, recomputed = [], 0
         for batch in _batches():
@@ -80,10 +78,15 @@ def _compiled_vs_eager(cfg: dict, checkpoint: str) -> dict:
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_compiled_training_equals_eager_2d_double_ring_sc(dist_pool):
-    for result in dist_pool(4).run(_compiled_vs_eager, {"hp": 2, "cp": 2, "window": 2}, "sc++"):
+@pytest.mark.parametrize(("checkpoint", "zero"), [("sc++", "dp_sp"), ("full", "sp"), ("none", "none")])
+def test_compiled_training_equals_eager_2d_double_ring(dist_pool, checkpoint, zero):
+    for result in dist_pool(4).run(_compiled_vs_eager, {"hp": 2, "cp": 2, "window": 2}, checkpoint, zero):
         assert result["loss"] < 1e-5 and result["grad"] < 1e-5, result
-        assert result["recomputed_kv"] == (0, 0)  # forward and backward hop counts match: no recompute
+        # sc++ keeps the attention outputs: backward moves as many kv blocks as forward (no
+        # recompute); full recomputes the attention, so the forward hops are counted twice
+        eager_re, compiled_re = result["recomputed_kv"]
+        assert compiled_re == eager_re
+        assert (eager_re == 0) == (checkpoint != "full"), result
 
 
 def test_compiled_single_process_model_equals_eager():

@@ -60,6 +60,13 @@ def test_split_overrides():
         ("", ["run.steps=0"], "run.steps=0 must be positive"),
         ("", ["optim.lr=nan"], "optim.lr=nan must be finite"),
         ("", ["data.source=tokens"], "needs data.path"),
+        ("", ["optim.beta1=1.5"], "optim.beta1=1.5 must be in [0, 1)"),
+        ("", ["optim.beta2=1"], "optim.beta2=1.0 must be in [0, 1)"),
+        ("", ["optim.eps=-1"], "optim.eps=-1.0 must be positive"),
+        ("", ["optim.eps=0"], "optim.eps=0.0 must be positive"),
+        ("", ["optim.min_lr_ratio=2"], "optim.min_lr_ratio=2.0 must be at most 1"),
+        ("", ["run.timeout_s=0"], "run.timeout_s=0.0 must be positive"),
+        ("", ["checkpoint.on_damaged=ignore"], "checkpoint.on_damaged='ignore'; choose one of ['fallback', 'stop']"),
     ],
 )
 def test_bad_config_names_the_problem(tmp_path, text, overrides, message):
@@ -89,5 +96,21 @@ def test_shipped_configs_fit_their_layout(name, tmp_path):
         overrides.append(f"model.init_from={make_hf_model('llama', tmp_path / 'hf')}")
     cfg = load_config(REPO / "configs" / name, overrides)
     p = cfg.parallel
-    plan = preflight(cfg, p.hp * p.cp * max(p.dp, 1))
-    assert plan.layout.sp == p.hp * p.cp
+    spec = preflight(cfg, p.hp * p.cp * max(p.dp, 1))
+    assert spec.parallel.sp == p.hp * p.cp
+
+
+def test_device_and_optimizer_checked_before_spawning(tmp_path):
+    """What a worker would reject 40-90 s later is refused by preflight (no process group)."""
+    import torch
+
+    from loongtrain.config import OptimSection
+    from loongtrain.train.preflight import check_optimizer, preflight
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    cfg = load_config(None, ["run.device=cuda", f"run.output_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=f"run.device=cuda needs one GPU per local rank: {gpus + 1} local rank"):
+        preflight(cfg, gpus + 1, gpus + 1)
+    with pytest.raises(ConfigError, match="Invalid epsilon value: -1.0"):
+        check_optimizer(OptimSection(eps=-1.0))  # AdamW's own check behind config validation
+    check_optimizer(OptimSection())

@@ -35,6 +35,11 @@ class RunSection:
     progress: str = _f("auto", "progress bar: auto (when stdout is a terminal), on or off", ("auto", "on", "off"))
     tensorboard: bool = _f(True, "also write TensorBoard logs when the tensorboard package is installed")
     peak_tflops: float = _f(0.0, "peak dense TFLOP/s per device for MFU; 0 looks the GPU up in a table")
+    timeout_s: float = _f(
+        300.0,
+        "a rank that makes no progress for this many seconds ends the job with a message naming it "
+        "(collectives give up later, as a backstop); raise it if one step or checkpoint takes longer",
+    )
 
 
 @dataclass
@@ -147,6 +152,11 @@ class CheckpointSection:
     keep: int = _f(2, "keep the newest k complete checkpoints")
     resume: bool = _f(True, "resume from the newest complete checkpoint in the run folder")
     save_final: bool = _f(True, "save a checkpoint after the last step")
+    on_damaged: str = _f(
+        "fallback",
+        "a damaged or incomplete newest checkpoint: fallback (resume from the newest intact one) or stop",
+        ("fallback", "stop"),
+    )
 
 
 @dataclass
@@ -251,7 +261,7 @@ def validate(cfg: TrainConfig) -> None:
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"{sec_name}.{f.name}={value} must be finite")
     positive = {
-        "run": ("steps", "log_every", "eval_batches"),
+        "run": ("steps", "log_every", "eval_batches", "timeout_s"),
         "parallel": ("hp", "cp", "window", "checkpoint_every"),
         "data": (
             "seq_len",
@@ -265,7 +275,7 @@ def validate(cfg: TrainConfig) -> None:
             "doc_len",
         ),
         "checkpoint": ("keep",),
-        "optim": ("lr",),
+        "optim": ("lr", "eps"),
     }
     for sec_name, names in positive.items():
         for name in names:
@@ -284,6 +294,14 @@ def validate(cfg: TrainConfig) -> None:
             value = getattr(getattr(cfg, sec_name), name)
             if value < 0:
                 raise ConfigError(f"{sec_name}.{name}={value} must not be negative")
+    for name in ("beta1", "beta2"):
+        value = getattr(cfg.optim, name)
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"optim.{name}={value} must be in [0, 1) (AdamW's moving-average factor; e.g. 0.9)")
+    if cfg.optim.min_lr_ratio > 1:
+        raise ConfigError(
+            f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must be at most 1 (the final lr is this fraction of lr)"
+        )
     if cfg.parallel.cp % cfg.parallel.window:
         raise ConfigError(f"parallel.cp={cfg.parallel.cp} is not divisible by parallel.window={cfg.parallel.window}")
     if cfg.data.source == "tokens" and not cfg.data.path:

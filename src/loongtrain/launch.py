@@ -1,12 +1,16 @@
 """Run a function on every rank: under ``torchrun`` in-process, otherwise by spawning
-local processes. Picks NCCL when each rank can have its own GPU, else gloo on CPU."""
+local processes (``launch``), or under torchrun's elastic agent (``elastic_run``: restarts,
+several nodes). Picks NCCL when each rank can have its own GPU, else gloo on CPU."""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import uuid
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,13 +28,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_device(device: str, local_world: int) -> None:
+    """Raise ValueError if ``device`` cannot give each of ``local_world`` local ranks its own device."""
+    if device == "cuda":
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if found < local_world:
+            raise ValueError(
+                f"run.device=cuda needs one GPU per local rank: {local_world} local rank(s), {found} GPU(s) visible; "
+                "use run.device=cpu (or auto), or fewer processes per node"
+            )
+
+
 def _pick_backend(local_world: int, device: str) -> str:
     if device == "cuda":
-        if not torch.cuda.is_available() or torch.cuda.device_count() < local_world:
-            found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            raise RuntimeError(
-                f"device=cuda needs one GPU per local rank: {local_world} local rank(s), {found} GPU(s) visible"
-            )
+        check_device(device, local_world)
         return "nccl"
     if device == "auto" and torch.cuda.is_available() and torch.cuda.device_count() >= local_world:
         return "nccl"
@@ -105,3 +116,48 @@ def launch(fn: Callable, nproc: int, *args, device: str = "auto") -> None:
                 os.environ.pop(key, None)
         return
     mp.spawn(_spawned_entry, args=(nproc, _free_port(), fn, args, device), nprocs=nproc, join=True)
+
+
+# Loggers of torchrun's agent and of torch.multiprocessing; their warnings and tracebacks
+# about a failed worker repeat what the trainer says in one line.
+_AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+
+
+def quiet_agent_logs() -> None:
+    """Silence the elastic agent's own logging in this process (the launcher's)."""
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(_AGENT_LOGGERS):
+            logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+    for name in _AGENT_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+
+
+def elastic_run(
+    entry: Callable, *args: Any, nproc: int, nnodes: int = 1, rdzv_endpoint: str = "", rdzv_id: str = "",
+    max_restarts: int = 0, shutdown_timeout_s: int = 5, quiet: bool = True,
+) -> dict[int, Any]:  # fmt: skip
+    """Run ``entry(*args)`` on ``nproc`` local workers under torchrun's elastic agent
+    (``torch.distributed.launcher.api``, what ``torchrun`` itself runs): it sets each
+    worker's RANK/WORLD_SIZE/... environment, stops every worker when one fails (SIGTERM,
+    SIGKILL after the agent's 30 s) or this process gets SIGINT/SIGTERM (SIGKILL after
+    ``shutdown_timeout_s``), and restarts the whole group up to ``max_restarts`` times.
+    Several nodes: the same call on each node with ``nnodes``, a common ``rdzv_endpoint``
+    (host:port of one node) and ``rdzv_id``.
+
+    Returns the workers' return values by global rank; raises the agent's
+    ``ChildFailedError`` or ``SignalException``.
+    """
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # Workers get a fresh TCPStore per attempt instead of sharing the agent's: with the
+    # shared store a restarted group reads the previous attempt's keys and its process
+    # group hangs or is refused (pytorch/pytorch#135712; measured here with torch 2.13).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if quiet:
+        quiet_agent_logs()
+    config = LaunchConfig(
+        min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=rdzv_id or uuid.uuid4().hex,
+        rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint or "127.0.0.1:0", max_restarts=max_restarts,
+        monitor_interval=0.2, start_method="spawn", shutdown_timeout=shutdown_timeout_s,
+    )  # fmt: skip
+    return elastic_launch(config, entry)(*args)

@@ -14,6 +14,9 @@ import torch.distributed as dist
 from loongtrain.parallel.state import ParallelState, RingLink
 from loongtrain.parallel.stats import AttentionStats
 
+#: Profiler label of the time spent waiting for an attention transfer.
+WAIT_LABEL = "loongtrain::comm_wait"
+
 
 class Pending:
     """An in-flight transfer; ``wait()`` returns the received tensor (through ``finish``)."""
@@ -24,9 +27,11 @@ class Pending:
         self._finish = finish
 
     def wait(self) -> torch.Tensor:
-        for work in self._works:
-            work.wait()
-        self._works = []
+        if self._works:
+            with torch.profiler.record_function(WAIT_LABEL):  # what `loongtrain bench train` counts as waiting
+                for work in self._works:
+                    work.wait()
+            self._works = []
         if self._finish is not None:
             self._result, self._finish = self._finish(self._result), None
         return self._result

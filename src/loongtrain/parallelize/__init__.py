@@ -2,7 +2,8 @@
 
 1. attention wiring (2D head-context attention on the ParallelState),
 2. activation checkpointing (none / full / sc++, every k-th layer),
-3. hybrid ZeRO (FSDP2 over the chosen scope, optional bf16 compute).
+3. ``torch.compile`` of each block, when asked (the attention ops stay opaque),
+4. hybrid ZeRO (FSDP2 over the chosen scope, optional bf16 compute).
 
 The model is built on the meta device first and materialised afterwards with
 :func:`materialize`, so no rank ever holds the full unsharded model.
@@ -24,6 +25,7 @@ from loongtrain.options import CHECKPOINT_MODES, ZERO_SCOPES, check_checkpoint_m
 from loongtrain.parallel import ParallelState
 from loongtrain.parallelize.attention import apply_attention, check_model_fits
 from loongtrain.parallelize.checkpoint import apply_checkpoint
+from loongtrain.parallelize.compile import apply_compile
 from loongtrain.parallelize.init import materialize
 from loongtrain.parallelize.zero import apply_zero, zero_mesh
 
@@ -32,6 +34,7 @@ __all__ = [
     "ZERO_SCOPES",
     "apply_attention",
     "apply_checkpoint",
+    "apply_compile",
     "apply_zero",
     "check_model_fits",
     "materialize",
@@ -48,6 +51,7 @@ def parallelize(
     zero: str = "dp_sp",
     param_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
+    compile: bool = False,
 ) -> Transformer:
     """Parallelise ``model`` (on meta) for ``state``; returns it (modified in place).
 
@@ -59,6 +63,8 @@ def parallelize(
     zero_mesh(state, zero)  # built by init_parallel for this scope
     apply_attention(model, state)
     apply_checkpoint(model, checkpoint, checkpoint_every)
+    if compile:
+        apply_compile(model)
     apply_zero(model, state, zero, param_dtype=param_dtype, reshard_after_forward=reshard_after_forward)
     return model
 

@@ -1,1 +1,1 @@
-"""Training: the loss and step mechanics (and, later, the trainer)."""
+"""Training: the step mechanics, the trainer, its checkpoints and its launcher."""

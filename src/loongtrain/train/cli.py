@@ -1,26 +1,53 @@
-"""``loongtrain train``: config file + overrides -> preflight -> every rank trains."""
+"""``loongtrain train``: config file + overrides -> preflight -> every rank trains under
+torchrun's elastic agent, and however the job ends the user reads one line.
+
+Started by an external ``torchrun``, this process is one rank instead (see
+:mod:`loongtrain.train.worker`).
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import signal
 import sys
+import tempfile
+import traceback
+from pathlib import Path
 
-import torch
-
-from loongtrain.config import ConfigError, describe, load_config
-from loongtrain.data.tokens import TokenFileError
-from loongtrain.launch import launch, under_torchrun
-from loongtrain.train.checkpoint import CheckpointError
-from loongtrain.train.trainer import preflight, train
-
-USER_ERRORS = (ConfigError, TokenFileError, CheckpointError)
+from loongtrain.config import ConfigError, TrainConfig, describe, load_config
+from loongtrain.launch import elastic_run, under_torchrun
+from loongtrain.train.checkpoint import CheckpointManager
+from loongtrain.train.faults import (
+    DEBUG_ENV,
+    REPORT_DIR_ENV,
+    ProcessEnd,
+    debug_enabled,
+    read_reports,
+    resume_hint,
+    root_cause,
+    say,
+)
+from loongtrain.train.preflight import RunSpec, preflight
+from loongtrain.train.worker import USER_ERRORS, main_under_torchrun, run_worker
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML config file (see configs/); keys not given keep their defaults")
     parser.add_argument(
-        "--nproc", type=int, default=1, help="local processes to spawn (ignored under torchrun, which sets it)"
+        "--nproc", type=int, default=1, help="processes per node (ignored under torchrun, which sets it)"
+    )
+    parser.add_argument(
+        "--max-restarts", type=int, default=0, metavar="N",
+        help="restart all workers up to N times after a failure (torchrun's elastic agent), resuming from the last "
+        "complete checkpoint",
+    )  # fmt: skip
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes; start the same command on each node")
+    parser.add_argument("--rdzv-endpoint", default="", help="host:port of one node, for --nnodes > 1 (c10d rendezvous)")
+    parser.add_argument("--rdzv-id", default="", help="a job id shared by all nodes, unique per job")
+    parser.add_argument(
+        "--debug", action="store_true", help=f"show full tracebacks and the agent's logs (or set {DEBUG_ENV}=1)"
     )
     parser.add_argument("--help-config", action="store_true", help="list every config key with its help and exit")
     parser.epilog = "Any config key can be overridden: --section.key value (e.g. --run.steps 50 --parallel.hp 2)."
@@ -44,19 +71,87 @@ def split_overrides(extra: list[str]) -> list[str]:
     return out
 
 
-def _train_rank(device: torch.device, cfg, plan) -> None:
-    train(device, cfg, plan)
+def check_launch_arguments(args: argparse.Namespace) -> None:
+    """Raise ConfigError for launcher flags that cannot work."""
+    for name in ("nproc", "nnodes"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts must not be negative, got {args.max_restarts}")
+    if args.nnodes > 1 and not (args.rdzv_endpoint and args.rdzv_id):
+        raise ConfigError(
+            "--nnodes > 1 needs --rdzv-endpoint host:port (one node's address, reachable from all) and a --rdzv-id "
+            "shared by all nodes and unique per job (e.g. $SLURM_JOB_ID)"
+        )
+
+
+def _latest_step(cfg: TrainConfig) -> int | None:
+    latest = CheckpointManager(Path(cfg.run.output_dir) / "checkpoints", cfg.checkpoint.keep).latest()
+    return latest[0] if latest else None
+
+
+def supervise(cfg: TrainConfig, spec: RunSpec, args: argparse.Namespace, argv: list[str]) -> int:
+    """Run every local rank under the elastic agent; print one line for however it ends.
+    Returns the exit code: 0 done, 1 a worker failed, 2 a user-facing error, 128+n a signal."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    report_dir = tempfile.mkdtemp(prefix="loongtrain-reports-")
+    os.environ[REPORT_DIR_ENV] = report_dir
+    try:
+        results = elastic_run(
+            run_worker, cfg, spec, nproc=args.nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
+            rdzv_id=args.rdzv_id, max_restarts=args.max_restarts, quiet=not debug_enabled(),
+        )  # fmt: skip
+    except (SignalException, KeyboardInterrupt) as e:
+        sig = signal.Signals(e.sigval) if isinstance(e, SignalException) else signal.SIGINT
+        say(
+            f"stopped by {sig.name}: every worker was ended at once (the step in progress is not saved); "
+            f"{resume_hint(_latest_step(cfg), argv)}"
+        )
+        return 128 + int(sig)
+    except ChildFailedError as e:
+        if debug_enabled():
+            traceback.print_exc()
+        ends = [
+            ProcessEnd(rank, f.exitcode, f.signal_name() if f.exitcode < 0 else None) for rank, f in e.failures.items()
+        ]
+        cause = root_cause(read_reports(Path(report_dir)), ends, attempt=args.max_restarts)
+        restarts = f" (after {args.max_restarts} restart(s))" if args.max_restarts else ""
+        say(f"{cause}{restarts}; {resume_hint(_latest_step(cfg), argv)}")
+        return 1
+    finally:
+        shutil.rmtree(report_dir, ignore_errors=True)
+        os.environ.pop(REPORT_DIR_ENV, None)
+    fatal = [r["fatal"] for r in results.values() if isinstance(r, dict) and "fatal" in r]
+    if fatal:
+        say(fatal[0])
+        return 2
+    return 0
 
 
 def main(args: argparse.Namespace, extra: list[str]) -> None:
     if args.help_config:
         print(describe())
         return
+    if args.debug:
+        os.environ[DEBUG_ENV] = "1"
     try:
         cfg = load_config(args.config, split_overrides(extra))
-        world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.nproc
-        plan = preflight(cfg, world)
+        if under_torchrun():
+            world = int(os.environ["WORLD_SIZE"])
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        else:
+            check_launch_arguments(args)
+            world, local = args.nproc * args.nnodes, args.nproc
+        spec = preflight(cfg, world, local)
     except USER_ERRORS as e:
-        print(f"loongtrain train: {e}", file=sys.stderr)
+        say(str(e))
         raise SystemExit(2) from None
-    launch(_train_rank, args.nproc, cfg, plan, device=cfg.run.device)
+    except KeyboardInterrupt:
+        say("interrupted before training started")
+        raise SystemExit(130) from None
+    if under_torchrun():
+        main_under_torchrun(cfg, spec)
+        return
+    raise SystemExit(supervise(cfg, spec, args, sys.argv[1:]))

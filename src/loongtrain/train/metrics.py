@@ -85,16 +85,19 @@ def current_memory_bytes(device: torch.device) -> int:
 
 
 class MetricsWriter:
-    """Appends one JSON object per record to ``metrics.jsonl``; TensorBoard when available."""
+    """Appends one JSON object per record to ``metrics.jsonl``; TensorBoard when available.
 
-    def __init__(self, run_dir: Path, tensorboard: bool) -> None:
+    ``purge_step``: a resumed run's first step; TensorBoard hides the events a previous
+    attempt logged from that step on (so re-trained steps are not shown twice)."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool, purge_step: int | None = None) -> None:
         self.path = run_dir / "metrics.jsonl"
         self._tb = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+                self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge_step)
             except Exception:  # noqa: BLE001 - tensorboard not installed or broken: optional
                 self._tb = None
 

@@ -1,0 +1,121 @@
+"""Rank 0's view of a run: the start-up description, one record per step in
+``metrics.jsonl`` (and TensorBoard), the printed lines and progress bar, and the summary.
+Every other rank gets a reporter that does nothing, so the loop never asks its rank."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from loongtrain.train.metrics import MetricsWriter, plot_curves, read_metrics
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """What one optimizer step measured (the same on every rank)."""
+
+    step: int  # 1-based number of the step just taken
+    loss: float
+    accuracy: float
+    grad_norm: float
+    lr: float
+    step_s: float
+    tokens_per_s_per_device: float
+    tflops_per_device: float
+    mfu: float | None
+    peak_memory_gib: float
+
+    def record(self) -> dict:
+        return {"kind": "train", **self.__dict__}
+
+    def line(self) -> str:
+        return (
+            f"loss {self.loss:.4f} acc {self.accuracy:.3f} | gnorm {self.grad_norm:.2f} lr {self.lr:.2e} | "
+            f"{self.tokens_per_s_per_device:,.0f} tok/s/dev {self.tflops_per_device:.3f} TFLOP/s"
+            + (f" MFU {self.mfu:.1%}" if self.mfu is not None else "")
+            + f" | mem {self.peak_memory_gib:.2f} GiB"
+        )
+
+
+class _Progress:
+    """A one-line progress bar on an interactive terminal."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled = total, enabled
+
+    def update(self, step: int, text: str) -> None:
+        if self.enabled:
+            width = 24
+            done = int(width * step / self.total)
+            sys.stdout.write(f"\r[{'#' * done}{'.' * (width - done)}] {step}/{self.total} {text}\033[K")
+            sys.stdout.flush()
+
+    def clear(self) -> None:
+        if self.enabled:
+            sys.stdout.write("\r\033[K")
+            sys.stdout.flush()
+
+
+class Reporter:
+    """Writes and prints what rank 0 sees; a no-op when ``enabled`` is False.
+
+    ``first_step`` is the step the run (re)starts from: TensorBoard drops its events
+    from later steps, as ``metrics.jsonl`` was already cut back to it.
+    """
+
+    def __init__(
+        self, run_dir: Path, *, enabled: bool, total_steps: int, log_every: int, first_step: int,
+        tensorboard: bool, progress: str,
+    ) -> None:  # fmt: skip
+        self.run_dir, self.enabled = run_dir, enabled
+        self.total_steps, self.log_every, self.first_step = total_steps, log_every, first_step
+        interactive = progress == "on" or (progress == "auto" and sys.stdout.isatty())
+        self._progress = _Progress(total_steps, enabled and interactive)
+        self._writer = MetricsWriter(run_dir, tensorboard, purge_step=first_step + 1) if enabled else None
+
+    def say(self, text: str) -> None:
+        if self.enabled:
+            self._progress.clear()
+            print(text, flush=True)
+
+    def step(self, m: StepMetrics) -> None:
+        if not self.enabled:
+            return
+        self._writer.write(m.record())
+        if m.step % self.log_every == 0 or m.step == self.total_steps or m.step == self.first_step + 1:
+            self._progress.clear()
+            print(f"step {m.step:5d}/{self.total_steps} {m.line()}", flush=True)
+        self._progress.update(m.step, f"loss {m.loss:.4f} acc {m.accuracy:.3f}")
+
+    def evaluation(self, step: int, loss: float, accuracy: float) -> None:
+        if self.enabled:
+            self._writer.write({"kind": "eval", "step": step, "loss": loss, "accuracy": accuracy})
+
+    def finish(self, *, steps_run: int, wall_s: float, tokens_per_s: float, eval_batches: int, eval_loss: float,
+               eval_accuracy: float, chance: float | None) -> None:  # fmt: skip
+        if not self.enabled:
+            return
+        self._progress.clear()
+        self.evaluation(self.total_steps, eval_loss, eval_accuracy)
+        self.close()
+        plot_curves(read_metrics(self.run_dir / "metrics.jsonl"), self.run_dir / "curves.png", chance)
+        done = (
+            f"{steps_run} step(s) in {wall_s:.1f} s ({tokens_per_s:,.0f} tokens/s per device after the first step)"
+            if steps_run
+            else "no steps to run"
+        )
+        chance_text = f" (chance {chance:.3f})" if chance is not None else ""
+        print(
+            f"done: {done}\n"
+            f"final evaluation on {eval_batches} held-out batch(es): loss {eval_loss:.4f}, "
+            f"accuracy {eval_accuracy:.3f}{chance_text}\n"
+            f"run folder: {self.run_dir} (config.toml, metrics.jsonl, curves.png, checkpoints/)",
+            flush=True,
+        )
+
+    def close(self) -> None:
+        """Release the writers (also when the run ends with an error)."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

@@ -1,0 +1,237 @@
+"""``loongtrain train`` broken from the outside while it runs, as a user (or the world) would:
+Ctrl-C / SIGTERM, a frozen rank, a killed rank, a restart by the elastic agent, a full
+disk, bad values, and two torchrun "nodes". Each asserts what the user reads (a few
+lines, no traceback), how fast the job ends, and what is left on disk."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from fault_tools import SMALL, Job, alive, metrics, train_losses
+from loongtrain.train.checkpoint import CHECKSUM_FILE, checksum_problems, structure_problem
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds workers through /proc")
+
+
+def _intact(folder) -> bool:
+    import json
+
+    names = sorted(json.loads((folder / CHECKSUM_FILE).read_text()))
+    return structure_problem(folder) is None and not checksum_problems(folder, names)
+
+
+def _checkpoints(run_dir) -> list[str]:
+    """The complete step folders, oldest first (a kill during a save leaves ``step-N.partial``)."""
+    steps = [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.split("-")[-1].isdigit()]
+    return sorted(steps, key=lambda name: int(name.split("-")[1]))
+
+
+def _assert_few_lines(done, most: int = 3) -> None:
+    assert "Traceback" not in done.stderr and "Traceback" not in done.stdout, done.stderr
+    assert len(done.stderr_lines()) <= most, done.stderr
+
+
+def _show(what: str, done) -> None:
+    print(f"\n[{what}] exit {done.returncode} after {done.seconds:.1f} s; stderr:\n{done.stderr}")
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_ctrl_c_and_sigterm_stop_every_worker_and_say_how_to_resume(tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["--nproc", "2", *SMALL, "--run.steps", "100000", "--checkpoint.every", "2", "--checkpoint.keep", "1",
+            "--run.output_dir", str(run_dir)]  # fmt: skip
+    job = Job.train(args, tmp_path / "first")
+    job.wait_for_step(run_dir, 5)
+    workers = job.workers()
+    assert len(workers) == 2
+    t0 = time.monotonic()
+    job.proc.send_signal(signal.SIGINT)  # like Ctrl-C in the terminal (the workers get it too, below)
+    for pid in workers.values():
+        subprocess.run(["kill", "-INT", str(pid)], check=False)
+    done = job.wait(since=t0, timeout=60)
+    _show("Ctrl-C", done)
+    assert done.returncode == 128 + signal.SIGINT
+    assert done.seconds < 15, "every worker stops within seconds"
+    assert not any(alive(pid) for pid in workers.values())
+    _assert_few_lines(done, 1)
+    line = done.stderr_lines()[0]
+    assert line.startswith("loongtrain train: stopped by SIGINT") and "resume with: loongtrain train" in line
+    latest = _checkpoints(run_dir)[-1]
+    assert latest.startswith("step-") and _intact(run_dir / "checkpoints" / latest)
+    saved = int(latest.split("-")[1])
+
+    # the same command resumes; SIGTERM to the launcher alone (a scheduler's stop) ends it as fast
+    job = Job.train(args, tmp_path / "second")
+    job.wait_for_step(run_dir, saved + 3)
+    t0 = time.monotonic()
+    job.proc.send_signal(signal.SIGTERM)
+    done = job.wait(since=t0, timeout=60)
+    _show("SIGTERM", done)
+    assert done.returncode == 128 + signal.SIGTERM and done.seconds < 15
+    _assert_few_lines(done, 1)
+    assert done.stderr_lines()[0].startswith("loongtrain train: stopped by SIGTERM")
+    assert f"resumed from {run_dir / 'checkpoints' / latest} at step {saved}" in done.stdout
+    train_losses(run_dir)  # no step logged twice
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("rank", [1, 0])  # rank 0 also serves the job's store
+def test_a_frozen_rank_is_named_within_the_timeout(tmp_path, rank):
+    run_dir = tmp_path / "run"
+    timeout_s = 6
+    job = Job.train(["--nproc", "2", *SMALL, "--run.steps", "100000", "--run.timeout_s", str(timeout_s),
+                     "--run.output_dir", str(run_dir)], tmp_path)  # fmt: skip
+    try:
+        job.wait_for_step(run_dir, 3)
+        frozen = job.workers()[rank]
+        t0 = time.monotonic()
+        subprocess.run(["kill", "-STOP", str(frozen)], check=True)
+        done = job.wait(since=t0, timeout=120)
+    finally:
+        job.kill()
+    _show(f"SIGSTOP rank {rank}", done)
+    assert done.returncode == 1
+    _assert_few_lines(done, 1)
+    line = done.stderr_lines()[0]
+    assert line.startswith(f"loongtrain train: rank {rank} stopped answering"), line
+    assert "raise run.timeout_s (now 6 s)" in line and "resume with: loongtrain train" in line
+    # detected after the timeout plus a few heartbeats; the reporting rank kills the frozen one
+    assert timeout_s < done.seconds < timeout_s + 15
+    assert not alive(frozen)
+
+
+@pytest.mark.dist
+def test_a_killed_worker_ends_the_job_with_one_line(tmp_path):
+    run_dir = tmp_path / "run"
+    job = Job.train(["--nproc", "2", *SMALL, "--run.steps", "100000", "--checkpoint.every", "2",
+                     "--run.output_dir", str(run_dir)], tmp_path)  # fmt: skip
+    job.wait_for_step(run_dir, 5)
+    workers = job.workers()
+    t0 = time.monotonic()
+    subprocess.run(["kill", "-KILL", str(workers[1])], check=True)
+    done = job.wait(since=t0, timeout=60)
+    _show("SIGKILL rank 1", done)
+    assert done.returncode == 1 and done.seconds < 15
+    _assert_few_lines(done, 1)
+    line = done.stderr_lines()[0]
+    assert line.startswith("loongtrain train: rank 1 was killed by SIGKILL"), line
+    assert "the last complete checkpoint is step-" in line and "resume with: loongtrain train" in line
+    assert not alive(workers[0])
+    latest = _checkpoints(run_dir)[-1]
+    assert _intact(run_dir / "checkpoints" / latest)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_max_restarts_resumes_and_matches_an_uninterrupted_run(tmp_path):
+    steps = ["--run.steps", "24", "--checkpoint.every", "4", "--data.seq_len", "128"]
+    reference = Job.train(["--nproc", "2", *SMALL, *steps, "--run.output_dir", str(tmp_path / "ref")],
+                          tmp_path / "ref-log").wait()  # fmt: skip
+    assert reference.returncode == 0, reference.stderr
+    run_dir = tmp_path / "run"
+    job = Job.train(["--nproc", "2", "--max-restarts", "1", *SMALL, *steps, "--run.output_dir", str(run_dir)],
+                    tmp_path / "log")  # fmt: skip
+    job.wait_for_step(run_dir, 6)  # the kill lands somewhere after step-4 was saved
+    subprocess.run(["kill", "-KILL", str(job.workers()[1])], check=True)
+    done = job.wait(timeout=240)
+    _show("SIGKILL rank 1 with --max-restarts 1", done)
+    assert done.returncode == 0, done.stderr
+    assert "restarted by the elastic agent (restart 1 of 1) after: " in done.stdout
+    assert "resumed from" in done.stdout
+    assert train_losses(run_dir) == train_losses(tmp_path / "ref"), "bit-exact, each step logged once"
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.dist
+def test_full_disk_stops_with_one_line_and_the_previous_checkpoint_intact(tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    # a 2.5 MiB tmpfs: one checkpoint of the debug model (1.8 MiB) fits, a second does not
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2560k", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:  # fmt: skip
+        pytest.skip("cannot mount a tmpfs here (needs root); test_checkpoint_faults simulates the full disk")
+    try:
+        run_dir = mount / "run"
+        job = Job.train(["--nproc", "2", *SMALL, "--run.steps", "6", "--checkpoint.every", "2",
+                         "--checkpoint.keep", "1", "--run.output_dir", str(run_dir)], tmp_path / "log")  # fmt: skip
+        done = job.wait(timeout=180)
+        _show("full disk (2.5 MiB tmpfs)", done)
+        assert done.returncode == 2
+        _assert_few_lines(done, 1)
+        line = done.stderr_lines()[0]
+        assert line.startswith("loongtrain train: checkpoint step-4 not saved: no space left on device"), line
+        assert "the previous checkpoint step-2 is intact" in line
+        assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-2"], "no partial folder"
+        assert _intact(run_dir / "checkpoints" / "step-2")
+        assert max(r["step"] for r in metrics(run_dir)) == 4
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_bad_values_are_refused_before_spawning(tmp_path):
+    for override, message in [
+        (["--optim.beta1", "1.5"], "optim.beta1=1.5 must be in [0, 1)"),
+        (["--optim.eps", "-1"], "optim.eps=-1.0 must be positive"),
+        (["--run.device", "cuda"], "run.device=cuda needs one GPU per local rank"),
+        (["--max-restarts", "-1"], "--max-restarts must not be negative"),
+    ]:
+        t0 = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, "-m", "loongtrain", "train", "--nproc", "2", *override, "--run.output_dir",
+             str(tmp_path)], capture_output=True, text=True,
+        )  # fmt: skip
+        seconds = time.monotonic() - t0
+        print(f"\n[{' '.join(override)}] exit {proc.returncode} after {seconds:.1f} s: {proc.stderr.strip()}")
+        if override == ["--run.device", "cuda"] and proc.returncode == 0:
+            continue  # a machine with GPUs
+        assert proc.returncode == 2 and proc.stderr.startswith(f"loongtrain train: {message}"), proc.stderr
+        assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_two_nodes_train_like_one_node(tmp_path):
+    """Two torchrun agents (``--nnodes 2``, one process each) on this machine, and two
+    ``loongtrain train --nnodes 2`` launchers, reach the same losses as one node with two
+    processes (same world size and layout)."""
+    common = [*SMALL, "--run.steps", "6", "--checkpoint.every", "3"]
+    one = Job.train(["--nproc", "2", *common, "--run.output_dir", str(tmp_path / "one")], tmp_path / "one-log")
+    assert one.wait().returncode == 0
+    single_node = train_losses(tmp_path / "one")
+    env = {"LOONGTRAIN_THREADS_PER_RANK": "1"}  # as in one node of 2 processes on 2 cores
+    for launcher in ("torchrun", "loongtrain"):
+        run_dir, port, job_id = tmp_path / launcher, _free_port(), uuid.uuid4().hex
+        if launcher == "torchrun":
+            argv = [
+                [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job_id,
+                 "--rdzv-conf", f"is_host={node == 0}", "-m", "loongtrain", "train", *common,
+                 "--run.output_dir", str(run_dir)]
+                for node in range(2)
+            ]  # fmt: skip
+        else:
+            argv = [
+                [sys.executable, "-m", "loongtrain", "train", "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint",
+                 f"127.0.0.1:{port}", "--rdzv-id", job_id, *common, "--run.output_dir", str(run_dir)]
+            ] * 2  # fmt: skip
+        nodes = [Job(a, tmp_path / f"{launcher}-node{i}", env) for i, a in enumerate(argv)]
+        for node in nodes:
+            done = node.wait(timeout=240)
+            assert done.returncode == 0, done.stderr
+        assert train_losses(run_dir) == single_node, launcher
+        assert _checkpoints(run_dir) == ["step-3", "step-6"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
