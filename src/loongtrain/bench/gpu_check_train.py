@@ -1,9 +1,10 @@
 """The GPU check's training part: timed training steps on one device, MFU against a stated
 peak, and the planner's prediction for the same step.
 
-A step is what a user's loop runs: :func:`loongtrain.forward_backward` on one full
-sequence, then an AdamW step (fp32 master weights, ``param_dtype`` compute through FSDP2's
-mixed precision on a one-rank mesh). Model FLOPs per token are
+A step is the trainer's: the model built by :func:`parallelize` (``compile=True`` for the
+compiled rows), then :func:`~loongtrain.train.trainer.train_step` on one full sequence with
+the default ``[optim]`` (AdamW, gradient clipping), fp32 master weights and ``param_dtype``
+compute through FSDP2's mixed precision on a one-rank mesh. Model FLOPs per token are
 :meth:`ModelConfig.flops_per_token` (the trainer's and the planner's definition), so
 ``MFU = tokens/s x FLOPs/token / peak``.
 """
@@ -19,14 +20,15 @@ from dataclasses import dataclass
 import torch
 
 from loongtrain.bench.common import median_time, sync
+from loongtrain.config import OptimSection
 from loongtrain.model import ModelConfig, build_model
 from loongtrain.parallel import ParallelConfig, ParallelState, init_parallel
-from loongtrain.parallelize import apply_attention, apply_checkpoint, apply_zero, materialize
-from loongtrain.parallelize.compile import apply_compile
+from loongtrain.parallelize import materialize, parallelize
 from loongtrain.planner import Candidate, ClusterSpec, PlanError, Workload, cluster_spec, estimate
 from loongtrain.planner.report import format_length
-from loongtrain.train.metrics import device_peak_tflops, mfu, peak_memory_bytes, reset_peak_memory
-from loongtrain.train.step import forward_backward
+from loongtrain.train.metrics import device_peak_tflops, mfu, reset_peak_memory
+from loongtrain.train.preflight import build_optimizer
+from loongtrain.train.trainer import peak_memory_gib, train_step
 
 GiB = 2**30
 ZERO = "dp_sp"  # one rank: FSDP2 only for the bf16 mixed precision
@@ -124,13 +126,10 @@ def measure_training_step(
 
     The model and optimizer are freed when this returns; call :func:`release_memory` then."""
     model = build_model(cfg)
-    apply_attention(model, state)
-    apply_checkpoint(model, case.checkpoint)
-    if case.compiled:
-        apply_compile(model)
-    apply_zero(model, state, ZERO, param_dtype=dtype)
+    parallelize(model, state, checkpoint=case.checkpoint, zero=ZERO, param_dtype=dtype, compile=case.compiled)
     materialize(model, device, seed=0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    optim = OptimSection()
+    optimizer = build_optimizer(model.parameters(), optim)
     gen = torch.Generator(device).manual_seed(0)
     data = torch.randint(0, cfg.vocab_size, (1, case.seq + 1), generator=gen, device=device)
     batch = [(data[:, :-1], data[:, 1:])]
@@ -139,16 +138,14 @@ def measure_training_step(
     def step() -> float:
         sync(device)
         t0 = time.perf_counter()
-        losses.append(forward_backward(model, state, batch).loss)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        losses.append(train_step(model, optimizer, state, batch, lr=optim.lr, grad_clip=optim.grad_clip).loss)
         sync(device)
         return time.perf_counter() - t0
 
     first = [step() for _ in range(warmup)]
     reset_peak_memory(device)
     step_s = statistics.median(step() for _ in range(steps))
-    peak_bytes = peak_memory_bytes(device)
+    peak_gib = peak_memory_gib(device)
     flops = cfg.flops_per_token(case.seq)
     tokens_per_s = case.seq / step_s
     return {
@@ -159,7 +156,7 @@ def measure_training_step(
         "tflops": tokens_per_s * flops / 1e12,
         "mfu": mfu(tokens_per_s, flops, peak.tflops),
         "peak_tflops": peak.tflops,
-        "peak_memory_gib": peak_bytes / GiB,
+        "peak_memory_gib": peak_gib,
         "losses": losses,
         "finite": all(math.isfinite(x) for x in losses),
     }
