@@ -8,11 +8,13 @@
   table printed and the JSON agree.
 - The CUDA profile's kernel calls fit PyTorch's op schemas (meta device), its training
   rows fit one H200 by the planner, and its distributed sizes are valid for 2 to 8 GPUs.
-- ``--device cuda`` without a GPU is a one-line error.
+- What cannot run is a ``skipped`` row with the reason; ``--device cuda`` without a GPU is
+  a one-line error.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -24,12 +26,11 @@ import pytest
 import torch
 
 from loongtrain.attention.kernels import CudaSdpaBackend
-from loongtrain.attention.sharding import check_sequence_length
-from loongtrain.bench.gpu_check import PROFILES, replay_status, training_status
+from loongtrain.bench.gpu_check import PROFILES, Budget, dist_rows, kernel_rows, replay_status, training_status
 from loongtrain.bench.gpu_check_dist import check_layouts, documents, training_layout
-from loongtrain.bench.gpu_check_kernels import case_inputs, kernel_grid, run_case
+from loongtrain.bench.gpu_check_kernels import case_inputs, installed_backends, kernel_grid, run_case
 from loongtrain.bench.gpu_check_train import TrainCase, predict_step
-from loongtrain.parallel.layout import check_head_split
+from loongtrain.parallel.layout import check_head_split, check_sequence_length
 from loongtrain.planner import cluster_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -211,3 +212,15 @@ def test_goals_are_judged_on_the_measured_numbers():
     assert training_status(True, sc, good, {"step_s": 0.7})[1] == "below goal: planner"
     assert training_status(True, TrainCase(131072, "full"), {**good, "mfu": 0.1}, None) == ("-", "measured")
     assert training_status(False, sc, {**good, "finite": False}, None)[1] == "FAIL"
+
+
+def test_what_cannot_run_is_a_skipped_row_with_the_reason():
+    p, cpu = PROFILES["cpu"], torch.device("cpu")
+    rows = dist_rows(p, cpu, 1, Budget(0))
+    assert [r.status for r in rows] == ["skipped"] and "--dist-world < 2" in rows[0].result
+    rows = kernel_rows(p, cpu, Budget(1e-9))  # spent before the first kernel
+    assert len(rows) == 24 and all(r.status == "skipped" and "time budget" in r.result for r in rows)
+    if importlib.util.find_spec("flash_attn") is None:  # no GPU needed: choosing a backend runs no kernel
+        backends, missing = installed_backends(torch.device("cuda"))
+        assert [name for name, _ in backends] == ["cuda-sdpa"]
+        assert missing == [("flash-attn", "flash_attn>=2.7 is not installed (pip install flash-attn to check it)")]
