@@ -6,12 +6,13 @@
 # Without a GPU, or with --device cpu, it runs the same paths at tiny sizes (the tests do).
 # Extra arguments go to `loongtrain bench gpu-check` (see --help).
 #
-# Python: $LOONGTRAIN_PYTHON if set; else a python3 whose torch sees a GPU (a GPU
+# Python: $LOONGTRAIN_PYTHON if set; else a python3 (3.11+) whose torch sees a GPU (a GPU
 # machine's own CUDA build: nothing is installed, loongtrain is imported from src/);
 # else the project's .venv from scripts/setup.sh (the pinned CPU wheel).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-sees_gpu() { "$1" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; }
+# (Python 3.11 or newer, as pyproject.toml requires)
+sees_gpu() { "$1" -c 'import sys, torch; sys.exit(0 if sys.version_info >= (3, 11) and torch.cuda.is_available() else 1)' >/dev/null 2>&1; }
 if [ -n "${LOONGTRAIN_PYTHON:-}" ]; then
   py=$LOONGTRAIN_PYTHON
 elif command -v python3 >/dev/null 2>&1 && sees_gpu python3; then
