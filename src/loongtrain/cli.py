@@ -1,5 +1,5 @@
 """The ``loongtrain`` command: ``train``, ``export``, ``plan``, ``prepare``, ``demo``, and
-``bench attention|documents|memory|train``.
+``bench attention|documents|memory|train|gpu-check``.
 
 Each command's module is imported only when that command runs (or shows its help), so
 ``loongtrain plan`` does not pay for torch.
@@ -24,6 +24,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "documents": ("loongtrain.bench.documents", "packed documents: work balance and time vs full causal"),
     "memory": ("loongtrain.bench.memory", "peak memory per rank by sp degree, checkpoint mode, ZeRO scope"),
     "train": ("loongtrain.bench.train", "the trainer's step: tokens/s eager vs compiled, and its time breakdown"),
+    "gpu-check": ("loongtrain.bench.gpu_check", "every device path vs float64, overhead, MFU: one table (+ JSON)"),
 }
 
 

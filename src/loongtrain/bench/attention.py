@@ -25,10 +25,19 @@ from loongtrain.parallel import init_parallel
 
 
 def decomposition_overhead(
-    seq: int, cp: int, window: int, heads: int, kv_heads: int, head_dim: int, reps: int, dtype: torch.dtype
+    seq: int,
+    cp: int,
+    window: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    reps: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
 ) -> dict:
-    """Fused vs replayed ring attention (forward + backward) in this process."""
-    q, k, v, dout = make_inputs(1, seq, heads, kv_heads, head_dim, dtype)
+    """Fused vs replayed ring attention (forward + backward) in this process, on ``device``."""
+    device = torch.device(device)
+    q, k, v, dout = make_inputs(1, seq, heads, kv_heads, head_dim, dtype, device=device)
     scale = head_dim**-0.5
     out, _ = block_forward(q, k, v, causal=True, scale=scale)
 
@@ -44,8 +53,8 @@ def decomposition_overhead(
         outs, lses = replay.forward(qs, kvs, scale)
         replay.backward(douts, qs, kvs, outs, lses, scale)
 
-    t_fused = median_time(fused, reps)
-    t_replay = median_time(replayed, reps)
+    t_fused = median_time(fused, reps, device)
+    t_replay = median_time(replayed, reps, device)
     outs, _ = replay.forward(qs, kvs, scale)
     err = ((replay.unshard(outs).double() - out.double()).abs().max() / out.abs().max()).item()
     return {

@@ -49,15 +49,27 @@ def standard_layouts(world: int, heads: int, kv_heads: int) -> list[NamedLayout]
 
 
 def make_inputs(
-    batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int = 0
+    batch: int,
+    seq: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    kv_seq: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Full-sequence q, k, v, dout (same on every rank: same seed)."""
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, seq, heads, head_dim, generator=gen)
-    k = torch.randn(batch, seq, kv_heads, head_dim, generator=gen)
-    v = torch.randn(batch, seq, kv_heads, head_dim, generator=gen)
-    dout = torch.randn(batch, seq, heads, head_dim, generator=gen)
-    return tuple(x.to(dtype) for x in (q, k, v, dout))
+    """Full-sequence q, k, v, dout (same on every rank: same seed), drawn on ``device`` by a
+    generator of that device; k and v have ``kv_seq`` rows (default ``seq``). On ``meta``
+    only the shapes exist."""
+    device = torch.device(device)
+    gen = torch.Generator("cpu" if device.type == "meta" else device).manual_seed(seed)
+
+    def draw(rows: int, n_heads: int) -> torch.Tensor:
+        return torch.randn(batch, rows, n_heads, head_dim, generator=gen, device=device).to(dtype)
+
+    kv_rows = seq if kv_seq is None else kv_seq
+    return draw(seq, heads), draw(kv_rows, kv_heads), draw(kv_rows, kv_heads), draw(seq, heads)
 
 
 @dataclass
@@ -70,8 +82,9 @@ class TimedRun:
     bwd_s: float
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
+def sync(device: torch.device | None) -> None:
+    """Wait for ``device``'s queued work (CUDA kernels run asynchronously); no-op on CPU."""
+    if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
@@ -90,13 +103,13 @@ def run_sharded_attention(
     for rep in range(reps + 1):
         ql, kl, vl = (x.detach().requires_grad_() for x in (q, k, v))
         dist.barrier()
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         out = head_context_attention(ql, kl, vl, state, causal=causal)
-        _sync(device)
+        sync(device)
         t1 = time.perf_counter()
         out.backward(dout)
-        _sync(device)
+        sync(device)
         t2 = time.perf_counter()
         if rep > 0:
             fwd_times.append(t1 - t0)
@@ -107,12 +120,15 @@ def run_sharded_attention(
     return TimedRun(out.detach(), ql.grad, kl.grad, vl.grad, times[0].item(), times[1].item())
 
 
-def median_time(fn, reps: int) -> float:
-    """Median wall time of ``fn()`` over ``reps`` runs after one warm-up."""
+def median_time(fn, reps: int, device: torch.device | None = None) -> float:
+    """Median wall time of ``fn()`` over ``reps`` runs after one warm-up; with ``device``,
+    each run is timed until that device's queued work has finished."""
     fn()
     times = []
     for _ in range(reps):
+        sync(device)
         t0 = time.perf_counter()
         fn()
+        sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)

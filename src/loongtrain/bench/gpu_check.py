@@ -1,0 +1,527 @@
+"""``loongtrain bench gpu-check`` (``scripts/gpu_check.sh``): one command that runs every
+device path of loongtrain and prints one table (also written as JSON).
+
+1. kernels: every installed block-attention backend (CUDA: PyTorch's SDPA flash and
+   memory-efficient kernels, ``flash_attn``; CPU: the aten flash op) in bf16, fp16 and
+   fp32, causal and not, MHA and GQA, with and without a sliding-window mask: out, lse,
+   dq, dk, dv against float64, and the lse convention through the merge;
+2. replay: the double ring's blocks and merges replayed in one process against one fused
+   call (the decomposition overhead), for cp 4 and 8, windows 1 and 2;
+3. training: timed steps of a Llama with Selective Checkpoint++ and full checkpointing:
+   tokens/s, model TFLOP/s, MFU against a stated peak, peak memory, and the planner's
+   prediction for the same step;
+4. distributed (2+ GPUs, or gloo processes on CPU): the 2D attention under the standard
+   layouts against float64, and parallel training against the unsharded model.
+
+``--device cuda`` uses the sizes of one H200 (a ~1.1B model at 32K and 128K tokens) and
+a time budget; ``--device cpu`` runs every path at tiny sizes in well under a minute (the
+test suite runs it). What cannot run is a row marked ``skipped`` with the reason. Exit
+status 1 if any correctness check fails; performance goals are reported, not enforced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from loongtrain.bench.attention import decomposition_overhead
+from loongtrain.bench.gpu_check_dist import DistSizes, run_dist_checks
+from loongtrain.bench.gpu_check_kernels import check_case, installed_backends, kernel_grid, kernel_name, tolerance
+from loongtrain.bench.gpu_check_train import (
+    Peak,
+    TrainCase,
+    measure_training_step,
+    one_rank_state,
+    planner_cluster,
+    predict_step,
+    release_memory,
+    stated_peak,
+)
+from loongtrain.launch import launch, under_torchrun
+from loongtrain.model import ModelConfig, model_config
+from loongtrain.planner.report import format_length
+
+PASS, FAIL, SKIP, MEASURED, MET, MISSED = "pass", "FAIL", "skipped", "measured", "goal met", "below goal"
+# goals of the issue, judged on CUDA only
+REPLAY_GOAL = 1.10  # replayed / fused time at S >= 32K
+MFU_GOAL = 0.50  # single-GPU MFU at 32K with sc++
+PLANNER_GOAL = 0.20  # |predicted / measured - 1|
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Sizes of one run of the check."""
+
+    name: str
+    kernel_batch: int
+    kernel_seq: int
+    kernel_heads: int
+    kernel_kv_heads: tuple[int, ...]
+    kernel_head_dim: int
+    kernel_dtypes: tuple[str, ...]
+    replay_seqs: tuple[int, ...]
+    replay_cps: tuple[int, ...]
+    replay_windows: tuple[int, ...]
+    replay_heads: tuple[int, int, int]  # query heads, key/value heads, head dim
+    replay_dtype: str
+    replay_reps: int
+    train_model: ModelConfig
+    train_model_name: str
+    train_cases: tuple[TrainCase, ...]
+    compiled_cases: tuple[TrainCase, ...]  # run last, budget permitting (--compile extra)
+    train_dtype: str
+    train_steps: int
+    train_warmup: int
+    matmul_n: int  # size of the measured matmul when the device's peak is not known
+    dist: DistSizes
+    goals: bool  # judge the performance goals (meaningful on a GPU only)
+    budget_s: float  # default time budget; 0: none
+    compile_reserve_s: float  # budget a compiled row needs left to start (compilation included)
+
+
+# ~1.1B parameters: LLaMA-2-7B's GQA shape scaled to fit one GPU at 128K tokens
+GPU_MODEL = model_config("7b-gqa", dim=2048, n_layers=16, n_heads=16, n_kv_heads=4, ffn_dim=8192)
+TINY_MODEL = model_config("debug")
+
+PROFILES: dict[str, Profile] = {
+    "cuda": Profile(
+        name="cuda",
+        kernel_batch=2,
+        kernel_seq=1000,  # not a multiple of the kernels' tiles: ragged edges are exercised
+        kernel_heads=16,
+        kernel_kv_heads=(16, 4),
+        kernel_head_dim=128,
+        kernel_dtypes=("bfloat16", "float16", "float32"),
+        replay_seqs=(32768, 131072),
+        replay_cps=(4, 8),
+        replay_windows=(1, 2),
+        replay_heads=(16, 4, 128),
+        replay_dtype="bfloat16",
+        replay_reps=3,
+        train_model=GPU_MODEL,
+        train_model_name=f"{GPU_MODEL.num_params() / 1e9:.1f}B llama",
+        train_cases=tuple(TrainCase(s, m) for s in (32768, 131072) for m in ("sc++", "full")),
+        compiled_cases=(TrainCase(32768, "sc++", compiled=True),),
+        train_dtype="bfloat16",
+        train_steps=2,
+        train_warmup=1,
+        matmul_n=8192,
+        dist=DistSizes(
+            tokens_per_rank=1024,
+            heads=16,
+            kv_heads=4,
+            head_dim=128,
+            dtypes=("bfloat16", "float32"),
+            model=model_config("debug", dim=256, n_heads=8, n_kv_heads=2, ffn_dim=704, vocab_size=1024),
+            train_tokens_per_rank=64,
+        ),
+        goals=True,
+        budget_s=360.0,
+        compile_reserve_s=90.0,
+    ),
+    "cpu": Profile(
+        name="cpu",
+        kernel_batch=1,
+        kernel_seq=40,
+        kernel_heads=4,
+        kernel_kv_heads=(4, 1),
+        kernel_head_dim=16,
+        kernel_dtypes=("bfloat16", "float16", "float32"),
+        replay_seqs=(256, 512),
+        replay_cps=(4, 8),
+        replay_windows=(1, 2),
+        replay_heads=(4, 2, 16),
+        replay_dtype="bfloat16",
+        replay_reps=1,
+        train_model=TINY_MODEL,
+        train_model_name="debug llama",
+        train_cases=tuple(TrainCase(s, m) for s in (64, 128) for m in ("sc++", "full")),
+        compiled_cases=(TrainCase(64, "sc++", compiled=True),),
+        train_dtype="bfloat16",
+        train_steps=1,
+        train_warmup=1,
+        matmul_n=512,
+        dist=DistSizes(
+            tokens_per_rank=16,
+            heads=4,
+            kv_heads=2,
+            head_dim=16,
+            dtypes=("bfloat16", "float32"),
+            model=TINY_MODEL,
+            train_tokens_per_rank=16,
+        ),
+        goals=False,
+        budget_s=0.0,
+        compile_reserve_s=0.0,
+    ),
+}
+
+
+@dataclass
+class Row:
+    """One line of the table: ``result`` is what was measured, ``target`` what it is judged against."""
+
+    section: str
+    case: str
+    result: str
+    target: str
+    status: str
+    values: dict = field(default_factory=dict)
+
+
+class Budget:
+    """Wall-clock budget: items that would start after it are skipped (0: no budget)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.start = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def exhausted(self, reserve: float = 0.0) -> bool:
+        """True if an item that needs ``reserve`` seconds would end after the budget."""
+        return self.seconds > 0 and self.elapsed() + reserve > self.seconds
+
+
+def _progress(message: str) -> None:
+    print(f"[gpu-check] {message}", file=sys.stderr, flush=True)
+
+
+def _error_row(section: str, case: str, exc: BaseException) -> Row:
+    _progress(f"{section} {case}: {type(exc).__name__}\n{traceback.format_exc()}")
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return Row(section, case, f"{type(exc).__name__}: {first}"[:200], "runs", FAIL)
+
+
+def _skip_row(section: str, case: str, why: str) -> Row:
+    return Row(section, case, why, "-", SKIP)
+
+
+def _budget_row(section: str, case: str, budget: Budget) -> Row:
+    return _skip_row(section, case, f"time budget of {budget.seconds:.0f} s spent (--budget-s)")
+
+
+def _fmt_errors(errors: dict[str, float]) -> str:
+    return " ".join(f"{name} {value:.1e}" for name, value in errors.items())
+
+
+def kernel_rows(profile: Profile, device: torch.device, budget: Budget) -> list[Row]:
+    """Section 1: every installed backend over the kernel grid."""
+    p = profile
+    cases = kernel_grid(
+        p.kernel_dtypes, p.kernel_batch, p.kernel_seq, p.kernel_heads, p.kernel_kv_heads, p.kernel_head_dim
+    )
+    backends, missing = installed_backends(device)
+    rows = [_skip_row("kernels", name, why) for name, why in missing]
+    for name, backend in backends:
+        for case in cases:
+            label = f"{name}: {kernel_name(name, case)} {case.label()}"
+            if case.dtype not in [str(d).removeprefix("torch.") for d in backend.dtypes]:
+                continue  # e.g. flash_attn has no fp32
+            if budget.exhausted():
+                rows.append(_budget_row("kernels", label, budget))
+                continue
+            try:
+                r = check_case(name, backend, case, device)
+            except Exception as exc:  # noqa: BLE001 - reported as a failed row
+                rows.append(_error_row("kernels", label, exc))
+                continue
+            target = f"<= {r['tolerance']:.0e}, lse <= {r['lse_tolerance']:.0e}"
+            rows.append(Row("kernels", label, _fmt_errors(r["errors"]), target, PASS if r["ok"] else FAIL, r))
+    _progress(f"kernels: {len(rows)} rows, {budget.elapsed():.0f} s")
+    return rows
+
+
+def replay_rows(profile: Profile, device: torch.device, budget: Budget) -> list[Row]:
+    """Section 2: the ring replayed in one process vs one fused call."""
+    heads, kv_heads, head_dim = profile.replay_heads
+    dtype = getattr(torch, profile.replay_dtype)
+    tol, _ = tolerance(device.type, profile.replay_dtype)
+    rows = []
+    for seq in profile.replay_seqs:
+        for cp in profile.replay_cps:
+            for window in profile.replay_windows:
+                case = f"S={format_length(seq)} cp={cp} window={window} {profile.replay_dtype}"
+                if budget.exhausted():
+                    rows.append(_budget_row("replay", case, budget))
+                    continue
+                try:
+                    reps = profile.replay_reps
+                    r = decomposition_overhead(seq, cp, window, heads, kv_heads, head_dim, reps, dtype, device)
+                except Exception as exc:  # noqa: BLE001 - reported as a failed row
+                    rows.append(_error_row("replay", case, exc))
+                    continue
+                finally:
+                    release_memory(device)
+                result = (
+                    f"{r['ratio']:.3f}x (fused {r['fused_s'] * 1e3:.1f} ms, replay {r['replay_s'] * 1e3:.1f} ms), "
+                    f"out err {r['max_rel_err']:.1e}"
+                )
+                target, status = replay_status(r, tol, profile.goals)
+                rows.append(Row("replay", case, result, target, status, r))
+    _progress(f"replay: {len(rows)} rows, {budget.elapsed():.0f} s")
+    return rows
+
+
+def replay_status(r: dict, tol: float, goals: bool) -> tuple[str, str]:
+    """``(target, status)`` of a replay row: its output within ``4 * tol`` (max error relative to
+    max |out|) of the fused call, and with ``goals`` the overhead goal at S >= 32K."""
+    goal = goals and r["seq"] >= 32768
+    target = f"err <= {4 * tol:.0e}" + (f", ratio <= {REPLAY_GOAL:.2f}" if goal else "")
+    if not r["max_rel_err"] <= 4 * tol:
+        return target, FAIL
+    if not goal:
+        return target, MEASURED
+    return target, MET if r["ratio"] <= REPLAY_GOAL else MISSED
+
+
+def training_status(goals: bool, case: TrainCase, m: dict, pred: dict | None) -> tuple[str, str]:
+    """``(target, status)`` of a training row: a finite loss, and with ``goals`` the MFU goal
+    (sc++ at 32K) and the planner's step time within 20% of the measured one."""
+    if not m["finite"]:
+        return "finite loss", FAIL
+    if not goals:
+        return "MFU = tokens/s x FLOPs/token / peak", MEASURED
+    targets, missed = [], []
+    if case.checkpoint == "sc++" and case.seq == 32768:
+        targets.append(f"MFU >= {MFU_GOAL:.0%}")
+        if m["mfu"] is None or m["mfu"] < MFU_GOAL:
+            missed.append("MFU")
+    if pred is not None:
+        targets.append(f"planner within {PLANNER_GOAL:.0%}")
+        if abs(pred["step_s"] / m["step_s"] - 1) > PLANNER_GOAL:
+            missed.append("planner")
+    if not targets:
+        return "-", MEASURED
+    return ", ".join(targets), MET if not missed else f"{MISSED}: {', '.join(missed)}"
+
+
+def _train_result(m: dict, pred: dict | None, planner_note: str) -> str:
+    text = (
+        f"{m['step_s']:.3f} s/step, {m['tokens_per_s']:.0f} tok/s, {m['tflops']:.3g} TFLOP/s, "
+        f"MFU {m['mfu']:.1%}, peak mem {m['peak_memory_gib']:.3g} GiB"
+    )
+    if pred is None:
+        return f"{text} | planner: {planner_note}"
+    return (
+        f"{text} | planner ({planner_note}) {pred['step_s']:.3f} s, meas/pred {m['step_s'] / pred['step_s']:.2f}, "
+        f"MFU {pred['mfu']:.1%}, mem {pred['memory_gib']:.3g} GiB"
+    )
+
+
+def _training_on_one_rank(
+    device: torch.device,
+    profile: Profile,
+    cases: list[TrainCase],
+    peak: Peak,
+    args,
+    budget: Budget,
+    reserve: float,
+    rows: list,
+) -> None:
+    """Body run in a one-rank process group (``launch`` with ``nproc=1``): appends to ``rows``."""
+    state = one_rank_state()
+    dtype = getattr(torch, profile.train_dtype)
+    cluster, planner_note = planner_cluster(device, args.cluster)
+    for case in cases:
+        label = f"{profile.train_model_name} {case.label()}"
+        if budget.exhausted(reserve):
+            rows.append(_budget_row("training", label, budget))
+            continue
+        _progress(f"training {label} ...")
+        try:
+            m = measure_training_step(
+                state, profile.train_model, case, dtype, device, profile.train_steps, profile.train_warmup, peak
+            )
+        except Exception as exc:  # noqa: BLE001 - reported as a failed row (out of memory included)
+            rows.append(_error_row("training", label, exc))
+            continue
+        finally:
+            release_memory(device)
+        pred = predict_step(cluster, profile.train_model, case, dtype) if cluster is not None else None
+        target, status = training_status(profile.goals, case, m, pred)
+        values = {**m, **asdict(case), "planner": pred, "planner_cluster": planner_note}
+        rows.append(Row("training", label, _train_result(m, pred, planner_note), target, status, values))
+
+
+def training_rows(profile: Profile, device: torch.device, peak: Peak, args, budget: Budget, compiled: bool) -> list:
+    """Section 3 (or the compiled rows at the end): training steps in a one-rank process group."""
+    if compiled:
+        cases, reserve = list(profile.compiled_cases), profile.compile_reserve_s
+    else:
+        cases = [TrainCase(c.seq, c.checkpoint, args.compile == "all") for c in profile.train_cases]
+        reserve = 0.0
+    rows: list[Row] = []
+    launch(_training_on_one_rank, 1, profile, cases, peak, args, budget, reserve, rows, device=device.type)
+    _progress(f"training: {len(rows)} rows, {budget.elapsed():.0f} s")
+    return rows
+
+
+def dist_rows(profile: Profile, device: torch.device, world: int, budget: Budget) -> list[Row]:
+    """Section 4: spawn ``world`` ranks (NCCL on GPUs, gloo on CPU) and collect their rows."""
+    if world < 2:
+        found = torch.cuda.device_count() if device.type == "cuda" else 0
+        why = f"needs 2+ GPUs, {found} visible" if device.type == "cuda" else "--dist-world < 2"
+        return [_skip_row("distributed", "attention layouts and training equivalence", why)]
+    if device.type == "cuda" and torch.cuda.device_count() < world:
+        why = f"--dist-world {world} needs {world} GPUs, {torch.cuda.device_count()} visible"
+        return [_skip_row("distributed", f"world {world}", why)]
+    if budget.exhausted():
+        return [_budget_row("distributed", f"world {world}", budget)]
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "rows.json")
+        try:
+            launch(run_dist_checks, world, profile.dist, out_path, device=device.type)
+            with open(out_path) as f:
+                results = json.load(f)
+        except Exception as exc:  # noqa: BLE001 - reported as a failed row
+            return [_error_row("distributed", f"world {world}", exc)]
+    rows = []
+    for r in results:
+        tol = r["tolerance"]
+        target = f"<= {tol:.0e}" if isinstance(tol, float) else ", ".join(f"{k} <= {v:.0e}" for k, v in tol.items())
+        rows.append(Row("distributed", r["case"], _fmt_errors(r["errors"]), target, PASS if r["ok"] else FAIL, r))
+    _progress(f"distributed: {len(rows)} rows, {budget.elapsed():.0f} s")
+    return rows
+
+
+def environment(device: torch.device, peak: Peak, train_dtype: str) -> dict:
+    """What ran: versions, device, installed kernels, and the peak MFU divides by."""
+    try:
+        flash = importlib.metadata.version("flash-attn")
+    except importlib.metadata.PackageNotFoundError:
+        flash = "not installed"
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": device.type,
+        "flash_attn": flash,
+        "peak_tflops": peak.tflops,
+        "peak_source": peak.source,
+        "peak_dtype": train_dtype,
+    }
+    if device.type == "cuda":
+        env.update(
+            cuda=torch.version.cuda,
+            gpu=torch.cuda.get_device_name(device),
+            gpus=torch.cuda.device_count(),
+            cudnn=torch.backends.cudnn.version(),
+        )
+    else:
+        env.update(cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads())
+    return env
+
+
+def format_table(rows: list[Row]) -> str:
+    """The rows as one fixed-width text table."""
+    header = ("section", "case", "result", "target", "status")
+    cells = [header] + [(r.section, r.case, r.result, r.target, r.status) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cell, widths)).rstrip() for cell in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``: CUDA if a GPU is visible, else CPU; ``cuda`` without one is an error."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(
+            "loongtrain bench gpu-check: error: --device cuda but no CUDA device is visible "
+            f"(torch {torch.__version__}); run with --device cpu for the CPU check at tiny sizes"
+        )
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name, 0) if name == "cuda" else torch.device(name)
+
+
+def main(args: argparse.Namespace) -> None:
+    if under_torchrun():
+        raise SystemExit("loongtrain bench gpu-check: error: run it without torchrun; it starts its own ranks")
+    device = resolve_device(args.device)
+    profile = PROFILES[device.type]
+    if args.compile is None:
+        args.compile = "extra" if device.type == "cuda" else "off"
+    budget = Budget(profile.budget_s if args.budget_s is None else args.budget_s)
+    world = args.dist_world
+    if world is None:
+        world = torch.cuda.device_count() if device.type == "cuda" else 2
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        _progress("no GPU in use: every path at tiny CPU sizes (--device cpu); performance goals are not judged")
+    dtype = getattr(torch, profile.train_dtype)
+    peak = stated_peak(device, dtype, args.peak_tflops, profile.matmul_n)
+    env = environment(device, peak, profile.train_dtype)
+    _progress(f"{env}")
+    rows = kernel_rows(profile, device, budget)
+    rows += replay_rows(profile, device, budget)
+    rows += training_rows(profile, device, peak, args, budget, compiled=False)
+    rows += dist_rows(profile, device, world, budget)
+    if args.compile == "extra":
+        rows += training_rows(profile, device, peak, args, budget, compiled=True)
+    failures = sum(r.status == FAIL for r in rows)
+    env["elapsed_s"] = budget.elapsed()
+    print(
+        f"loongtrain GPU check, {profile.name} profile: torch {env['torch']}, "
+        f"{env.get('gpu', env.get('cpu'))}, flash_attn {env['flash_attn']}; "
+        f"MFU peak {peak.tflops:.4g} TFLOP/s {profile.train_dtype} ({peak.source}); {env['elapsed_s']:.0f} s"
+    )
+    print(format_table(rows))
+    print(f"{failures} failed, {sum(r.status == SKIP for r in rows)} skipped, {len(rows)} rows")
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    report = {"profile": profile.name, "environment": env, "failures": failures, "rows": [asdict(r) for r in rows]}
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"written to {path}")
+    if failures:
+        raise SystemExit(1)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device",
+        choices=["auto", "cuda", "cpu"],
+        default="auto",
+        help="cuda: one GPU's sizes; cpu: tiny sizes (what the tests run); auto: cuda if visible",
+    )
+    parser.add_argument("--json", default="runs/gpu_check.json", help="where the table is written as JSON")
+    parser.add_argument(
+        "--dist-world",
+        type=int,
+        default=None,
+        help="ranks of the distributed checks (default: every GPU; 2 gloo processes on CPU; <2 skips)",
+    )
+    parser.add_argument(
+        "--compile",
+        choices=["off", "extra", "all"],
+        default=None,
+        help="torch.compile the blocks: extra = one more compiled row at the end (default on CUDA), "
+        "all = every training row, off (default on CPU)",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="skip items that would start after this many seconds (default 360 on CUDA, none on CPU)",
+    )
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="peak dense TFLOP/s for MFU (default: the GPU's spec sheet, else a measured matmul)",
+    )
+    parser.add_argument(
+        "--cluster", default=None, help="planner cluster for the predictions (default: by GPU name; 'local' on CPU)"
+    )

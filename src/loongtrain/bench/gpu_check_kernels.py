@@ -1,0 +1,227 @@
+"""The GPU check's kernel part: every installed block-attention backend against float64.
+
+A :class:`KernelCase` is one call the ring makes: causal square blocks, non-causal
+blocks with more keys than queries, and ``band`` blocks of a sliding window (the kernel
+gets ``causal=False`` and an additive mask, as ``attention/blocks.py`` calls it), each
+with as many key/value heads as query heads (MHA) or fewer (GQA). The backend's ``out``,
+``lse``, ``dq``, ``dk`` and ``dv`` are compared with float64 attention written out with
+einsum and softmax; for non-causal unmasked blocks the lse convention is also checked
+through the merge: two key halves merged with :func:`merge_into` must give the whole
+call's output and lse.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from loongtrain.attention.blocks import band_mask
+from loongtrain.attention.kernels import BlockBackend, CpuFlashBackend, CudaSdpaBackend, FlashAttnBackend, backend_for
+from loongtrain.attention.mask_plan import BAND, Call
+from loongtrain.attention.merge import merge_into
+from loongtrain.bench.common import make_inputs
+
+Tensor = torch.Tensor
+
+# Norm-relative error bounds against float64 (those of the distributed attention tests).
+# CUDA fp32 runs the memory-efficient kernel, which may use TF32 tensor cores: a looser
+# bound, an assumption until a GPU run measures it.
+TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 4e-3}
+CUDA_FP32_TOLERANCE = 2e-3
+# Largest |lse - lse_float64| in nats: the scores are accumulated in fp32 for every dtype.
+LSE_TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-3, "float16": 1e-3}
+CUDA_FP32_LSE_TOLERANCE = 1e-3
+
+
+def tolerance(device_type: str, dtype: str) -> tuple[float, float]:
+    """``(norm-relative bound for out/dq/dk/dv, absolute bound for lse)`` of ``dtype`` on a device type."""
+    if device_type == "cuda" and dtype == "float32":
+        return CUDA_FP32_TOLERANCE, CUDA_FP32_LSE_TOLERANCE
+    return TOLERANCE[dtype], LSE_TOLERANCE[dtype]
+
+
+@dataclass(frozen=True)
+class KernelCase:
+    """One block call: ``batch`` x ``seq`` queries of ``heads`` heads against ``kv_heads`` heads."""
+
+    dtype: str
+    causal: bool
+    kv_heads: int
+    masked: bool
+    batch: int
+    seq: int
+    heads: int
+    head_dim: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(query rows, key rows)``: a causal square, 1.5x keys when not causal, and for a
+        band the last ``seq/2`` positions of ``seq`` keys."""
+        if self.masked:
+            return self.seq // 2, self.seq
+        return (self.seq, self.seq) if self.causal else (self.seq, self.seq + self.seq // 2)
+
+    @property
+    def window(self) -> int:
+        return self.seq // 3
+
+    def band_call(self) -> Call:
+        """The ``band`` call: query positions ``[sk - sq, sk)`` against key positions ``[0, sk)``."""
+        sq, sk = self.shape
+        return Call(0, sq, 0, sk, BAND, q_start=sk - sq, k_start=0)
+
+    def keep(self, device: torch.device) -> Tensor:
+        """[Sq, Sk] bool: which keys each query sees (written out from positions)."""
+        sq, sk = self.shape
+        if self.masked:
+            return visibility(sq, sk, self.causal, self.window, q_start=sk - sq, device=device)
+        return visibility(sq, sk, self.causal, device=device)
+
+    @property
+    def checks_merge(self) -> bool:
+        return not self.causal and not self.masked
+
+    def label(self) -> str:
+        attn = "MHA" if self.kv_heads == self.heads else "GQA"
+        kind = ("causal" if self.causal else "full") + (" band" if self.masked else "")
+        return f"{self.dtype} {kind} {attn} H{self.heads}/G{self.kv_heads}"
+
+
+def kernel_grid(
+    dtypes: tuple[str, ...], batch: int, seq: int, heads: int, kv_heads: tuple[int, ...], head_dim: int
+) -> list[KernelCase]:
+    """Every (dtype, causal, key/value heads, mask) combination."""
+    return [
+        KernelCase(dtype, causal, kv, masked, batch, seq, heads, head_dim)
+        for dtype in dtypes
+        for causal in (True, False)
+        for kv in kv_heads
+        for masked in (False, True)
+    ]
+
+
+def installed_backends(device: torch.device) -> tuple[list[tuple[str, BlockBackend]], list[tuple[str, str]]]:
+    """``(backends to check, [(backend, why it is not checked)])`` on ``device``'s type."""
+    if device.type == "cpu":
+        return [("cpu-flash", CpuFlashBackend())], []
+    if device.type != "cuda":
+        raise ValueError(f"the GPU check runs on cpu or cuda, not {device.type!r}")
+    backends: list[tuple[str, BlockBackend]] = [("cuda-sdpa", CudaSdpaBackend())]
+    chosen = backend_for(device, torch.bfloat16)
+    if isinstance(chosen, FlashAttnBackend):
+        return [*backends, ("flash-attn", chosen)], []
+    choice = os.environ.get("LOONGTRAIN_ATTENTION_BACKEND", "auto")
+    if choice not in ("auto", "flash-attn"):
+        why = f"LOONGTRAIN_ATTENTION_BACKEND={choice} selects another backend; unset it to check flash_attn"
+    else:
+        why = "flash_attn>=2.7 is not installed (pip install flash-attn to check it)"
+    return backends, [("flash-attn", why)]
+
+
+def kernel_name(backend: str, case: KernelCase) -> str:
+    """The kernel ``backend`` runs for ``case`` (the selection rule of ``attention/kernels.py``)."""
+    half = case.dtype in ("bfloat16", "float16")
+    if backend == "cuda-sdpa":
+        return "flash" if half and not case.masked else "efficient"
+    if backend == "flash-attn":
+        return "sdpa-efficient fallback" if case.masked else "flash_attn"
+    return "flash"
+
+
+def case_inputs(case: KernelCase, device: torch.device, seed: int = 0) -> tuple[Tensor, ...]:
+    """q, k, v, dout of ``case`` drawn on ``device``."""
+    sq, sk = case.shape
+    dtype = getattr(torch, case.dtype)
+    return make_inputs(case.batch, sq, case.heads, case.kv_heads, case.head_dim, dtype, seed, device, kv_seq=sk)
+
+
+def run_case(backend: BlockBackend, case: KernelCase, inputs: tuple[Tensor, ...]) -> dict[str, Tensor]:
+    """The backend's ``out``, ``lse``, ``dq``, ``dk``, ``dv`` for ``case`` (as the ring calls it), and
+    for non-causal unmasked cases ``merge_out``/``merge_lse`` of two key halves merged in fp32."""
+    q, k, v, dout = inputs
+    scale = case.head_dim**-0.5
+    mask = band_mask(case.band_call(), case.causal, case.window, q.dtype, q.device) if case.masked else None
+    causal = case.causal and not case.masked
+    out, lse = backend.forward(q, k, v, causal, scale, mask)
+    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, causal, scale, mask)
+    got = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+    if case.checks_merge:
+        half = k.shape[1] // 2
+        out_a, lse_a = backend.forward(q, k[:, :half], v[:, :half], False, scale, None)
+        out_b, lse_b = backend.forward(q, k[:, half:], v[:, half:], False, scale, None)
+        acc_dtype = torch.promote_types(q.dtype, torch.float32)
+        merged, merged_lse = out_a.to(acc_dtype), lse_a.to(acc_dtype)
+        merge_into(merged, merged_lse, out_b, lse_b)
+        got.update(merge_out=merged, merge_lse=merged_lse)
+    return got
+
+
+def visibility(
+    sq: int,
+    sk: int,
+    causal: bool,
+    window: int | None = None,
+    *,
+    q_start: int = 0,
+    cu_seqlens: list[int] | None = None,
+    device: torch.device,
+) -> Tensor:
+    """[Sq, Sk] bool, written out from positions: query ``i`` (at position ``q_start + i``) sees
+    key ``j`` if ``j <= i`` (``causal``), ``|i - j| < window`` and both lie in one document of
+    ``cu_seqlens`` (boundaries of the key positions)."""
+    i = q_start + torch.arange(sq, device=device)[:, None]
+    j = torch.arange(sk, device=device)[None]
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if causal:
+        keep &= j <= i
+    if window is not None:
+        keep &= (i - j).abs() < window
+    if cu_seqlens is not None:
+        bounds = torch.tensor(cu_seqlens[1:-1], dtype=torch.long, device=device)
+        keep &= torch.bucketize(i, bounds, right=True) == torch.bucketize(j, bounds, right=True)
+    return keep
+
+
+def float64_attention(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, keep: Tensor, scale: float) -> dict[str, Tensor]:
+    """Float64 ``out``, ``lse`` [B, Sq, H] and gradients of attention where ``keep`` [Sq, Sk] is True."""
+    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
+    groups = q.shape[2] // k.shape[2]
+    kk, vv = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, kk).mul(scale).masked_fill(~keep, float("-inf"))
+    lse = scores.logsumexp(dim=-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", (scores - lse.unsqueeze(-1)).exp(), vv)
+    out.backward(dout.double())
+    return {"out": out.detach(), "lse": lse.detach().transpose(1, 2), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def relative_error(got: Tensor, ref: Tensor) -> float:
+    """``||got - ref|| / ||ref||`` in float64."""
+    ref = ref.double()
+    return ((got.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def check_case(backend_name: str, backend: BlockBackend, case: KernelCase, device: torch.device) -> dict:
+    """One kernel row: errors of every output against float64, and whether they are within bounds."""
+    inputs = case_inputs(case, device)
+    got = run_case(backend, case, inputs)
+    ref = float64_attention(*inputs, case.keep(device), case.head_dim**-0.5)
+    errors = {name: relative_error(got[name], ref[name]) for name in ("out", "dq", "dk", "dv")}
+    errors["lse"] = (got["lse"].double() - ref["lse"]).abs().max().item()
+    if case.checks_merge:
+        errors["merge_out"] = relative_error(got["merge_out"], ref["out"])
+        errors["merge_lse"] = (got["merge_lse"].double() - ref["lse"]).abs().max().item()
+    tol, lse_tol = tolerance(device.type, case.dtype)
+    ok = all(err <= (lse_tol if name.endswith("lse") else tol) for name, err in errors.items())
+    return {
+        "backend": backend_name,
+        "kernel": kernel_name(backend_name, case),
+        "case": case.label(),
+        "dtype": case.dtype,
+        "shape": list(case.shape),
+        "errors": errors,
+        "tolerance": tol,
+        "lse_tolerance": lse_tol,
+        "ok": ok,
+    }

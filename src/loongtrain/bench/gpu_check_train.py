@@ -1,0 +1,169 @@
+"""The GPU check's training part: timed training steps on one device, MFU against a stated
+peak, and the planner's prediction for the same step.
+
+A step is the trainer's: the model built by :func:`parallelize` (``compile=True`` for the
+compiled rows), then :func:`~loongtrain.train.trainer.train_step` on one full sequence with
+the default ``[optim]`` (AdamW, gradient clipping), fp32 master weights and ``param_dtype``
+compute through FSDP2's mixed precision on a one-rank mesh. Model FLOPs per token are
+:meth:`ModelConfig.flops_per_token` (the trainer's and the planner's definition), so
+``MFU = tokens/s x FLOPs/token / peak``.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from loongtrain.bench.common import median_time, sync
+from loongtrain.config import OptimSection
+from loongtrain.model import ModelConfig, build_model
+from loongtrain.parallel import ParallelConfig, ParallelState, init_parallel
+from loongtrain.parallelize import materialize, parallelize
+from loongtrain.planner import Candidate, ClusterSpec, PlanError, Workload, cluster_spec, estimate
+from loongtrain.planner.report import format_length
+from loongtrain.train.metrics import device_peak_tflops, mfu, reset_peak_memory
+from loongtrain.train.preflight import build_optimizer
+from loongtrain.train.trainer import peak_memory_gib, train_step
+
+GiB = 2**30
+ZERO = "dp_sp"  # one rank: FSDP2 only for the bf16 mixed precision
+
+# planner presets by the name CUDA reports (first match wins)
+CLUSTER_BY_GPU = (("H200", "h200"), ("H100", "h100"), ("H800", "h800"), ("A100", "a100"))
+
+
+@dataclass(frozen=True)
+class TrainCase:
+    """One training row: sequence length, checkpoint mode, and whether blocks are compiled."""
+
+    seq: int
+    checkpoint: str
+    compiled: bool = False
+
+    def label(self) -> str:
+        return f"S={format_length(self.seq)} {self.checkpoint}" + (" compiled" if self.compiled else "")
+
+
+@dataclass(frozen=True)
+class Peak:
+    """The dense TFLOP/s that MFU divides by, and where the number comes from."""
+
+    tflops: float
+    source: str
+
+
+def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int, reps: int = 3) -> float:
+    """Measured ``torch.mm`` rate of two ``n x n`` matrices of ``dtype`` (median of ``reps``)."""
+    gen = torch.Generator(device).manual_seed(0)
+    a, b = (torch.randn(n, n, generator=gen, device=device).to(dtype) for _ in range(2))
+    return 2 * n**3 / median_time(lambda: torch.mm(a, b), reps, device) / 1e12
+
+
+def stated_peak(device: torch.device, dtype: torch.dtype, override: float | None, matmul_n: int) -> Peak:
+    """``override`` if given, else the spec-sheet peak of a known GPU, else a measured matmul rate."""
+    if override is not None:
+        if not override > 0:
+            raise ValueError(f"--peak-tflops={override} must be positive")
+        return Peak(override, "--peak-tflops")
+    known = device_peak_tflops(device, dtype)
+    if known is not None:
+        return Peak(known, f"spec sheet, {torch.cuda.get_device_name(device)}")
+    rate = matmul_tflops(device, dtype, matmul_n)
+    return Peak(rate, f"measured torch.mm {matmul_n}^3 {str(dtype).removeprefix('torch.')} on {device.type}")
+
+
+def planner_cluster(device: torch.device, name: str | None) -> tuple[ClusterSpec | None, str]:
+    """The planner's cluster for this device (``name``, else by GPU name, else ``local`` on CPU)
+    and a note saying which (or why none)."""
+    if name is None:
+        if device.type == "cuda":
+            gpu = torch.cuda.get_device_name(device)
+            name = next((preset for key, preset in CLUSTER_BY_GPU if key in gpu), None)
+            if name is None:
+                return None, f"no planner preset for {gpu!r}: pass --cluster (a preset or a TOML file)"
+        else:
+            name = "local"
+    try:
+        return cluster_spec(name), name
+    except PlanError as exc:
+        return None, str(exc)
+
+
+def predict_step(cluster: ClusterSpec, cfg: ModelConfig, case: TrainCase, dtype: torch.dtype) -> dict:
+    """The planner's estimate of ``case`` on one device of ``cluster``."""
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    workload = Workload(cfg, case.seq, batch=1, micro_batch=1, dtype_bytes=dtype_bytes)
+    est = estimate(cluster, workload, Candidate(dp=1, hp=1, cp=1, zero=ZERO, checkpoint=case.checkpoint))
+    return {
+        "step_s": est.step_s,
+        "mfu": est.mfu,
+        "memory_gib": est.memory.total / GiB,
+        "fits": est.fits,
+    }
+
+
+def one_rank_state() -> ParallelState:
+    """The parallel state of a one-rank process group (no sequence parallelism)."""
+    return init_parallel(ParallelConfig(), verify_inputs=False, zero_scopes=(ZERO,))
+
+
+def measure_training_step(
+    state: ParallelState,
+    cfg: ModelConfig,
+    case: TrainCase,
+    dtype: torch.dtype,
+    device: torch.device,
+    steps: int,
+    warmup: int,
+    peak: Peak,
+) -> dict:
+    """Build, time ``steps`` training steps after ``warmup`` ones, and report throughput and memory.
+
+    The model and optimizer are freed when this returns; call :func:`release_memory` then."""
+    model = build_model(cfg)
+    parallelize(model, state, checkpoint=case.checkpoint, zero=ZERO, param_dtype=dtype, compile=case.compiled)
+    materialize(model, device, seed=0)
+    optim = OptimSection()
+    optimizer = build_optimizer(model.parameters(), optim)
+    gen = torch.Generator(device).manual_seed(0)
+    data = torch.randint(0, cfg.vocab_size, (1, case.seq + 1), generator=gen, device=device)
+    batch = [(data[:, :-1], data[:, 1:])]
+    losses: list[float] = []
+
+    def step() -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        losses.append(train_step(model, optimizer, state, batch, lr=optim.lr, grad_clip=optim.grad_clip).loss)
+        sync(device)
+        return time.perf_counter() - t0
+
+    first = [step() for _ in range(warmup)]
+    reset_peak_memory(device)
+    step_s = statistics.median(step() for _ in range(steps))
+    peak_gib = peak_memory_gib(device)
+    flops = cfg.flops_per_token(case.seq)
+    tokens_per_s = case.seq / step_s
+    return {
+        "step_s": step_s,
+        "warmup_s": sum(first),
+        "tokens_per_s": tokens_per_s,
+        "flops_per_token": flops,
+        "tflops": tokens_per_s * flops / 1e12,
+        "mfu": mfu(tokens_per_s, flops, peak.tflops),
+        "peak_tflops": peak.tflops,
+        "peak_memory_gib": peak_gib,
+        "losses": losses,
+        "finite": all(math.isfinite(x) for x in losses),
+    }
+
+
+def release_memory(device: torch.device) -> None:
+    """Return freed blocks to the device so the next row starts from an empty allocator."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -1,0 +1,226 @@
+"""The GPU check (``scripts/gpu_check.sh``) kept from rotting without a GPU.
+
+- The whole command runs with ``--device cpu`` (tiny sizes, every section, the compiled
+  training row too, 2 gloo ranks for the distributed part): no row fails or is skipped;
+  every kernel of the grid is within the float64 bounds written here; the replay's
+  overhead ratio is a number; each training row's MFU equals tokens/s x FLOPs/token
+  (counted here by hand from the model's shape) over the peak the table states; the
+  table printed and the JSON agree.
+- The CUDA profile's kernel calls fit PyTorch's op schemas (meta device), its training
+  rows fit one H200 by the planner, and its distributed sizes are valid for 2 to 8 GPUs.
+- What cannot run is a ``skipped`` row with the reason; ``--device cuda`` without a GPU is
+  a one-line error.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from loongtrain.attention.kernels import CudaSdpaBackend
+from loongtrain.bench.gpu_check import PROFILES, Budget, dist_rows, kernel_rows, replay_status, training_status
+from loongtrain.bench.gpu_check_dist import check_layouts, documents, training_layout
+from loongtrain.bench.gpu_check_kernels import case_inputs, installed_backends, kernel_grid, run_case
+from loongtrain.bench.gpu_check_train import TrainCase, predict_step
+from loongtrain.parallel.layout import check_head_split, check_sequence_length
+from loongtrain.planner import cluster_spec
+
+REPO = Path(__file__).resolve().parents[1]
+# norm-relative bounds against float64 for out/dq/dk/dv, absolute for lse (nats)
+BOUND = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 4e-3}
+LSE_BOUND = {"float32": 1e-5, "bfloat16": 1e-3, "float16": 1e-3}
+
+
+def _run_script(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "LOONGTRAIN_PYTHON": sys.executable}
+    return subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_check.sh"), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _hand_flops_per_token(cfg, seq: int) -> float:
+    """3 x forward FLOPs: 2 per weight of the q/k/v/o projections and the SwiGLU MLP, 4 x H x d
+    per key seen (mean causal context (S+1)/2) in attention, 2 per weight of the output layer."""
+    hd = cfg.dim // cfg.n_heads
+    weights = cfg.dim * cfg.n_heads * hd * 2 + 2 * cfg.dim * cfg.n_kv_heads * hd + 3 * cfg.dim * cfg.ffn_dim
+    per_layer = 2 * weights + 4 * cfg.n_heads * hd * (seq + 1) / 2
+    return 3 * (cfg.n_layers * per_layer + 2 * cfg.dim * cfg.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpu_check") / "report.json"
+    proc = _run_script("--device", "cpu", "--compile", "extra", "--json", str(path))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout, json.loads(path.read_text())
+
+
+def _rows(report: dict, section: str) -> list[dict]:
+    return [r for r in report["rows"] if r["section"] == section]
+
+
+@pytest.mark.dist
+def test_cpu_run_has_every_section_and_no_failure(cpu_run):
+    stdout, report = cpu_run
+    assert report["failures"] == 0 and "0 failed, 0 skipped" in stdout
+    assert {r["status"] for r in report["rows"]} <= {"pass", "measured"}
+    counts = {s: len(_rows(report, s)) for s in ("kernels", "replay", "training", "distributed")}
+    # 3 dtypes x causal/full x MHA/GQA x mask/none; 2 lengths x cp 4, 8 x windows 1, 2;
+    # 2 lengths x sc++/full + 1 compiled; 2 layouts x 2 dtypes x 2 masks + training
+    assert counts == {"kernels": 24, "replay": 8, "training": 5, "distributed": 9}
+    for row in report["rows"]:  # the printed table holds every row
+        assert any(row["case"] in line and row["status"] in line for line in stdout.splitlines()), row["case"]
+
+
+@pytest.mark.dist
+def test_cpu_run_kernels_within_float64_bounds(cpu_run):
+    _, report = cpu_run
+    seen = set()
+    for row in _rows(report, "kernels"):
+        errors, dtype = row["values"]["errors"], row["values"]["dtype"]
+        seen.add(row["case"])
+        names = {"out", "lse", "dq", "dk", "dv"} | ({"merge_out", "merge_lse"} if " full " in row["case"] else set())
+        if "band" in row["case"]:
+            names -= {"merge_out", "merge_lse"}
+        assert set(errors) == names, row["case"]
+        for name, err in errors.items():
+            bound = LSE_BOUND[dtype] if name.endswith("lse") else BOUND[dtype]
+            assert 0 < err <= bound, (row["case"], name, err)
+    assert len(seen) == 24
+
+
+@pytest.mark.dist
+def test_cpu_run_replay_ratio_is_a_number(cpu_run):
+    _, report = cpu_run
+    for row in _rows(report, "replay"):
+        v = row["values"]
+        assert math.isfinite(v["ratio"]) and v["ratio"] > 0
+        assert v["ratio"] == pytest.approx(v["replay_s"] / v["fused_s"])
+        assert v["max_rel_err"] < BOUND["bfloat16"]
+        assert f"{v['ratio']:.3f}x" in row["result"]
+
+
+@pytest.mark.dist
+def test_cpu_run_mfu_is_computed_against_the_stated_peak(cpu_run):
+    stdout, report = cpu_run
+    peak = report["environment"]["peak_tflops"]
+    assert peak > 0 and f"MFU peak {peak:.4g} TFLOP/s" in stdout.splitlines()[0]
+    cfg = PROFILES["cpu"].train_model
+    for row in _rows(report, "training"):
+        v = row["values"]
+        assert v["finite"] and all(math.isfinite(x) for x in v["losses"])
+        assert v["tokens_per_s"] == pytest.approx(v["seq"] / v["step_s"])
+        flops = _hand_flops_per_token(cfg, v["seq"])
+        assert v["peak_tflops"] == peak
+        assert v["mfu"] == pytest.approx(v["tokens_per_s"] * flops / (peak * 1e12), rel=1e-9)
+        assert f"MFU {v['mfu']:.1%}" in row["result"]
+        assert v["planner"]["step_s"] > 0 and v["planner_cluster"] == "local"
+    assert any(r["values"]["compiled"] for r in _rows(report, "training"))
+
+
+@pytest.mark.dist
+def test_cpu_run_distributed_checks(cpu_run):
+    _, report = cpu_run
+    rows = _rows(report, "distributed")
+    assert {"ring", "ulysses"} <= {r["values"]["layout"] for r in rows}
+    training = [r for r in rows if "training" in r["case"]]
+    assert len(training) == 1
+    errors = training[0]["values"]["errors"]
+    assert errors["loss"] <= 2e-6 and errors["grad"] <= 2e-6 and errors["param"] <= 2e-5
+    for row in rows:
+        if row not in training:
+            assert max(row["values"]["errors"].values()) <= BOUND[row["values"]["dtype"]], row["case"]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_cuda_profile_kernel_calls_fit_the_op_schemas(dtype):
+    """What the GPU run calls, at its sizes, checked by PyTorch's meta kernels of the aten ops."""
+    p = PROFILES["cuda"]
+    cases = kernel_grid((dtype,), p.kernel_batch, p.kernel_seq, p.kernel_heads, p.kernel_kv_heads, p.kernel_head_dim)
+    for case in cases:
+        got = run_case(CudaSdpaBackend(), case, case_inputs(case, torch.device("meta")))
+        sq, sk = case.shape
+        assert got["out"].shape == (p.kernel_batch, sq, p.kernel_heads, p.kernel_head_dim)
+        assert got["lse"].shape == (p.kernel_batch, sq, p.kernel_heads) and got["lse"].dtype == torch.float32
+        assert got["dq"].shape == got["out"].shape
+        assert got["dk"].shape == got["dv"].shape == (p.kernel_batch, sk, case.kv_heads, p.kernel_head_dim)
+        if case.checks_merge:
+            assert got["merge_out"].shape == got["out"].shape and got["merge_lse"].dtype == torch.float32
+
+
+def test_cuda_profile_fits_one_h200_by_the_planner():
+    p = PROFILES["cuda"]
+    assert 1.0e9 < p.train_model.num_params() < 1.3e9  # "a ~1B-parameter Llama"
+    h200 = cluster_spec("h200")
+    predicted_s = 0.0
+    for case in p.train_cases + p.compiled_cases:
+        pred = predict_step(h200, p.train_model, case, torch.bfloat16)
+        assert pred["fits"] and pred["memory_gib"] < 0.9 * 139, (case, pred)
+        predicted_s += (p.train_steps + p.train_warmup) * pred["step_s"]
+    assert predicted_s < 120  # the training rows' share of the 8 minutes, by the planner
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_cuda_profile_distributed_sizes_are_valid(world):
+    d = PROFILES["cuda"].dist
+    seq = d.tokens_per_rank * world
+    for layout in check_layouts(world, d.heads, d.kv_heads):
+        check_head_split(d.heads, d.kv_heads, layout.config.hp)
+        check_sequence_length(seq, layout.config.hp, layout.config.cp)
+    assert len(check_layouts(world, d.heads, d.kv_heads)) >= 2
+    cu = documents(seq)
+    assert cu[0] == 0 and cu[-1] == seq and all(a < b for a, b in zip(cu, cu[1:]))
+    train = training_layout(world)
+    assert train.hp * train.cp == world and train.cp % train.window == 0
+    check_head_split(d.model.n_heads, d.model.n_kv_heads, train.hp)
+    check_sequence_length(d.train_tokens_per_rank * world, train.hp, train.cp)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+def test_device_cuda_without_a_gpu_is_a_clear_error():
+    proc = _run_script("--device", "cuda", timeout=120)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no CUDA device is visible" in lines[0] and "--device cpu" in lines[0]
+
+
+def test_goals_are_judged_on_the_measured_numbers():
+    """The GPU run's goals: overhead <= 1.10x at S >= 32K, MFU >= 50% for sc++ at 32K, planner within 20%."""
+    ok = {"seq": 32768, "ratio": 1.08, "max_rel_err": 1e-3}
+    assert replay_status(ok, 2e-2, goals=True)[1] == "goal met"
+    assert replay_status({**ok, "ratio": 1.2}, 2e-2, goals=True)[1] == "below goal"
+    assert replay_status({**ok, "ratio": 1.2, "seq": 16384}, 2e-2, goals=True)[1] == "measured"
+    assert replay_status({**ok, "max_rel_err": 0.1}, 2e-2, goals=True)[1] == "FAIL"
+    assert replay_status({**ok, "max_rel_err": float("nan")}, 2e-2, goals=False)[1] == "FAIL"
+    sc = TrainCase(32768, "sc++")
+    good = {"finite": True, "mfu": 0.52, "step_s": 1.0}
+    assert training_status(True, sc, good, {"step_s": 0.85}) == ("MFU >= 50%, planner within 20%", "goal met")
+    assert training_status(True, sc, {**good, "mfu": 0.4}, {"step_s": 0.85})[1] == "below goal: MFU"
+    assert training_status(True, sc, good, {"step_s": 0.7})[1] == "below goal: planner"
+    assert training_status(True, TrainCase(131072, "full"), {**good, "mfu": 0.1}, None) == ("-", "measured")
+    assert training_status(False, sc, {**good, "finite": False}, None)[1] == "FAIL"
+
+
+def test_what_cannot_run_is_a_skipped_row_with_the_reason():
+    p, cpu = PROFILES["cpu"], torch.device("cpu")
+    rows = dist_rows(p, cpu, 1, Budget(0))
+    assert [r.status for r in rows] == ["skipped"] and "--dist-world < 2" in rows[0].result
+    rows = kernel_rows(p, cpu, Budget(1e-9))  # spent before the first kernel
+    assert len(rows) == 24 and all(r.status == "skipped" and "time budget" in r.result for r in rows)
+    if importlib.util.find_spec("flash_attn") is None:  # no GPU needed: choosing a backend runs no kernel
+        backends, missing = installed_backends(torch.device("cuda"))
+        assert [name for name, _ in backends] == ["cuda-sdpa"]
+        assert missing == [("flash-attn", "flash_attn>=2.7 is not installed (pip install flash-attn to check it)")]
