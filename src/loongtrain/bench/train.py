@@ -42,6 +42,7 @@ CASES: dict[str, list[str]] = {
 MODES = ("eager", "compiled")
 STEP_RANGE = "loongtrain::bench_step"
 WARMUP = {"eager": 2, "compiled": 3}  # the compiled blocks are built in the first step(s)
+STEPS = {"main": 20, "large": 4}  # timed steps per case unless --steps says otherwise
 
 
 def case_config(case: str, mode: str, config: Path, folder: Path) -> TrainConfig:
@@ -93,7 +94,8 @@ def _bench_rank(device: torch.device, args: argparse.Namespace, folder: Path) ->
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
     if rank == 0:
-        print(f"{world} processes on {device.type}; median of {args.steps} steps (slowest rank), after warm-up")
+        counts = ", ".join(f"{case} {args.steps or STEPS[case]}" for case in args.cases)
+        print(f"{world} processes on {device.type}; median step of the slowest rank over {counts} steps after warm-up")
         head = f"{'case':6s} {'mode':9s} {'step s':>7s} {'tok/s/dev':>9s} {'speedup':>7s}  breakdown of one step"
         print(head, flush=True)
     for case in args.cases:
@@ -105,7 +107,7 @@ def _bench_rank(device: torch.device, args: argparse.Namespace, folder: Path) ->
             t_first = time.perf_counter()
             _timed_steps(run, WARMUP[mode])
             warmup_s = time.perf_counter() - t_first
-            step_s = statistics.median(_timed_steps(run, args.steps))
+            step_s = statistics.median(_timed_steps(run, args.steps or STEPS[case]))
             parts = _profiled_step(run)
             slowest = torch.tensor([step_s], dtype=torch.float64, device=device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -158,5 +160,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--cases", nargs="+", default=list(CASES), help=f"cases to run, of {list(CASES)}")
     parser.add_argument("--modes", nargs="+", default=list(MODES), help=f"modes to run, of {list(MODES)}")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per case and mode (after warm-up)")
+    parser.add_argument("--steps", type=int, default=0, help=f"timed steps per case and mode (0: {STEPS})")
     parser.add_argument("--json", default=None, help="also write the rows as JSON to this file")

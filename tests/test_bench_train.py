@@ -1,0 +1,43 @@
+"""``loongtrain bench train`` end to end at a tiny size: it builds the trainer's run, times
+steps and profiles one; what it writes is consistent (tokens/s from the step time, the
+four parts of the breakdown add up to the profiled step, the attention kernels and the
+transfers are seen)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.dist
+def test_bench_train_rows_are_consistent(tmp_path):
+    config = tmp_path / "tiny.toml"
+    main_job = (REPO / "configs" / "debug_cpu.toml").read_text()
+    config.write_text(main_job.replace("hp = 2", "hp = 1").replace("window = 2", "window = 1"))  # cp=2 on 2 ranks
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, "-m", "loongtrain", "bench", "train", "--nproc", "2", "--config", str(config),
+           "--cases", "main", "--modes", "eager", "--steps", "2", "--json", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    assert (row["case"], row["mode"], row["world"]) == ("main", "eager", 2)
+    assert row["tokens_per_step"] == 16 * 256
+    assert row["tokens_per_s_per_device"] == pytest.approx(16 * 256 / row["step_s"] / 2)
+    assert sum(row["share"].values()) == pytest.approx(1.0)
+    for rank in row["per_rank"]:
+        parts = sum(rank[k] for k in ("attention", "communication", "compute", "framework"))
+        assert parts == pytest.approx(rank["wall_s"], rel=1e-6)
+        assert rank["attention"] > 0 and rank["communication"] > 0 and rank["compute"] > 0
+    assert "main   eager" in done.stdout
+
+
+def test_bench_train_refuses_an_unknown_case_before_spawning():
+    cmd = [sys.executable, "-m", "loongtrain", "bench", "train", "--cases", "huge"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode != 0 and "unknown case or mode ['huge']" in done.stderr
