@@ -85,7 +85,7 @@ def verify_same_inputs(q: Tensor, kv_heads: int, state: ParallelState, causal: b
 # -- head all-to-all: scatter heads, gather sequence ---------------------------------
 @torch.library.custom_op("loongtrain::head_scatter", mutates_args=())
 def head_scatter(
-    q: Tensor, k: Tensor, v: Tensor, state_key: int, causal: bool, cu_seqlens: Tensor | None, window: int, balance: str
+    q: Tensor, k: Tensor, v: Tensor, state_key: str, causal: bool, cu_seqlens: Tensor | None, window: int, balance: str
 ) -> tuple[Tensor, Tensor]:
     """[B,S,H,d], [B,S,G,d] x2 -> q_h [B, hp*S, H/hp, d], kv_h [2, B, hp*S, max(G,hp)/hp, d].
 
@@ -118,7 +118,7 @@ def _head_scatter_setup(ctx, inputs, output) -> None:
 
 
 @torch.library.custom_op("loongtrain::head_scatter_backward", mutates_args=())
-def head_scatter_backward(dq_h: Tensor, dkv_h: Tensor, state_key: int, groups: int) -> tuple[Tensor, Tensor]:
+def head_scatter_backward(dq_h: Tensor, dkv_h: Tensor, state_key: str, groups: int) -> tuple[Tensor, Tensor]:
     """Gradients of :func:`head_scatter`: (dq [B,S,H,d], dkv [2,B,S,G,d])."""
     state = state_by_key(state_key)
     hp = state.hp
@@ -151,7 +151,7 @@ head_scatter.register_autograd(_head_scatter_backward, setup_context=_head_scatt
 def ring_attention(
     q_h: Tensor,
     kv_h: Tensor,
-    state_key: int,
+    state_key: str,
     causal: bool,
     scale: float,
     verify: bool,
@@ -197,7 +197,7 @@ def ring_attention_backward(
     kv_h: Tensor,
     out_h: Tensor,
     lse: Tensor,
-    state_key: int,
+    state_key: str,
     causal: bool,
     scale: float,
     cu_seqlens: Tensor | None,
@@ -229,7 +229,7 @@ ring_attention.register_autograd(_ring_backward, setup_context=_ring_setup)
 
 # -- head all-to-all back: scatter sequence, gather heads -----------------------------
 @torch.library.custom_op("loongtrain::head_gather", mutates_args=())
-def head_gather(out_h: Tensor, state_key: int) -> Tensor:
+def head_gather(out_h: Tensor, state_key: str) -> Tensor:
     """[B, hp*S, H/hp, d] -> [B, S, H, d]."""
     return head_to_seq(out_h, state_by_key(state_key), "fwd.all_to_all").wait().contiguous()
 
@@ -246,7 +246,7 @@ def _head_gather_setup(ctx, inputs, output) -> None:
 
 
 @torch.library.custom_op("loongtrain::head_gather_backward", mutates_args=())
-def head_gather_backward(dout: Tensor, state_key: int) -> Tensor:
+def head_gather_backward(dout: Tensor, state_key: str) -> Tensor:
     """Gradient of :func:`head_gather`: [B, S, H, d] -> [B, hp*S, H/hp, d]."""
     return seq_to_head(dout, state_by_key(state_key), "bwd.all_to_all").wait().contiguous()
 

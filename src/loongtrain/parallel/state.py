@@ -56,7 +56,7 @@ class ParallelState:
     outer_ring: RingLink | None
     verify_inputs: bool = True
     stats: AttentionStats = field(default_factory=AttentionStats)
-    key: int = field(default_factory=lambda: next(_KEYS))
+    key: str = field(default_factory=lambda: f"state-{next(_KEYS)}")
     zero_meshes: Mapping[str, DeviceMesh] = field(default_factory=dict, repr=False)
     _world_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
@@ -88,13 +88,15 @@ class ParallelState:
             )
 
 
-# Custom ops (the attention) take plain ints, not Python objects: each state registers
-# under a process-unique key, weakly, so dropping the state frees it.
+# Custom ops (the attention) take plain values, not Python objects: each state registers
+# under a process-unique key, weakly, so dropping the state frees it. The key is a string:
+# torch.compile turns an int argument that changes between compilations (a second model on
+# another state) into a symbolic int, which the ops' fake implementations cannot look up.
 _KEYS = itertools.count()
-_REGISTRY: weakref.WeakValueDictionary[int, ParallelState] = weakref.WeakValueDictionary()
+_REGISTRY: weakref.WeakValueDictionary[str, ParallelState] = weakref.WeakValueDictionary()
 
 
-def state_by_key(key: int) -> ParallelState:
+def state_by_key(key: str) -> ParallelState:
     """The live :class:`ParallelState` registered under ``key``."""
     state = _REGISTRY.get(key)
     if state is None:
