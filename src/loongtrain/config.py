@@ -38,7 +38,7 @@ class RunSection:
     compile: bool = _f(
         False,
         "torch.compile each transformer block (the distributed attention stays opaque); the first steps "
-        "take longer while it compiles",
+        "take longer while it compiles (raise run.timeout_s if that exceeds it)",
     )
     timeout_s: float = _f(
         300.0,
