@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
+from loongtrain.data.batch import Microbatch
 from loongtrain.model import PRESETS, model_config
-from loongtrain.train.metrics import flops_per_token, mfu
+from loongtrain.train.metrics import batch_flops_per_token, flops_per_token, mfu
 from loongtrain.train.schedule import lr_at
 
 
@@ -28,6 +30,43 @@ def test_7b_flops_match_6n_plus_attention():
     non_embedding = cfg.num_params() - 2 * cfg.vocab_size * cfg.dim - cfg.dim - 2 * cfg.n_layers * cfg.dim
     expected = 6 * (non_embedding + cfg.vocab_size * cfg.dim) + 6 * cfg.n_layers * cfg.dim * (seq + 1)
     assert flops_per_token(cfg, seq) == pytest.approx(expected, rel=1e-12)
+
+
+def _visible_keys(seq: int, cu: list[int] | None, window: int) -> int:
+    """Brute force: count (i, j) with j <= i, same document, i - j < window (0: none)."""
+    doc = (
+        torch.zeros(seq, dtype=torch.long)
+        if cu is None
+        else torch.bucketize(torch.arange(seq), torch.tensor(cu[1:]), right=True)
+    )
+    i, j = torch.arange(seq)[:, None], torch.arange(seq)[None, :]
+    visible = (j <= i) & (doc[:, None] == doc[None, :])
+    if window:
+        visible &= i - j < window
+    return int(visible.sum())
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_batch_flops_count_the_keys_the_masks_leave(window):
+    """Packed documents and a sliding window cut the attention FLOPs to the visible pairs
+    (brute-force mask count); one unmasked document per row is the causal formula."""
+    cfg = model_config(
+        "debug", vocab_size=100, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=16, sliding_window=window
+    )
+    seq, cu = 24, [0, 3, 10, 11, 24]
+    tokens = torch.zeros(1, seq, dtype=torch.long)
+    packed = Microbatch(tokens, tokens, torch.tensor(cu))
+    plain = Microbatch(torch.zeros(2, seq, dtype=torch.long), torch.zeros(2, seq, dtype=torch.long))
+    unmasked = Microbatch(tokens, tokens, torch.tensor(cu), mask_documents=False)
+    keys = _visible_keys(seq, cu, window) + 2 * _visible_keys(seq, None, window) + _visible_keys(seq, None, window)
+    expected = cfg.flops_per_token(seq, keys_per_query=keys / (4 * seq))
+    assert batch_flops_per_token(cfg, [packed, plain, unmasked]) == pytest.approx(expected, rel=1e-12)
+    if not window:
+        assert batch_flops_per_token(cfg, [plain]) == pytest.approx(flops_per_token(cfg, seq), rel=1e-12)
+    # attention per query per layer and head: 2 matmuls x head_dim 4 x keys, x2 FLOPs, x3 training
+    per_key = 3 * 2 * cfg.n_layers * 2 * cfg.n_heads * cfg.head_dim
+    dense = cfg.flops_per_token(seq, keys_per_query=0.0)
+    assert batch_flops_per_token(cfg, [packed]) == pytest.approx(dense + per_key * _visible_keys(seq, cu, window) / seq)
 
 
 def test_mfu():

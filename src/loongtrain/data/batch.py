@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loongtrain.attention.documents import as_boundaries
+from loongtrain.attention.documents import as_boundaries, range_work
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,14 @@ class Microbatch:
     def attention_documents(self) -> torch.Tensor | None:
         """The boundaries the attention masks with (None when not packed or not masked)."""
         return self.cu_seqlens if self.mask_documents else None
+
+    def attention_keys(self, window: int = 0) -> int:
+        """Keys seen by all its queries under the causal mask, its document masks (when
+        masked) and a sliding ``window`` (0: none): the attention work the kernels do."""
+        rows, seq = self.tokens.shape
+        documents = self.attention_documents
+        boundaries = (0, seq) if documents is None else tuple(documents.tolist())
+        return rows * range_work(boundaries, 0, seq, causal=True, window=window or None)
 
     def positions(self) -> torch.Tensor:
         """RoPE position ids [1, S]: ``arange(S)``, restarting at 0 in each document."""

@@ -111,7 +111,7 @@ class ModelConfig:
         embed = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         return self.n_layers * self.layer_params() + embed + self.dim
 
-    def flops_per_token(self, seq_len: int, *, causal: bool = True) -> float:
+    def flops_per_token(self, seq_len: int, *, causal: bool = True, keys_per_query: float | None = None) -> float:
         """Model FLOPs of one training token in a sequence of ``seq_len`` (forward + backward
         = 3x forward; recomputation not counted). The one definition of model FLOPs: the
         trainer's MFU and the planner's predicted MFU both use it.
@@ -119,10 +119,14 @@ class ModelConfig:
         Per layer and token the forward does ``2 * layer_matmul_params()`` in the
         projections and MLP and ``2 * 2 * H * head_dim * ctx`` in attention (scores and the
         weighted sum), where ``ctx`` is the number of keys a query sees: ``(S + 1) / 2`` on
-        average under a causal mask, ``S`` without one. Plus ``2 * dim * vocab`` for the
-        output layer.
+        average under a causal mask, ``S`` without one, or ``keys_per_query`` when given (the
+        mean over a batch's tokens under its document masks and sliding window: what the
+        kernels actually compute). Plus ``2 * dim * vocab`` for the output layer.
         """
-        ctx = (seq_len + 1) / 2 if causal else seq_len
+        if keys_per_query is not None:
+            ctx = keys_per_query
+        else:
+            ctx = (seq_len + 1) / 2 if causal else seq_len
         attention = 4 * self.n_heads * self.head_dim * ctx
         forward = self.n_layers * (2 * self.layer_matmul_params() + attention) + 2 * self.dim * self.vocab_size
         return 3.0 * forward

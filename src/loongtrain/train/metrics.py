@@ -30,6 +30,16 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> floa
     return cfg.flops_per_token(seq_len, causal=causal)
 
 
+def batch_flops_per_token(cfg: ModelConfig, microbatches: list) -> float:
+    """Model FLOPs per token of these microbatches (:class:`~loongtrain.data.Microbatch`),
+    with attention counted over the keys each query really sees: packed documents'
+    masks and the model's sliding window cut the causal ``(S + 1) / 2``."""
+    tokens = sum(mb.tokens.numel() for mb in microbatches)
+    keys = sum(mb.attention_keys(cfg.sliding_window) for mb in microbatches)
+    seq_len = microbatches[0].tokens.shape[1]
+    return cfg.flops_per_token(seq_len, keys_per_query=keys / tokens)
+
+
 def device_peak_tflops(device: torch.device, dtype: torch.dtype) -> float | None:
     """Peak dense TFLOP/s of ``device`` for ``dtype`` if it is a known GPU, else None."""
     if device.type != "cuda":

@@ -31,8 +31,8 @@ from loongtrain.train.checkpoint import CheckpointManager
 from loongtrain.train.collectives import broadcast_object
 from loongtrain.train.faults import restart_notice, say
 from loongtrain.train.metrics import (
+    batch_flops_per_token,
     device_peak_tflops,
-    flops_per_token,
     mfu,
     peak_memory_bytes,
     reset_peak_memory,
@@ -247,7 +247,6 @@ def train(device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat | No
         reporter.say(describe(run))
         world = dist.get_world_size()
         tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
-        flops_tok = flops_per_token(spec.model, cfg.data.seq_len)
         peak = r.peak_tflops or device_peak_tflops(device, PARAM_DTYPES[cfg.parallel.param_dtype])
         losses: list[float] = []
         step_times: list[float] = []
@@ -257,12 +256,14 @@ def train(device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat | No
             lr = lr_at(step, lr=o.lr, warmup_steps=o.warmup_steps, total_steps=r.steps, min_lr_ratio=o.min_lr_ratio)
             reset_peak_memory(device)
             t0 = time.perf_counter()
+            batch = run.loader.next()
             out = train_step(
-                run.model, run.optimizer, run.state, to_device(run.loader.next(), device), lr=lr, grad_clip=o.grad_clip
+                run.model, run.optimizer, run.state, to_device(batch, device), lr=lr, grad_clip=o.grad_clip
             )
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dt = time.perf_counter() - t0
+            flops_tok = batch_flops_per_token(spec.model, batch)  # this replica's documents and window
             step_times.append(dt)
             losses.append(out.loss)
             tps = tokens_per_step / dt / world
