@@ -37,7 +37,10 @@ def test_bench_train_rows_are_consistent(tmp_path):
     assert "main   eager" in done.stdout
 
 
-def test_bench_train_refuses_an_unknown_case_before_spawning():
+def test_bench_train_refuses_bad_input_before_spawning():
     cmd = [sys.executable, "-m", "loongtrain", "bench", "train", "--cases", "huge"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO)
     assert done.returncode != 0 and "unknown case or mode ['huge']" in done.stderr
+    missing = [*cmd[:-2], "--config", "/no/such.toml"]
+    done = subprocess.run(missing, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode != 0 and done.stderr.strip() == "bench train: config file '/no/such.toml' does not exist"

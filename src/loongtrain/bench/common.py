@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import statistics
 import time
 from dataclasses import dataclass
@@ -132,3 +134,16 @@ def median_time(fn, reps: int, device: torch.device | None = None) -> float:
         sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def release_memory(device: torch.device) -> None:
+    """Return freed memory so the next measurement starts clean: the CUDA caching
+    allocator's blocks to the GPU, glibc's free heap pages to the OS on CPU."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc
+        pass

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from loongtrain.bench.attention import decomposition_overhead
+from loongtrain.bench.common import release_memory
 from loongtrain.bench.gpu_check_dist import DistSizes, run_dist_checks
 from loongtrain.bench.gpu_check_kernels import check_case, installed_backends, kernel_grid, kernel_name, tolerance
 from loongtrain.bench.gpu_check_train import (
@@ -45,7 +46,6 @@ from loongtrain.bench.gpu_check_train import (
     one_rank_state,
     planner_cluster,
     predict_step,
-    release_memory,
     stated_peak,
 )
 from loongtrain.launch import launch, under_torchrun

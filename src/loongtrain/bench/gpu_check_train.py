@@ -11,7 +11,6 @@ compute through FSDP2's mixed precision on a one-rank mesh. Model FLOPs per toke
 
 from __future__ import annotations
 
-import gc
 import math
 import statistics
 import time
@@ -124,7 +123,7 @@ def measure_training_step(
 ) -> dict:
     """Build, time ``steps`` training steps after ``warmup`` ones, and report throughput and memory.
 
-    The model and optimizer are freed when this returns; call :func:`release_memory` then."""
+    The model and optimizer are freed when this returns; call :func:`~loongtrain.bench.common.release_memory` then."""
     model = build_model(cfg)
     parallelize(model, state, checkpoint=case.checkpoint, zero=ZERO, param_dtype=dtype, compile=case.compiled)
     materialize(model, device, seed=0)
@@ -160,10 +159,3 @@ def measure_training_step(
         "losses": losses,
         "finite": all(math.isfinite(x) for x in losses),
     }
-
-
-def release_memory(device: torch.device) -> None:
-    """Return freed blocks to the device so the next row starts from an empty allocator."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()

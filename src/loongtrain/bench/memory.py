@@ -13,13 +13,12 @@ before measuring; the peak is reset through ``/proc/self/clear_refs`` (Linux).
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import os
 
 import torch
 import torch.distributed as dist
 
+from loongtrain.bench.common import release_memory
 from loongtrain.launch import launch
 from loongtrain.model import build_model, model_config
 from loongtrain.parallel import ParallelConfig, init_parallel
@@ -28,14 +27,6 @@ from loongtrain.train.metrics import current_memory_bytes, peak_memory_bytes, re
 from loongtrain.train.step import forward_backward
 
 MiB = 2**20
-
-
-def _release_free_memory() -> None:
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
 
 
 def measure_step(layout: ParallelConfig, mode: str, zero: str, args: argparse.Namespace, device) -> dict:
@@ -55,13 +46,13 @@ def measure_step(layout: ParallelConfig, mode: str, zero: str, args: argparse.Na
     local_params = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
     gen = torch.Generator().manual_seed(state.coords.dp)
     data = torch.randint(0, mcfg.vocab_size, (1, args.seq + 1), generator=gen).to(device)
-    _release_free_memory()
+    release_memory(device)
     before = current_memory_bytes(device)
     reset_peak_memory(device)
     forward_backward(model, state, [(data[:, :-1], data[:, 1:])])
     peak_bytes = peak_memory_bytes(device) - before
     del model
-    _release_free_memory()
+    release_memory(device)
     return {
         "states_mib": local_params * 4 * 4 / MiB,  # fp32 param + grad + 2 AdamW moments
         "step_peak_mib": peak_bytes / MiB,

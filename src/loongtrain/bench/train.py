@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from loongtrain.bench.step_profile import PARTS, breakdown, spans_of
-from loongtrain.config import TrainConfig, load_config
+from loongtrain.config import ConfigError, TrainConfig, load_config
 from loongtrain.launch import launch
 
 #: The main job's config (scripts/main.sh) and the overrides of the larger case.
@@ -144,9 +144,13 @@ def main(args: argparse.Namespace) -> None:
     if unknown:
         raise SystemExit(f"bench train: unknown case or mode {unknown}; cases {list(CASES)}, modes {list(MODES)}")
     folder = Path(tempfile.mkdtemp(prefix="loongtrain-bench-train-"))
-    for case in args.cases:  # a bad --config fails here, before any process is spawned
-        for mode in args.modes:
-            case_config(case, mode, args.config, folder / f"{case}-{mode}")
+    try:  # a bad --config fails here, in one line, before any process is spawned
+        for case in args.cases:
+            for mode in args.modes:
+                case_config(case, mode, args.config, folder / f"{case}-{mode}")
+    except ConfigError as e:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise SystemExit(f"bench train: {e}") from None
     try:
         launch(_bench_rank, args.nproc, args, folder)
     finally:
