@@ -15,6 +15,7 @@ registry key.
 
 from __future__ import annotations
 
+import functools
 import zlib
 
 import torch
@@ -36,6 +37,11 @@ def _boundaries(cu_seqlens: Tensor | None) -> tuple[int, ...] | None:
     return None if cu_seqlens is None else tuple(cu_seqlens.tolist())
 
 
+# The ring checks the boundaries in every forward and backward call (under torch.compile
+# only the ops see their values); a batch's boundaries are checked once, not per layer.
+_checked_boundaries = functools.lru_cache(maxsize=64)(as_boundaries)
+
+
 def mask_signature(cu_seqlens: Tensor | None, window: int, balance: str) -> list[int]:
     """Small ints that differ when two ranks pass different masks (for the input check)."""
     boundaries = _boundaries(cu_seqlens) or ()
@@ -49,7 +55,7 @@ def masks_for(
     """The mask plan of a ring over ``context_len = S / cp`` tokens per context rank, or
     None for the plain causal/full zigzag ring."""
     seq_len = context_len * state.cp
-    boundaries = as_boundaries(cu_seqlens, seq_len)  # checked here too: under torch.compile only the ops see values
+    boundaries = _checked_boundaries(_boundaries(cu_seqlens), seq_len)
     sliding = window if 0 < window < seq_len else None
     if balance == "zigzag" and is_plain(boundaries, sliding, seq_len):
         return None

@@ -147,7 +147,7 @@ def root_cause(reports: list[WorkerReport], ends: list[ProcessEnd], attempt: int
     vanished = sorted(r.rank for r in reports if r.kind == RUNNING)
     if vanished and by_kind[COMM]:
         return (
-            f"rank {_ranks(vanished)} died without a word (killed by a signal such as SIGKILL, e.g. out of memory, "
+            f"rank {rank_list(vanished)} died without a word (killed by a signal such as SIGKILL, e.g. out of memory, "
             "or crashed); the other ranks were stopped"
         )
     if by_kind[COMM]:
@@ -159,7 +159,8 @@ def root_cause(reports: list[WorkerReport], ends: list[ProcessEnd], attempt: int
     return "a worker process ended without a report (killed by a signal, or crashed; --debug shows more)"
 
 
-def _ranks(ranks: list[int]) -> str:
+def rank_list(ranks: list[int]) -> str:
+    """``"0, 3, 5"``: at most eight ranks, then how many more."""
     return ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
 
 

@@ -108,7 +108,9 @@ def build_run(device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat 
         raise ConfigError(folder)
 
     beat(0, "build")
-    state = init_parallel(spec.parallel, device=device, verify_inputs=cfg.parallel.verify_inputs)
+    state = init_parallel(
+        spec.parallel, device=device, verify_inputs=cfg.parallel.verify_inputs, zero_scopes=(cfg.parallel.zero,)
+    )  # only the mesh this run shards over
     param_dtype = PARAM_DTYPES[cfg.parallel.param_dtype]
     model = build_model(spec.model)
     parallelize(
@@ -244,7 +246,8 @@ def train(device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat | No
         first_step=run.start, tensorboard=r.tensorboard, progress=r.progress,
     )  # fmt: skip
     try:
-        reporter.say(describe(run))
+        if reporter.enabled:
+            reporter.say(describe(run))
         world = dist.get_world_size()
         tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
         peak = r.peak_tflops or device_peak_tflops(device, PARAM_DTYPES[cfg.parallel.param_dtype])

@@ -28,6 +28,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from loongtrain.train.faults import rank_list
+
 EXIT_STALLED = 75  # the exit code of the process that reported a stall
 
 
@@ -43,7 +45,7 @@ class Beat:
     pid: int = 0
 
 
-def silent_ranks(before: dict[int, Beat | None], after: dict[int, Beat | None]) -> list[int]:
+def silentrank_list(before: dict[int, Beat | None], after: dict[int, Beat | None]) -> list[int]:
     """Ranks whose heartbeat did not move between the two snapshots (or never came)."""
     return sorted(r for r in after if after[r] is None or before.get(r) is None or after[r].count == before[r].count)
 
@@ -51,24 +53,24 @@ def silent_ranks(before: dict[int, Beat | None], after: dict[int, Beat | None]) 
 def describe_stall(before: dict[int, Beat | None], after: dict[int, Beat | None], timeout_s: float) -> str:
     """Name the rank(s) that hold the job up, from two heartbeat snapshots taken a few
     beat intervals apart (None: that rank never published one)."""
-    silent = silent_ranks(before, after)
+    silent = silentrank_list(before, after)
     if silent:
         last = after[silent[0]] or before.get(silent[0])
         where = f"; its last heartbeat was at step {last.step} ({last.phase})" if last else ""
         return (
-            f"rank {_ranks(silent)} stopped answering: no heartbeat and no progress for over {timeout_s:g} s "
+            f"rank {rank_list(silent)} stopped answering: no heartbeat and no progress for over {timeout_s:g} s "
             f"(the process is frozen, or its node is unreachable){where}"
         )
     beats = {r: b for r, b in after.items() if b is not None}
     exited = sorted(r for r, b in beats.items() if b.phase == "exited")
     if exited:
-        return f"rank {_ranks(exited)} left the job while the others waited for it for {timeout_s:g} s"
+        return f"rank {rank_list(exited)} left the job while the others waited for it for {timeout_s:g} s"
     lowest = min(b.step for b in beats.values())
     behind = sorted(r for r, b in beats.items() if b.step == lowest)
     if len(behind) < len(beats):
         phase = beats[behind[0]].phase
         return (
-            f"rank {_ranks(behind)} stopped making progress at step {lowest} ({phase}) for over {timeout_s:g} s "
+            f"rank {rank_list(behind)} stopped making progress at step {lowest} ({phase}) for over {timeout_s:g} s "
             f"while the others reached step {max(b.step for b in beats.values())}"
         )
     phases = {b.phase for b in beats.values()}
@@ -76,19 +78,13 @@ def describe_stall(before: dict[int, Beat | None], after: dict[int, Beat | None]
         common = max(phases, key=lambda p: sum(b.phase == p for b in beats.values()))
         odd = sorted(r for r, b in beats.items() if b.phase != common)
         return (
-            f"rank {_ranks(odd)} stopped making progress at step {lowest} ({beats[odd[0]].phase}) for over "
+            f"rank {rank_list(odd)} stopped making progress at step {lowest} ({beats[odd[0]].phase}) for over "
             f"{timeout_s:g} s while the others waited in {common}"
         )
     return (
         f"no rank made progress for over {timeout_s:g} s, all at step {lowest} ({phases.pop()}): a collective or "
         "the filesystem is stuck"
     )
-
-
-def _ranks(ranks: list[int]) -> str:
-    if len(ranks) <= 8:
-        return ", ".join(map(str, ranks))
-    return ", ".join(map(str, ranks[:8])) + f" and {len(ranks) - 8} more"
 
 
 def connect_store(timeout_s: float) -> dist.Store:
@@ -155,10 +151,13 @@ class Watchdog:
         self._store_host: Beat | None = None  # rank 0's heartbeat when rank 0 serves the store
 
     def progress(self, step: int, phase: str) -> None:
-        """Called by the main thread whenever it moves on (cheap: no communication)."""
+        """Called by the main thread whenever it moves on (cheap: no communication). A new
+        phase is published at once; steps within a phase with the next regular beat (a
+        store write per training step would cost a thread and a round trip each)."""
+        if phase != self._phase:
+            self._moved.set()
         self._step, self._phase = step, phase
         self._last_progress = time.monotonic()
-        self._moved.set()
 
     def start(self) -> Watchdog:
         self._publish()
@@ -217,7 +216,7 @@ class Watchdog:
                 self._publish()  # this thread is the one that beats for this rank
                 beats = self._read()
                 message = describe_stall(before, beats, self.timeout_s)
-                frozen = silent_ranks(before, beats)
+                frozen = silentrank_list(before, beats)
         except Exception:  # noqa: BLE001 - the store itself does not answer
             message = store_host_text()
             frozen, beats = [0], {0: self._store_host}
