@@ -292,7 +292,13 @@ def validate(cfg: TrainConfig) -> None:
             if value <= 0:
                 raise ConfigError(f"{sec_name}.{name}={value} must be positive")
     non_negative = {
-        "model": ("sliding_window",),
+        "model": (
+            "sliding_window",
+            "rope_theta",
+            "rope_original_max_positions",
+            "rope_attention_factor",
+            "max_positions",
+        ),  # fmt: skip
         "run": ("eval_every", "peak_tflops"),
         "parallel": ("dp",),
         "optim": ("warmup_steps", "weight_decay", "grad_clip", "min_lr_ratio"),
@@ -334,9 +340,6 @@ def _validate_model_section(m: ModelSection) -> None:
                 f"model.init_from={m.init_from!r} takes the model's shape from its config.json; remove "
                 f"model.{', model.'.join(changed)}"
             )
-    for name in ("rope_theta", "rope_original_max_positions", "rope_attention_factor", "max_positions"):
-        if getattr(m, name) < 0:
-            raise ConfigError(f"model.{name}={getattr(m, name)} must not be negative")
     if m.rope_scaling in ("keep", "none"):
         if m.rope_factor != 1.0:
             raise ConfigError(

@@ -25,15 +25,13 @@ from loongtrain.parallel import ParallelConfig, ParallelState, init_parallel
 from loongtrain.parallelize import materialize, parallelize
 from loongtrain.planner import Candidate, ClusterSpec, PlanError, Workload, cluster_spec, estimate
 from loongtrain.planner.report import format_length
+from loongtrain.planner.specs import CLUSTER_PRESETS
 from loongtrain.train.metrics import device_peak_tflops, mfu, reset_peak_memory
 from loongtrain.train.preflight import build_optimizer
 from loongtrain.train.trainer import peak_memory_gib, train_step
 
 GiB = 2**30
 ZERO = "dp_sp"  # one rank: FSDP2 only for the bf16 mixed precision
-
-# planner presets by the name CUDA reports (first match wins)
-CLUSTER_BY_GPU = (("H200", "h200"), ("H100", "h100"), ("H800", "h800"), ("A100", "a100"))
 
 
 @dataclass(frozen=True)
@@ -82,7 +80,7 @@ def planner_cluster(device: torch.device, name: str | None) -> tuple[ClusterSpec
     if name is None:
         if device.type == "cuda":
             gpu = torch.cuda.get_device_name(device)
-            name = next((preset for key, preset in CLUSTER_BY_GPU if key in gpu), None)
+            name = next((preset for preset in CLUSTER_PRESETS if preset.upper() in gpu), None)  # "NVIDIA H200"
             if name is None:
                 return None, f"no planner preset for {gpu!r}: pass --cluster (a preset or a TOML file)"
         else:
@@ -95,7 +93,7 @@ def planner_cluster(device: torch.device, name: str | None) -> tuple[ClusterSpec
 
 def predict_step(cluster: ClusterSpec, cfg: ModelConfig, case: TrainCase, dtype: torch.dtype) -> dict:
     """The planner's estimate of ``case`` on one device of ``cluster``."""
-    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    dtype_bytes = dtype.itemsize
     workload = Workload(cfg, case.seq, batch=1, micro_batch=1, dtype_bytes=dtype_bytes)
     est = estimate(cluster, workload, Candidate(dp=1, hp=1, cp=1, zero=ZERO, checkpoint=case.checkpoint))
     return {

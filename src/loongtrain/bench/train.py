@@ -26,9 +26,12 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from loongtrain.bench.common import sync
 from loongtrain.bench.step_profile import PARTS, breakdown, spans_of
 from loongtrain.config import ConfigError, TrainConfig, load_config
 from loongtrain.launch import launch
+from loongtrain.train.preflight import preflight
+from loongtrain.train.trainer import Run, build_run, to_device, train_step
 
 #: The main job's config (scripts/main.sh) and the overrides of the larger case.
 MAIN_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "debug_cpu.toml"
@@ -54,43 +57,37 @@ def case_config(case: str, mode: str, config: Path, folder: Path) -> TrainConfig
     return load_config(config, overrides)
 
 
-def _timed_steps(run, count: int) -> list[float]:
-    from loongtrain.train.trainer import to_device, train_step
+def _step(run: Run, batch: list) -> None:
+    """One optimizer step on ``batch`` (on the device), finished on the device."""
+    o = run.cfg.optim
+    train_step(run.model, run.optimizer, run.state, batch, lr=o.lr, grad_clip=o.grad_clip)
+    sync(run.device)
 
+
+def _timed_steps(run: Run, count: int) -> list[float]:
     times = []
     for _ in range(count):
         batch = to_device(run.loader.next(), run.device)
         dist.barrier()
         t0 = time.perf_counter()
-        train_step(run.model, run.optimizer, run.state, batch, lr=run.cfg.optim.lr, grad_clip=run.cfg.optim.grad_clip)
-        if run.device.type == "cuda":
-            torch.cuda.synchronize(run.device)
+        _step(run, batch)
         times.append(time.perf_counter() - t0)
     return times
 
 
-def _profiled_step(run) -> dict[str, float]:
-    from loongtrain.train.trainer import to_device, train_step
-
+def _profiled_step(run: Run) -> dict[str, float]:
     batch = to_device(run.loader.next(), run.device)
     cuda = run.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     dist.barrier()
     with profile(activities=activities) as prof:
         with record_function(STEP_RANGE):
-            train_step(
-                run.model, run.optimizer, run.state, batch, lr=run.cfg.optim.lr, grad_clip=run.cfg.optim.grad_clip
-            )
-            if cuda:
-                torch.cuda.synchronize(run.device)
+            _step(run, batch)
     spans, start, end = spans_of(prof.events(), STEP_RANGE, device_kernels=cuda)
     return {"wall_s": end - start, **breakdown(spans, start, end)}
 
 
 def _bench_rank(device: torch.device, args: argparse.Namespace, folder: Path) -> None:
-    from loongtrain.train.preflight import preflight
-    from loongtrain.train.trainer import build_run
-
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
     if rank == 0:

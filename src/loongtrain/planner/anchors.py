@@ -39,7 +39,7 @@ def flash_attention2_rates(c: ClusterSpec, fwd_iters: float, both_iters: float) 
     w = Workload(RFA_MODEL, RFA_TOKENS_PER_GPU)
     unit = replace(c, attn_fwd_tflops=1.0, attn_bwd_tflops=1.0, kernel_overhead_us=1e-9, kernel_bwd_overhead_us=1e-9)
     at_unit_rate = block_seconds(unit, w, 1, 1)  # seconds at 1 TFLOP/s: FLOPs / 1e12 / efficiency
-    bwd_overhead = c.kernel_bwd_overhead_us if c.kernel_bwd_overhead_us is not None else c.kernel_overhead_us
+    bwd_overhead = c.bwd_overhead_us
     fwd_s = 1.0 / fwd_iters - c.kernel_overhead_us * 1e-6
     bwd_s = 1.0 / both_iters - 1.0 / fwd_iters - bwd_overhead * 1e-6
     return at_unit_rate.kernel_fwd_first / fwd_s, at_unit_rate.kernel_bwd_first / bwd_s

@@ -404,7 +404,7 @@ def block_seconds(c: ClusterSpec, w: Workload, hp: int, cp: int) -> BlockTimes:
     rows = w.micro_batch * w.seq_len / cp * w.model.n_heads / hp
     eff_first = wave_efficiency(c, rows)
     eff = wave_efficiency(c, rows / 2) if w.causal else eff_first
-    bwd_overhead = c.kernel_bwd_overhead_us if c.kernel_bwd_overhead_us is not None else c.kernel_overhead_us
+    bwd_overhead = c.bwd_overhead_us
     fwd = c.kernel_overhead_us * 1e-6 + flops / (c.attn_fwd_tflops * 1e12 * eff)
     bwd = bwd_overhead * 1e-6 + BWD_FLOP_RATIO * flops / (c.attn_bwd_tflops * 1e12 * eff)
     # a causal diagonal block of S/cp tokens also computes the masked halves of its diagonal tiles

@@ -87,6 +87,11 @@ class ClusterSpec:
     def usable_memory_bytes(self) -> float:
         return self.device_memory_gib * 2**30 * self.usable_memory_fraction
 
+    @property
+    def bwd_overhead_us(self) -> float:
+        """Fixed time per backward block-kernel call (the forward's when not measured apart)."""
+        return self.kernel_overhead_us if self.kernel_bwd_overhead_us is None else self.kernel_bwd_overhead_us
+
 
 _MAY_BE_NONE = ("kernel_bwd_overhead_us",)
 _MAY_BE_ZERO = ("attn_wave_rows", "hbm_bw_gbs", "hop_sync_us")

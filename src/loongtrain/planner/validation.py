@@ -69,7 +69,7 @@ def rescaled(c: ClusterSpec, measured: tuple[float, float], predicted: tuple[flo
     """``c`` with its attention kernels (rates and per-call overheads) slowed by measured /
     predicted probe time, forward and backward separately."""
     slow_fwd, slow_bwd = measured[0] / predicted[0], measured[1] / predicted[1]
-    bwd_overhead = c.kernel_bwd_overhead_us if c.kernel_bwd_overhead_us is not None else c.kernel_overhead_us
+    bwd_overhead = c.bwd_overhead_us
     return replace(
         c,
         attn_fwd_tflops=c.attn_fwd_tflops / slow_fwd,

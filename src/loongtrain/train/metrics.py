@@ -36,8 +36,7 @@ def batch_flops_per_token(cfg: ModelConfig, microbatches: list) -> float:
     masks and the model's sliding window cut the causal ``(S + 1) / 2``."""
     tokens = sum(mb.tokens.numel() for mb in microbatches)
     keys = sum(mb.attention_keys(cfg.sliding_window) for mb in microbatches)
-    seq_len = microbatches[0].tokens.shape[1]
-    return cfg.flops_per_token(seq_len, keys_per_query=keys / tokens)
+    return cfg.flops_per_token(microbatches[0].tokens.shape[1], keys_per_query=keys / tokens)
 
 
 def device_peak_tflops(device: torch.device, dtype: torch.dtype) -> float | None:
