@@ -78,10 +78,10 @@ def import_and_checkpoint(folder: str, run_dir: str) -> None:
     """The trainer's import (init_weights) on a 2D layout, then a checkpoint, no training."""
     import dataclasses
 
+    from loongtrain.apply import parallelize
     from loongtrain.config import ModelSection
     from loongtrain.hf.run import init_weights, model_config_for
     from loongtrain.model import build_model
-    from loongtrain.parallelize import parallelize
     from loongtrain.train.checkpoint import CheckpointManager
 
     from dist_pool import cached_state
@@ -90,7 +90,7 @@ def import_and_checkpoint(folder: str, run_dir: str) -> None:
     section = ModelSection(init_from=folder)
     cfg = model_config_for(section)
     model = build_model(cfg)
-    parallelize(model, state, checkpoint="none", zero="dp_sp")
+    parallelize(model, state, zero="dp_sp")
     init_weights(model, torch.device("cpu"), section, run_dir, seed=0)
     optimizer = torch.optim.AdamW(model.parameters())
     CheckpointManager(Path(run_dir) / "checkpoints", 1).save(

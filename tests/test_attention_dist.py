@@ -59,43 +59,43 @@ CASES = [
     (1, {}, 3, 1, True, "float32", 2),
     # world 2: pure ring (outer / inner), pure Ulysses, KV replication hp > G
     (2, {"cp": 2}, 4, 2, True, "float32", 2),
-    (2, {"cp": 2, "window": 2}, 4, 4, True, "float32", 1),
+    (2, {"cp": 2, "ring_window": 2}, 4, 4, True, "float32", 1),
     (2, {"cp": 2}, 4, 1, False, "float32", 1),
     (2, {"hp": 2}, 4, 4, True, "float32", 2),
     (2, {"hp": 2}, 4, 1, True, "float32", 1),
     (2, {"hp": 2}, 6, 2, True, "float32", 1),  # 3 query heads per rank
     # world 4: ring with window 1 / 2 / 4, Ulysses with G = 4, 2, 1, 2x2 both placements
     (4, {"cp": 4}, 4, 2, True, "float32", 1),
-    (4, {"cp": 4, "window": 2}, 4, 2, True, "float32", 2),
-    (4, {"cp": 4, "window": 4}, 4, 4, True, "float32", 1),
-    (4, {"cp": 4, "window": 2}, 4, 1, False, "float32", 1),
-    (4, {"cp": 4, "window": 2, "context_order": "interleaved"}, 4, 2, True, "float32", 1),
+    (4, {"cp": 4, "ring_window": 2}, 4, 2, True, "float32", 2),
+    (4, {"cp": 4, "ring_window": 4}, 4, 4, True, "float32", 1),
+    (4, {"cp": 4, "ring_window": 2}, 4, 1, False, "float32", 1),
+    (4, {"cp": 4, "ring_window": 2, "context_order": "interleaved"}, 4, 2, True, "float32", 1),
     (4, {"hp": 4}, 8, 4, True, "float32", 1),
     (4, {"hp": 4}, 8, 2, True, "float32", 2),
     (4, {"hp": 4}, 4, 1, True, "float32", 1),
     (4, {"hp": 2, "cp": 2}, 4, 2, True, "float32", 2),
     (4, {"hp": 2, "cp": 2, "placement": "context_first"}, 4, 1, True, "float32", 1),
-    (4, {"hp": 2, "cp": 2, "window": 2, "placement": "context_first"}, 6, 6, False, "float32", 1),
+    (4, {"hp": 2, "cp": 2, "ring_window": 2, "placement": "context_first"}, 6, 6, False, "float32", 1),
     (4, {"hp": 2, "dp": 2}, 4, 2, True, "float32", 1),
-    (4, {"cp": 2, "window": 2, "dp": 2}, 4, 2, True, "float32", 1),
+    (4, {"cp": 2, "ring_window": 2, "dp": 2}, 4, 2, True, "float32", 1),
     (4, {"hp": 2, "cp": 2}, 4, 2, True, "bfloat16", 1),
-    (4, {"cp": 4, "window": 2}, 4, 2, True, "float16", 1),
-    (4, {"hp": 2, "cp": 2, "window": 2}, 4, 1, True, "float64", 2),
+    (4, {"cp": 4, "ring_window": 2}, 4, 2, True, "float16", 1),
+    (4, {"hp": 2, "cp": 2, "ring_window": 2}, 4, 1, True, "float64", 2),
 ]
 
 SLOW_CASES = [
     # world 8: 2x4 and 4x2 with double rings, both placements, interleaved windows,
     # dp=2 x sp=4, Ulysses with KV replication (hp=8 > G=2), bf16
-    (8, {"hp": 2, "cp": 4, "window": 2}, 4, 2, True, "float32", 1),
-    (8, {"hp": 2, "cp": 4, "window": 2, "placement": "context_first"}, 4, 1, True, "float32", 2),
-    (8, {"hp": 4, "cp": 2, "window": 2}, 8, 4, True, "float32", 1),
+    (8, {"hp": 2, "cp": 4, "ring_window": 2}, 4, 2, True, "float32", 1),
+    (8, {"hp": 2, "cp": 4, "ring_window": 2, "placement": "context_first"}, 4, 1, True, "float32", 2),
+    (8, {"hp": 4, "cp": 2, "ring_window": 2}, 8, 4, True, "float32", 1),
     (8, {"hp": 4, "cp": 2, "placement": "context_first"}, 4, 2, False, "float32", 1),
-    (8, {"cp": 8, "window": 2}, 4, 2, True, "float32", 1),
-    (8, {"cp": 8, "window": 4, "context_order": "interleaved"}, 4, 4, True, "float32", 1),
+    (8, {"cp": 8, "ring_window": 2}, 4, 2, True, "float32", 1),
+    (8, {"cp": 8, "ring_window": 4, "context_order": "interleaved"}, 4, 4, True, "float32", 1),
     (8, {"cp": 8}, 2, 1, False, "float32", 1),
-    (8, {"hp": 2, "cp": 2, "window": 2, "dp": 2, "placement": "context_first"}, 4, 2, True, "float32", 2),
+    (8, {"hp": 2, "cp": 2, "ring_window": 2, "dp": 2, "placement": "context_first"}, 4, 2, True, "float32", 2),
     (8, {"hp": 8}, 8, 2, True, "float32", 1),
-    (8, {"hp": 2, "cp": 4, "window": 2}, 4, 2, True, "bfloat16", 1),
+    (8, {"hp": 2, "cp": 4, "ring_window": 2}, 4, 2, True, "bfloat16", 1),
 ]
 
 
@@ -154,7 +154,7 @@ def _count_work(cfg: dict) -> dict:
         ),
         # double ring cp=4, window=2: KV makes 1 outer + 2 inner hops; dKV 4 inner + 2 outer
         (
-            {"cp": 4, "window": 2},
+            {"cp": 4, "ring_window": 2},
             {"fwd.ring_kv": 3, "fwd.block": 4},
             {"bwd.ring_kv": 3, "bwd.ring_dkv": 6, "bwd.block": 4},
         ),

@@ -17,7 +17,7 @@ def test_init_parallel_needs_a_process_group():
 
 def _bad_degrees() -> list[str]:
     messages = []
-    for cfg in ({"hp": 3}, {"hp": 2, "cp": 2, "dp": 2}, {"cp": 4, "window": 3}):
+    for cfg in ({"hp": 3}, {"hp": 2, "cp": 2, "dp": 2}, {"cp": 4, "ring_window": 3}):
         try:
             lt.init_parallel(lt.ParallelConfig(**cfg))
         except ValueError as e:
@@ -32,7 +32,7 @@ def test_bad_degrees_raise_on_every_rank(dist_pool):
     for messages in dist_pool(4).run(_bad_degrees):
         assert "world size 4 is not divisible by sp = hp*cp = 3*1 = 3" in messages[0]
         assert "dp*hp*cp = 2*2*2 = 8 does not equal the world size 4" in messages[1]
-        assert "cp=4 is not divisible by window=3" in messages[2]
+        assert "cp=4 is not divisible by ring_window=3" in messages[2]
 
 
 def _t(*shape, dtype=torch.float32, device="cpu"):
@@ -122,7 +122,7 @@ def _bad_mask_calls() -> dict[str, str]:
         "end": {"cu_seqlens": [0, 8]},
         "increasing": {"cu_seqlens": [0, 9, 5, 16]},
         "float": {"cu_seqlens": torch.tensor([0.0, 16.0])},
-        "window": {"window_size": 0},
+        "ring_window": {"window_size": 0},
         "balance": {"balance": "random"},
     }
     found = {}
@@ -146,7 +146,7 @@ MASK_EXPECTED = {
     "end": "cu_seqlens must end at the global sequence length S=16, got 8",
     "increasing": "strictly increasing, got 9 then 5",
     "float": "1-D integer tensor",
-    "window": "window_size=0 must be a positive int",
+    "ring_window": "window_size=0 must be a positive int",
     "balance": "balance='random' is not known; choose one of ['zigzag', 'documents']",
     "shard_start": "cu_seqlens must start at 0, got 1",
     "shard_balance": "balance='x' is not known",

@@ -19,7 +19,9 @@ REPO = Path(__file__).resolve().parents[1]
 def test_bench_train_rows_are_consistent(tmp_path):
     config = tmp_path / "tiny.toml"
     main_job = (REPO / "configs" / "debug_cpu.toml").read_text()
-    config.write_text(main_job.replace("hp = 2", "hp = 1").replace("window = 2", "window = 1"))  # cp=2 on 2 ranks
+    config.write_text(
+        main_job.replace("hp = 2", "hp = 1").replace("ring_window = 2", "ring_window = 1")
+    )  # cp=2 on 2 ranks
     out = tmp_path / "rows.json"
     cmd = [sys.executable, "-m", "loongtrain", "bench", "train", "--nproc", "2", "--config", str(config),
            "--cases", "main", "--modes", "eager", "--steps", "2", "--json", str(out)]  # fmt: skip

@@ -27,7 +27,7 @@ from loongtrain.train.trainer import preflight, train
 BASE = [
     "run.log_every=100", "run.eval_batches=1", "run.tensorboard=false", "run.progress=off",
     "data.seq_len=64", "data.global_batch=8", "data.recall_queries=8", "optim.warmup_steps=2",
-    "checkpoint.every=0", "checkpoint.save_final=false", "parallel.checkpoint=none",
+    "checkpoint.every=0", "checkpoint.save_final=false", "memory.activation_checkpoint=none",
 ]  # fmt: skip
 
 

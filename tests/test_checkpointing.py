@@ -13,8 +13,8 @@ import gc
 import pytest
 import torch
 
+from loongtrain.apply import MemoryOptions, materialize, parallelize
 from loongtrain.model import build_model, model_config
-from loongtrain.parallelize import materialize, parallelize
 from loongtrain.train.step import lm_loss_sum, shard_batch
 
 from dist_pool import cached_state
@@ -23,7 +23,12 @@ from dist_pool import cached_state
 def _backward_counts(cfg: dict, mode: str, every: int) -> dict:
     state = cached_state(**cfg)
     mcfg = model_config("debug", n_layers=4)
-    model = parallelize(build_model(mcfg), state, checkpoint=mode, checkpoint_every=every, zero="dp_sp")
+    model = parallelize(
+        build_model(mcfg),
+        state,
+        memory=MemoryOptions(activation_checkpoint=mode, activation_checkpoint_every=every),
+        zero="dp_sp",
+    )
     materialize(model, torch.device("cpu"), 0)
     seq = 8 * state.sp
     gen = torch.Generator().manual_seed(0)

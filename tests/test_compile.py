@@ -22,13 +22,13 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+from loongtrain.apply import MemoryOptions, materialize, parallelize
+from loongtrain.apply.activation_checkpoint import apply_activation_checkpoint
+from loongtrain.apply.attention import apply_attention
+from loongtrain.apply.compile import apply_compile
+from loongtrain.apply.zero import apply_zero
 from loongtrain.data.batch import Microbatch
 from loongtrain.model import build_model, model_config
-from loongtrain.parallelize import materialize, parallelize
-from loongtrain.parallelize.attention import apply_attention
-from loongtrain.parallelize.checkpoint import apply_checkpoint
-from loongtrain.parallelize.compile import apply_compile
-from loongtrain.parallelize.zero import apply_zero
 from loongtrain.train.step import forward_backward, shard_microbatch
 
 from dist_pool import cached_state
@@ -60,7 +60,11 @@ def _compiled_vs_eager(cfg: dict, checkpoint: str, zero: str, model: dict, seq: 
     results = {}
     for compiled in (False, True):
         model = parallelize(
-            build_model(model_config("debug")), state, checkpoint=checkpoint, zero=zero, compile=compiled
+            build_model(model_config("debug")),
+            state,
+            memory=MemoryOptions(activation_checkpoint=checkpoint),
+            zero=zero,
+            compile=compiled,
         )
         materialize(model, torch.device("cpu"), SEED)
         losses, recomputed = [], 0
@@ -83,11 +87,11 @@ def _compiled_vs_eager(cfg: dict, checkpoint: str, zero: str, model: dict, seq: 
 @pytest.mark.parametrize(
     ("layout", "checkpoint", "zero", "model", "seq"),
     [
-        ({"hp": 2, "cp": 2, "window": 2}, "sc++", "dp_sp", {}, 64),
+        ({"hp": 2, "cp": 2, "ring_window": 2}, "sc++", "dp_sp", {}, 64),
         # the same blocks' code compiled again in the same processes, for another state and
         # other shapes (an int state key became a symbolic int there and broke the fake ops)
         ({"hp": 2, "cp": 2}, "full", "sp", {"dim": 96, "ffn_dim": 256}, 128),
-        ({"cp": 4, "window": 2}, "none", "none", {}, 64),
+        ({"cp": 4, "ring_window": 2}, "none", "none", {}, 64),
     ],
 )
 def test_compiled_training_equals_eager(dist_pool, layout, checkpoint, zero, model, seq):
@@ -151,7 +155,7 @@ def _host_reads_in_the_hot_path(verify: bool) -> int:
     state = cached_state(hp=2, cp=2, window=2)
     model = build_model(model_config("debug"))
     apply_attention(model, state)
-    apply_checkpoint(model, "sc++")
+    apply_activation_checkpoint(model, "sc++")
     apply_zero(model, state, "dp_sp")
     materialize(model, torch.device("cpu"), SEED)
     batch = _batches()[1]

@@ -14,10 +14,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_defaults_file_and_overrides(tmp_path):
     path = tmp_path / "c.toml"
-    path.write_text("[run]\nsteps = 7\n[parallel]\nhp = 2\ncp = 4\nwindow = 2\n[optim]\nlr = 1\n")
+    path.write_text("[run]\nsteps = 7\n[parallel]\nhp = 2\ncp = 4\nring_window = 2\n[optim]\nlr = 1\n")
     cfg = load_config(path, ["run.steps=9", "data.seq_len=64", "parallel.placement=context_first"])
     assert cfg.run.steps == 9  # override beats file
-    assert (cfg.parallel.hp, cfg.parallel.cp, cfg.parallel.window) == (2, 4, 2)
+    assert (cfg.parallel.hp, cfg.parallel.cp, cfg.parallel.ring_window) == (2, 4, 2)
     assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)  # TOML int accepted for a float
     assert cfg.data.seq_len == 64 and cfg.parallel.placement == "context_first"
     assert cfg.data.global_batch == 8  # default kept
@@ -56,7 +56,7 @@ def test_split_overrides():
         ("", ["run.steps=abc"], "'abc' is not a valid int"),
         ("", ["run.steps"], "must look like section.key=value"),
         ("", ["parallel.zero=zero9"], "parallel.zero='zero9'; choose one of"),
-        ("", ["parallel.cp=6", "parallel.window=4"], "cp=6 is not divisible by parallel.window=4"),
+        ("", ["parallel.cp=6", "parallel.ring_window=4"], "cp=6 is not divisible by parallel.ring_window=4"),
         ("", ["run.steps=0"], "run.steps=0 must be positive"),
         ("", ["optim.lr=nan"], "optim.lr=nan must be finite"),
         ("", ["data.source=tokens"], "needs data.path"),

@@ -184,7 +184,7 @@ def test_cuda_profile_distributed_sizes_are_valid(world):
     cu = documents(seq)
     assert cu[0] == 0 and cu[-1] == seq and all(a < b for a, b in zip(cu, cu[1:]))
     train = training_layout(world)
-    assert train.hp * train.cp == world and train.cp % train.window == 0
+    assert train.hp * train.cp == world and train.cp % train.ring_window == 0
     check_head_split(d.model.n_heads, d.model.n_kv_heads, train.hp)
     check_sequence_length(d.train_tokens_per_rank * world, train.hp, train.cp)
 

@@ -17,9 +17,9 @@ def _ranks(group) -> tuple[int, ...] | None:
 
 
 CONFIGS = [
-    (1024, dict(hp=8, cp=16, window=4, placement="context_first")),
-    (1024, dict(hp=4, cp=64, window=8, context_order="interleaved")),
-    (512, dict(hp=1, cp=32, window=1)),
+    (1024, dict(hp=8, cp=16, ring_window=4, placement="context_first")),
+    (1024, dict(hp=4, cp=64, ring_window=8, context_order="interleaved")),
+    (512, dict(hp=1, cp=32, ring_window=1)),
     (256, dict(hp=16, cp=1)),
 ]
 

@@ -89,7 +89,7 @@ def test_export_after_training_loads_in_transformers(dist_pool, tmp_path):
             f"model.init_from={source}", f"run.output_dir={run}", "run.steps=3", "run.log_every=100",
             "run.eval_batches=1", "run.tensorboard=false", "run.progress=off", "data.source=tokens",
             f"data.path={tokens_file}", "data.seq_len=128", "data.global_batch=4", "optim.lr=1e-2",
-            "optim.warmup_steps=1", "parallel.hp=2", "parallel.cp=2", "parallel.checkpoint=sc++",
+            "optim.warmup_steps=1", "parallel.hp=2", "parallel.cp=2", "memory.activation_checkpoint=sc++",
             *EXTENSIONS[family],
         ]  # fmt: skip
         losses = pool.run(_train, overrides)[0]

@@ -54,15 +54,15 @@ def test_bfloat16_source_loads_exactly(tmp_path):
 
 
 def _sharded_logits(cfg, folder: str, tokens: torch.Tensor) -> torch.Tensor:
+    from loongtrain.apply import parallelize
     from loongtrain.attention import unshard_sequence
-    from loongtrain.parallelize import parallelize
     from loongtrain.train.step import shard_batch
 
     from dist_pool import cached_state
 
     state = cached_state(hp=2, cp=2)
     model = build_model(cfg)
-    parallelize(model, state, checkpoint="none", zero="dp_sp")
+    parallelize(model, state, zero="dp_sp")
     model.to_empty(device="cpu")
     load_weights(model, folder)  # this rank's rows only
     local_rows = model.layers[0].attention.wq.weight.to_local().shape[0]

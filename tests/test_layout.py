@@ -10,12 +10,12 @@ from loongtrain import ParallelConfig, RankLayout
 
 
 def _layouts():
-    for world, hp, cp, window, placement, order in itertools.product(
+    for world, hp, cp, ring_window, placement, order in itertools.product(
         (8, 16), (1, 2, 4), (1, 2, 4, 8), (1, 2, 4), ("head_first", "context_first"), ("contiguous", "interleaved")
     ):
-        if cp % window or world % (hp * cp):
+        if cp % ring_window or world % (hp * cp):
             continue
-        yield RankLayout.build(ParallelConfig(hp, cp, window, placement, context_order=order), world)
+        yield RankLayout.build(ParallelConfig(hp, cp, ring_window, placement, context_order=order), world)
 
 
 @pytest.mark.parametrize("layout", list(_layouts()), ids=lambda lay: f"{lay.config}-w{lay.world_size}")
@@ -25,14 +25,14 @@ def test_coordinates_are_a_bijection_and_groups_partition(layout: RankLayout):
     assert len({(c.dp, c.head, c.context) for c in coords}) == world
     for r, c in enumerate(coords):
         assert layout.rank(c.dp, c.head, c.context) == r
-        assert c.context == c.window * layout.window + c.window_pos
+        assert c.context == c.outer_pos * layout.ring_window + c.inner_pos
     for family, size in (
         (layout.all_sp_groups(), layout.sp),
         (layout.all_dp_groups(), layout.dp),
         (layout.all_head_groups(), layout.hp),
         (layout.all_context_groups(), layout.cp),
-        (layout.all_inner_rings(), layout.window),
-        (layout.all_outer_rings(), layout.n_windows),
+        (layout.all_inner_rings(), layout.ring_window),
+        (layout.all_outer_rings(), layout.n_ring_windows),
     ):
         members = sorted(r for g in family for r in g)
         assert members == list(range(world)), "each rank in exactly one group of the family"
@@ -44,11 +44,11 @@ def test_coordinates_are_a_bijection_and_groups_partition(layout: RankLayout):
         assert set(layout.head_group(r)) <= set(layout.sp_group(r))
         assert set(layout.context_group(r)) <= set(layout.sp_group(r))
         inner = layout.inner_ring(r)
-        assert [layout.coords(m).window_pos for m in inner] == list(range(layout.window))
-        assert {layout.coords(m).window for m in inner} == {c.window}
+        assert [layout.coords(m).inner_pos for m in inner] == list(range(layout.ring_window))
+        assert {layout.coords(m).outer_pos for m in inner} == {c.outer_pos}
         outer = layout.outer_ring(r)
-        assert [layout.coords(m).window for m in outer] == list(range(layout.n_windows))
-        assert {layout.coords(m).window_pos for m in outer} == {c.window_pos}
+        assert [layout.coords(m).outer_pos for m in outer] == list(range(layout.n_ring_windows))
+        assert {layout.coords(m).inner_pos for m in outer} == {c.inner_pos}
 
 
 def test_sp_block_is_contiguous_and_dp_outermost():
@@ -69,10 +69,10 @@ def test_head_first_versus_context_first():
 
 def test_double_ring_groups_contiguous_and_interleaved():
     # cp = 8 context ranks in one node order, windows of 2 -> 4 windows
-    lay = RankLayout.build(ParallelConfig(cp=8, window=2), 8)
+    lay = RankLayout.build(ParallelConfig(cp=8, ring_window=2), 8)
     assert lay.all_inner_rings() == [(0, 1), (2, 3), (4, 5), (6, 7)]
     assert lay.all_outer_rings() == [(0, 2, 4, 6), (1, 3, 5, 7)]
-    inter = RankLayout.build(ParallelConfig(cp=8, window=2, context_order="interleaved"), 8)
+    inter = RankLayout.build(ParallelConfig(cp=8, ring_window=2, context_order="interleaved"), 8)
     # window o takes every n-th (n = 4) member: the inner rings span, the outer ring is local
     assert inter.all_inner_rings() == [(0, 4), (1, 5), (2, 6), (3, 7)]
     assert inter.all_outer_rings() == [(0, 1, 2, 3), (4, 5, 6, 7)]
@@ -85,7 +85,7 @@ def test_double_ring_groups_contiguous_and_interleaved():
     [
         ({"hp": 2, "cp": 3}, 8, "not divisible by sp = hp*cp"),
         ({"hp": 2, "cp": 2, "dp": 3}, 8, "does not equal the world size 8"),
-        ({"cp": 6, "window": 4}, 6, "cp=6 is not divisible by window=4"),
+        ({"cp": 6, "ring_window": 4}, 6, "cp=6 is not divisible by ring_window=4"),
         ({"hp": 0}, 1, "hp=0 must be a positive integer"),
         ({"placement": "diagonal"}, 1, "unknown placement='diagonal'"),
         ({"context_order": "random"}, 1, "unknown context_order='random'"),
@@ -99,4 +99,4 @@ def test_config_errors_name_the_values(kwargs, world, message):
 def test_config_dp_derived():
     assert ParallelConfig(hp=2, cp=2).resolve_dp(8) == 2
     assert ParallelConfig(hp=2, cp=2, dp=2).resolve_dp(8) == 2
-    assert ParallelConfig(cp=4, window=2).n_windows == 2
+    assert ParallelConfig(cp=4, ring_window=2).n_ring_windows == 2

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from loongtrain.attention.balance import balance_documents
-from loongtrain.attention.documents import as_boundaries, check_window, range_work
+from loongtrain.attention.documents import as_boundaries, check_sliding_window, range_work
 from loongtrain.attention.mask_plan import BAND, CAUSAL, FULL, mask_plan
 from loongtrain.attention.replay import RingReplay
 from loongtrain.attention.sharding import sequence_sharding, zigzag_sharding
+from loongtrain.parallel.config import ParallelConfig
 
 from reference import attention_with_grads, rel_errors, visibility
 
@@ -45,7 +46,7 @@ def test_bad_boundaries_name_the_problem(cu, message):
 @pytest.mark.parametrize("window", [0, -3, 2.5, True])
 def test_bad_window_is_refused(window):
     with pytest.raises(ValueError, match="must be a positive int"):
-        check_window(window)
+        check_sliding_window(window)
 
 
 def test_boundaries_accept_lists_and_tensors():
@@ -154,7 +155,7 @@ def test_documents_on_chunk_edges_skip_every_foreign_block():
     plan = mask_plan(zigzag_sharding(seq, 1, cp), cu, True, None)
     for c in range(cp):
         assert all(not plan.calls(c, src) for src in range(cp) if src != c)
-    assert plan.empty_steps(1) == {(j, 0) for j in range(1, cp)}
+    assert plan.empty_steps(ParallelConfig(cp=cp)) == {(j, 0) for j in range(1, cp)}
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -80,7 +80,7 @@ def _masked_case(
     keys = {"cu_seqlens": cu, "balance": balance}
     q_l, k_l, v_l = (lt.shard_sequence(x, state, **keys).requires_grad_() for x in (q, k, v))
     state.stats.reset()
-    out_l = lt.head_context_attention(q_l, k_l, v_l, state, causal=causal, window_size=win, **keys)
+    out_l = lt.head_context_attention(q_l, k_l, v_l, state, causal=causal, sliding_window=win, **keys)
     out_l.backward(lt.shard_sequence(dout, state, **keys))
     got = [lt.unshard_sequence(t, state, **keys) for t in (out_l, q_l.grad, k_l.grad, v_l.grad)]
     errors = {}
@@ -101,39 +101,39 @@ CASES = [
     (1, {}, 4, 1, 32, "long", "gt_seq", True, "zigzag", "float32"),
     # world 2: ring (outer / inner), Ulysses, KV replication
     (2, {"cp": 2}, 4, 2, 16, "chunk_edges", None, True, "zigzag", "float32"),
-    (2, {"cp": 2, "window": 2}, 4, 2, 16, "inside", "gt_shard", True, "documents", "float32"),
+    (2, {"cp": 2, "ring_window": 2}, 4, 2, 16, "inside", "gt_shard", True, "documents", "float32"),
     (2, {"cp": 2}, 4, 2, 16, "long", "lt_chunk", False, "documents", "float32"),
     (2, {"hp": 2}, 4, 2, 16, "inside", None, True, "zigzag", "float32"),
     (2, {"hp": 2}, 4, 1, 16, "long", "lt_chunk", True, "documents", "float32"),
     # world 4: double ring (contiguous, interleaved), 2D both placements, replication, dp > 1
-    (4, {"cp": 4, "window": 2}, 4, 2, 16, "inside", None, True, "zigzag", "float32"),
-    (4, {"cp": 4, "window": 2}, 4, 2, 16, "long", "gt_shard", True, "documents", "float32"),
-    (4, {"cp": 4, "window": 2, "context_order": "interleaved"}, 4, 2, 16, "chunk_edges", "lt_chunk", True,
+    (4, {"cp": 4, "ring_window": 2}, 4, 2, 16, "inside", None, True, "zigzag", "float32"),
+    (4, {"cp": 4, "ring_window": 2}, 4, 2, 16, "long", "gt_shard", True, "documents", "float32"),
+    (4, {"cp": 4, "ring_window": 2, "context_order": "interleaved"}, 4, 2, 16, "chunk_edges", "lt_chunk", True,
      "documents", "float32"),
     (4, {"cp": 4}, 4, 2, 128, "tiny", None, True, "zigzag", "float32"),
-    (4, {"cp": 4, "window": 4}, 4, 4, 128, "tiny", "lt_chunk", True, "documents", "float32"),
+    (4, {"cp": 4, "ring_window": 4}, 4, 4, 128, "tiny", "lt_chunk", True, "documents", "float32"),
     (4, {"hp": 2, "cp": 2}, 4, 2, 16, "long", None, True, "documents", "float32"),
     (4, {"hp": 2, "cp": 2, "placement": "context_first"}, 4, 1, 16, "inside", "lt_chunk", True, "zigzag", "float32"),
-    (4, {"hp": 2, "cp": 2, "window": 2, "placement": "context_first"}, 6, 6, 16, "long", "gt_shard", False,
+    (4, {"hp": 2, "cp": 2, "ring_window": 2, "placement": "context_first"}, 6, 6, 16, "long", "gt_shard", False,
      "zigzag", "float32"),
     (4, {"hp": 4}, 8, 2, 16, "inside", "gt_seq", True, "documents", "float32"),
     (4, {"hp": 2, "dp": 2}, 4, 2, 16, "long", "lt_chunk", True, "documents", "float32"),
-    (4, {"cp": 2, "window": 2, "dp": 2}, 4, 2, 16, "inside", None, False, "documents", "float32"),
+    (4, {"cp": 2, "ring_window": 2, "dp": 2}, 4, 2, 16, "inside", None, False, "documents", "float32"),
     (4, {"hp": 2, "cp": 2}, 4, 2, 16, "inside", "lt_chunk", True, "documents", "bfloat16"),
-    (4, {"cp": 4, "window": 2}, 4, 2, 16, "long", None, True, "zigzag", "float16"),
-    (4, {"hp": 2, "cp": 2, "window": 2}, 4, 1, 16, "inside", "gt_shard", True, "documents", "float64"),
+    (4, {"cp": 4, "ring_window": 2}, 4, 2, 16, "long", None, True, "zigzag", "float16"),
+    (4, {"hp": 2, "cp": 2, "ring_window": 2}, 4, 1, 16, "inside", "gt_shard", True, "documents", "float64"),
 ]  # fmt: skip
 
 SLOW_CASES = [
-    (8, {"hp": 2, "cp": 4, "window": 2}, 4, 2, 16, "long", "lt_chunk", True, "documents", "float32"),
-    (8, {"hp": 2, "cp": 4, "window": 2, "placement": "context_first"}, 4, 1, 16, "inside", None, True, "zigzag",
+    (8, {"hp": 2, "cp": 4, "ring_window": 2}, 4, 2, 16, "long", "lt_chunk", True, "documents", "float32"),
+    (8, {"hp": 2, "cp": 4, "ring_window": 2, "placement": "context_first"}, 4, 1, 16, "inside", None, True, "zigzag",
      "float32"),
-    (8, {"cp": 8, "window": 4, "context_order": "interleaved"}, 4, 4, 16, "chunk_edges", "gt_shard", True,
+    (8, {"cp": 8, "ring_window": 4, "context_order": "interleaved"}, 4, 4, 16, "chunk_edges", "gt_shard", True,
      "documents", "float32"),
-    (8, {"cp": 8, "window": 2}, 4, 2, 64, "tiny", None, True, "documents", "float32"),
-    (8, {"hp": 4, "cp": 2, "window": 2}, 8, 4, 16, "inside", "lt_chunk", False, "documents", "float32"),
+    (8, {"cp": 8, "ring_window": 2}, 4, 2, 64, "tiny", None, True, "documents", "float32"),
+    (8, {"hp": 4, "cp": 2, "ring_window": 2}, 8, 4, 16, "inside", "lt_chunk", False, "documents", "float32"),
     (8, {"hp": 8}, 8, 2, 16, "long", "gt_shard", True, "zigzag", "float32"),
-    (8, {"hp": 2, "cp": 2, "window": 2, "dp": 2}, 4, 2, 16, "long", None, True, "documents", "float32"),
+    (8, {"hp": 2, "cp": 2, "ring_window": 2, "dp": 2}, 4, 2, 16, "long", None, True, "documents", "float32"),
 ]  # fmt: skip
 
 
@@ -194,7 +194,7 @@ def _single_document_vs_plain(cfg: dict) -> dict:
 
 @pytest.mark.dist
 def test_one_document_equals_the_plain_causal_result(dist_pool):
-    for result in dist_pool(4).run(_single_document_vs_plain, {"hp": 2, "cp": 2, "window": 2}):
+    for result in dist_pool(4).run(_single_document_vs_plain, {"hp": 2, "cp": 2, "ring_window": 2}):
         assert result["zigzag_equal"]  # the very same kernels: bit for bit
         assert result["documents_err"] < 1e-5
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from loongtrain.apply import check_model_fits, materialize
 from loongtrain.model import PRESETS, build_model, model_config
 from loongtrain.model.llama import apply_rope, rope_tables
-from loongtrain.parallelize import check_model_fits, materialize
-from loongtrain.parallelize.checkpoint import check_checkpoint_mode
-from loongtrain.parallelize.zero import check_zero_scope, zero_mesh_ranks
+from loongtrain.options import check_activation_checkpoint, check_zero_scope
+from loongtrain.parallel.state import zero_mesh_ranks
 
 
 @pytest.mark.parametrize(
@@ -82,8 +82,8 @@ def test_zero_mesh_grids():
         (lambda: model_config("debug", n_heads=3, dim=64), "dim=64 is not divisible by n_heads=3"),
         (lambda: model_config("debug", n_heads=4, n_kv_heads=3), "n_heads=4 is not a multiple of n_kv_heads=3"),
         (lambda: check_zero_scope("zero3"), "unknown ZeRO scope 'zero3'; choose one of"),
-        (lambda: check_checkpoint_mode("selective"), "unknown activation checkpoint mode 'selective'"),
-        (lambda: check_checkpoint_mode("full", 0), "checkpoint every=0 must be a positive integer"),
+        (lambda: check_activation_checkpoint("selective"), "unknown activation checkpoint mode 'selective'"),
+        (lambda: check_activation_checkpoint("full", 0), "activation checkpoint every=0 must be a positive integer"),
     ],
 )
 def test_bad_model_configuration(call, message):

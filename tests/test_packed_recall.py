@@ -12,7 +12,7 @@ import pytest
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "packed_recall_cpu.toml"
 SINGLE_PROCESS = [
-    "--parallel.hp", "1", "--parallel.cp", "1", "--parallel.window", "1", "--parallel.checkpoint", "none",
+    "--parallel.hp", "1", "--parallel.cp", "1", "--parallel.ring_window", "1", "--memory.activation_checkpoint", "none",
     "--run.progress", "off", "--run.tensorboard", "false", "--run.eval_every", "0",
     "--checkpoint.every", "0", "--checkpoint.save_final", "false",
     "--run.steps", "700",  # the config's 1000 steps learn more; 700 already separate the two (0.7+ vs < 0.2)

@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from loongtrain.apply import MemoryOptions, materialize, parallelize
 from loongtrain.data.batch import Microbatch
 from loongtrain.model import build_model, model_config
-from loongtrain.parallelize import materialize, parallelize
 from loongtrain.train.step import forward_backward, lm_loss_sum
 
 from dist_pool import cached_state
@@ -28,7 +28,7 @@ SEED = 5
 
 
 def _dense_attention(keep: torch.Tensor):
-    def attention(q, k, v, cu_seqlens=None, window_size=None):
+    def attention(q, k, v, cu_seqlens=None, sliding_window=None):
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=keep, enable_gqa=True
         )
@@ -63,7 +63,7 @@ def _packed_equivalence(cfg: dict, ckpt: str, overrides: dict, micro: int) -> di
     device = torch.device("cpu")
     ref = build_model(mcfg)
     materialize(ref, device, SEED)
-    par = parallelize(build_model(mcfg), state, checkpoint=ckpt, zero="dp_sp")
+    par = parallelize(build_model(mcfg), state, memory=MemoryOptions(activation_checkpoint=ckpt), zero="dp_sp")
     materialize(par, device, SEED)
     seq = 16 * state.sp
     rows = [_packed_row(100 * m + d, seq, mcfg.vocab_size) for m in range(micro) for d in range(state.dp)]
@@ -89,8 +89,8 @@ def _packed_equivalence(cfg: dict, ckpt: str, overrides: dict, micro: int) -> di
 # (world, layout, checkpoint mode, model overrides, microbatches)
 CASES = [
     (2, {"cp": 2, "balance": "documents"}, "sc++", {}, 2),
-    (4, {"hp": 2, "cp": 2, "window": 2, "balance": "documents"}, "sc++", {}, 1),
-    (4, {"cp": 4, "window": 2}, "full", {"sliding_window": 7}, 1),
+    (4, {"hp": 2, "cp": 2, "ring_window": 2, "balance": "documents"}, "sc++", {}, 1),
+    (4, {"cp": 4, "ring_window": 2}, "full", {"sliding_window": 7}, 1),
     (4, {"hp": 2, "cp": 2, "placement": "context_first"}, "none", {"sliding_window": 20}, 1),
     (4, {"cp": 2, "dp": 2, "balance": "documents"}, "sc++", {"sliding_window": 5}, 2),
     (4, {"hp": 4, "balance": "documents"}, "full", {"n_heads": 4, "n_kv_heads": 1}, 1),

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+from loongtrain.apply import MemoryOptions, materialize, parallelize
 from loongtrain.model import build_model, model_config
-from loongtrain.parallelize import materialize, parallelize
 from loongtrain.train.step import forward_backward, lm_loss_sum
 
 from dist_pool import cached_state
@@ -46,7 +46,13 @@ def _equivalence(
     device = torch.device("cpu")
     ref = build_model(mcfg)
     materialize(ref, device, SEED)
-    par = parallelize(build_model(mcfg), state, checkpoint=ckpt, checkpoint_every=every, zero=zero, **options)
+    par = parallelize(
+        build_model(mcfg),
+        state,
+        memory=MemoryOptions(activation_checkpoint=ckpt, activation_checkpoint_every=every),
+        zero=zero,
+        **options,
+    )
     materialize(par, device, SEED)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-6)
     opt_par = torch.optim.AdamW(par.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-6)
@@ -93,10 +99,10 @@ TOL = {"loss": 2e-6, "grad_step0": 2e-6, "grad": 1e-4, "param": 2e-5}
 CASES = [
     (2, {"cp": 2}, "dp_sp", "none", {}, 1),
     (2, {"hp": 2}, "sp", "sc++", {}, 2),
-    (2, {"cp": 2, "window": 2}, "none", "full", {"tie_embeddings": True}, 1),
+    (2, {"cp": 2, "ring_window": 2}, "none", "full", {"tie_embeddings": True}, 1),
     (4, {"hp": 2, "cp": 2}, "dp_sp", "sc++", {}, 1),
     (4, {"hp": 2, "cp": 2, "placement": "context_first"}, "sp", "full", {}, 1),
-    (4, {"cp": 4, "window": 2}, "dp_sp", "sc++", {}, 2),
+    (4, {"cp": 4, "ring_window": 2}, "dp_sp", "sc++", {}, 2),
     (4, {"hp": 4}, "dp", "none", {"n_heads": 4, "n_kv_heads": 1}, 1),  # KV replication hp > G
     (4, {"hp": 2, "dp": 2}, "dp", "sc++", {}, 1),
     (4, {"cp": 2, "dp": 2}, "sp", "none", {}, 2),
@@ -114,10 +120,10 @@ OPTION_CASES = [
 ]
 
 SLOW_CASES = [
-    (8, {"hp": 2, "cp": 4, "window": 2}, "dp_sp", "sc++", {}, 1),
+    (8, {"hp": 2, "cp": 4, "ring_window": 2}, "dp_sp", "sc++", {}, 1),
     (8, {"hp": 4, "cp": 2, "placement": "context_first"}, "sp", "full", {"n_heads": 8, "n_kv_heads": 2}, 1),
-    (8, {"hp": 2, "cp": 2, "window": 2, "dp": 2}, "dp", "sc++", {}, 2),
-    (8, {"cp": 8, "window": 4, "context_order": "interleaved"}, "dp_sp", "none", {}, 1),
+    (8, {"hp": 2, "cp": 2, "ring_window": 2, "dp": 2}, "dp", "sc++", {}, 2),
+    (8, {"cp": 8, "ring_window": 4, "context_order": "interleaved"}, "dp_sp", "none", {}, 1),
 ]
 
 

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from loongtrain.model.config import PRESETS, ModelConfig
+from loongtrain.parallel.config import ParallelConfig
 from loongtrain.planner.cost import (
     Candidate,
     Workload,
@@ -78,14 +79,14 @@ def test_linear_flops_and_params_by_hand():
     ],
 )
 def test_comm_volume_by_hand(hp, cp, window, expected):
-    assert comm_volume(Workload(M, seq_len=64), hp, cp, window).kinds == expected
+    assert comm_volume(Workload(M, seq_len=64), ParallelConfig(hp=hp, cp=cp, ring_window=window)).kinds == expected
 
 
 @pytest.mark.parametrize(
     "cp, window, hops", [(1, 1, 0), (4, 1, 4), (4, 4, 4), (4, 2, 6), (8, 2, 12), (8, 4, 10), (16, 8, 18)]
 )
 def test_dkv_hops(cp, window, hops):
-    assert dkv_hops(cp, window) == hops
+    assert dkv_hops(ParallelConfig(cp=cp, ring_window=window)) == hops
 
 
 def test_ring_forward_schedule_by_hand():

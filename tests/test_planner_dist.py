@@ -8,6 +8,7 @@ import torch
 
 import loongtrain as lt
 from loongtrain.model.config import ModelConfig
+from loongtrain.parallel.config import ParallelConfig
 from loongtrain.planner.cost import Workload, comm_volume
 
 from dist_pool import cached_state
@@ -32,11 +33,11 @@ def _stats_case(cfg: dict, heads: int, groups: int, head_dim: int, seq: int) -> 
     "cfg, heads, groups",
     [
         (dict(cp=4), 4, 2),  # ring
-        (dict(cp=4, window=2), 4, 2),  # double ring
+        (dict(cp=4, ring_window=2), 4, 2),  # double ring
         (dict(hp=4), 4, 4),  # Ulysses
         (dict(hp=4), 4, 2),  # Ulysses with KV replication (hp > G)
         (dict(hp=2, cp=2, placement="context_first"), 4, 2),  # 2D
-        (dict(hp=2, cp=2, window=2), 4, 1),  # 2D, MQA replicated to hp
+        (dict(hp=2, cp=2, ring_window=2), 4, 1),  # 2D, MQA replicated to hp
         (dict(cp=2, dp=2), 2, 2),  # data parallel x ring
     ],
     ids=str,
@@ -45,7 +46,6 @@ def test_comm_volume_matches_attention_stats(dist_pool, cfg, heads, groups):
     head_dim, seq = 8, 64
     per_rank = dist_pool(4).run(_stats_case, cfg, heads, groups, head_dim, seq)
     model = ModelConfig(dim=heads * head_dim, n_heads=heads, n_kv_heads=groups)
-    hp, cp = cfg.get("hp", 1), cfg.get("cp", 1)
-    expected = comm_volume(Workload(model, seq, dtype_bytes=4), hp, cp, cfg.get("window", 1))
+    expected = comm_volume(Workload(model, seq, dtype_bytes=4), ParallelConfig(**cfg))
     for stats in per_rank:
         assert stats == {kind: (expected.count(kind), expected.bytes(kind)) for kind in KINDS}

@@ -34,16 +34,26 @@ M1 = 2**20
 
 # -- topology ---------------------------------------------------------------------------
 def test_topology_by_hand():
-    ring = analyze(1, 16, 1, "head_first", 8)  # 16 consecutive ranks: one hop per node leaves it
+    ring = analyze(
+        ParallelConfig(hp=1, cp=16, ring_window=1, placement="head_first"), 8
+    )  # 16 consecutive ranks: one hop per node leaves it
     assert (ring.outer.crosses, ring.outer.off_node, ring.outer.on_node, ring.inner.size) == (True, 1, 7, 1)
-    hf = analyze(8, 8, 1, "head_first", 8)  # head group = a node; every ring hop leaves it
+    hf = analyze(
+        ParallelConfig(hp=8, cp=8, ring_window=1, placement="head_first"), 8
+    )  # head group = a node; every ring hop leaves it
     assert hf.head.off_peers == 0 and (hf.outer.crosses, hf.outer.off_node) == (True, 8)
-    cf = analyze(8, 8, 1, "context_first", 8)  # ring = a node; all-to-all across 8 nodes
+    cf = analyze(
+        ParallelConfig(hp=8, cp=8, ring_window=1, placement="context_first"), 8
+    )  # ring = a node; all-to-all across 8 nodes
     assert (cf.head.off_peers, cf.head.ranks_off) == (7, 8) and not cf.outer.crosses
-    dr = analyze(1, 64, 8, "head_first", 8)  # windows of 8 = nodes: inner NVLink, outer all 8 ranks
+    dr = analyze(
+        ParallelConfig(hp=1, cp=64, ring_window=8, placement="head_first"), 8
+    )  # windows of 8 = nodes: inner NVLink, outer all 8 ranks
     assert not dr.inner.crosses and (dr.outer.crosses, dr.outer.off_node) == (True, 8)
     assert dr.double_ring_concurrent
-    twod = analyze(2, 32, 4, "head_first", 8)  # a window of 4 contexts x 2 heads fills a node
+    twod = analyze(
+        ParallelConfig(hp=2, cp=32, ring_window=4, placement="head_first"), 8
+    )  # a window of 4 contexts x 2 heads fills a node
     assert twod.head.off_peers == 0 and not twod.inner.crosses and twod.outer.off_node == 8
 
 
@@ -58,9 +68,9 @@ def test_topology_by_hand():
 )
 def test_topology_matches_brute_force_over_all_rings(hp, cp, window, placement, dpn):
     nics = max(1, dpn // 2)  # two ranks per NIC: local ranks 2k and 2k+1 share NIC k
-    topo = analyze(hp, cp, window, placement, dpn, nics)
+    topo = analyze(ParallelConfig(hp=hp, cp=cp, ring_window=window, placement=placement), dpn, nics)
     world = 2 * hp * cp
-    layout = RankLayout.build(ParallelConfig(hp=hp, cp=cp, window=window, placement=placement), world)
+    layout = RankLayout.build(ParallelConfig(hp=hp, cp=cp, ring_window=window, placement=placement), world)
     per_nic = {}
     for name, rings, traffic in (
         ("inner", layout.all_inner_rings(), topo.inner),
@@ -112,7 +122,7 @@ def test_feasibility_rules():
     check_candidate(w, Candidate(1, 8, 8, 4, "context_first"), 64)
     bad = [
         (Candidate(1, 8, 4), "dp\\*hp\\*cp"),
-        (Candidate(1, 8, 8, 3), "not divisible by window=3"),
+        (Candidate(1, 8, 8, 3), "not divisible by ring_window=3"),
         (Candidate(1, 8, 8, 1, "diagonal"), "placement"),
         (Candidate(1, 8, 8, 1, zero="all"), "zero="),
         (Candidate(1, 8, 8, 1, checkpoint="some"), "ckpt="),
@@ -173,8 +183,8 @@ def test_double_ring_wins_when_the_ring_crosses_nodes():
     one_head = ModelConfig(vocab_size=1000, dim=1024, n_layers=4, n_heads=1, n_kv_heads=1, ffn_dim=2048)
     result = search_layouts(replace(A100, nic_bw_gbs=5.0), Workload(one_head, 64 * 1024), 16)
     best = result.best
-    assert 1 < best.candidate.window < 16  # inner ring on NVLink, outer hop hidden behind window blocks
-    plain = min((e for e in result.ranked if e.candidate.window == 1), key=lambda e: e.step_s)
+    assert 1 < best.candidate.ring_window < 16  # inner ring on NVLink, outer hop hidden behind window blocks
+    plain = min((e for e in result.ranked if e.candidate.ring_window == 1), key=lambda e: e.step_s)
     assert plain.ring_s > 1.5 * best.ring_s and plain.step_s > 1.5 * best.step_s
     assert any("double ring" in line for line in explain(result))
 
@@ -221,7 +231,7 @@ def test_baselines_are_their_families_and_never_beat_loongtrain():
             assert base.candidate.checkpoint != "sc++"
             assert result.best.step_s <= base.step_s
     megatron = result.baselines["Megatron-CP"].candidate
-    assert (megatron.hp, megatron.window) == (1, 1)
+    assert (megatron.hp, megatron.ring_window) == (1, 1)
     gqa = search_layouts(A100, Workload(PRESETS["7b-gqa"], 128 * 1024), 32)
     assert gqa.baselines["DeepSpeed-Ulysses"].candidate.cp == 1
 
@@ -337,7 +347,7 @@ def test_cli_table_and_json(capsys):
         (["--seq-len", "8M", "--devices", "64"], "less than one sequence of 8388608; use --global-batch 8388608"),
         (["--devices", "8"], "--seq-len and --devices are required"),
         (["--seq-len", "1M", "--devices", "64", "--layout", "hp=3"], "hp\\*cp = 3\\*1 = 3 does not divide"),
-        (["--seq-len", "1M", "--devices", "64", "--layout", "hp=4,cp=16,w=3"], "window=3"),
+        (["--seq-len", "1M", "--devices", "64", "--layout", "hp=4,cp=16,w=3"], "ring_window=3"),
         (["--seq-len", "1M", "--devices", "64", "--layout", "heads=4"], "cannot read 'heads=4'"),
     ],
 )

@@ -48,13 +48,13 @@ def test_simulator_agrees_with_closed_form(model, seq, layout):
 def test_simulated_transfers_match_the_schedule(layout):
     w = Workload(PRESETS["7b-gqa"], 64 * 1024)
     fwd, bwd = simulate_layer(A100, w, layout)
-    vol = comm_volume(w, layout.hp, layout.cp, layout.window)
+    vol = comm_volume(w, layout.parallel_config())
     for rank in (0, layout.cp - 1):
         kv_fwd = sum(fwd.count(lane, "kv", rank) for lane in ("inner link", "outer link"))
         kv_bwd = sum(bwd.count(lane, "kv", rank) for lane in ("inner link", "outer link"))
         dkv = sum(bwd.count(lane, "dkv", rank) for lane in ("inner link", "outer link"))
         assert kv_fwd == kv_bwd == vol.count("fwd.ring_kv") == max(0, layout.cp - 1)
-        assert dkv == vol.count("bwd.ring_dkv") == dkv_hops(layout.cp, layout.window)
+        assert dkv == vol.count("bwd.ring_dkv") == dkv_hops(layout.parallel_config())
         assert fwd.count("compute", "fwd", rank) == bwd.count("compute", "bwd", rank) == layout.cp
         assert fwd.count("compute", "fwd diagonal", rank) == 1  # the causal block of its own chunks
 

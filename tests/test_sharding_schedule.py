@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from loongtrain.attention.comm import pack_head_to_seq, pack_seq_to_head, unpack_head_to_seq, unpack_seq_to_head
-from loongtrain.attention.schedule import BlockKind, block_kind, ring_source, ring_sources
+from loongtrain.attention.schedule import BlockKind, block_kind, ring_source
 from loongtrain.attention.sharding import check_sequence_length, shard_positions, shard_ranges
+from loongtrain.parallel.config import ParallelConfig
 
 GRID = [(hp, cp) for hp, cp in itertools.product((1, 2, 3, 4), (1, 2, 3, 4, 8))]
 
@@ -71,10 +72,16 @@ def test_seq_to_head_all_to_all_packing(hp):
         torch.testing.assert_close(unpack_head_to_seq(back[r]), shards[r], rtol=0, atol=0)
 
 
+def _ring_sources(c: int, cp: int, window: int) -> list[int]:
+    """Sources visited by rank ``c``, in schedule order (outer step major)."""
+    config = ParallelConfig(cp=cp, ring_window=window)
+    return [ring_source(c, config, j, s) for j in range(cp // window) for s in range(window)]
+
+
 @pytest.mark.parametrize("cp, window", [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 2), (8, 4), (6, 3)])
 def test_every_rank_visits_every_block_once(cp, window):
     for c in range(cp):
-        srcs = ring_sources(c, cp, window)
+        srcs = _ring_sources(c, cp, window)
         assert srcs[0] == c
         assert sorted(srcs) == list(range(cp))
 
@@ -84,15 +91,16 @@ def test_double_ring_moves_blocks_along_its_rings(cp, window):
     """The block held at (j, s+1) is the one the inner predecessor held at (j, s); the
     block at (j+1, 0) is the one the outer predecessor held at (j, 0)."""
     n = cp // window
+    config = ParallelConfig(cp=cp, ring_window=window)
     for c in range(cp):
         o, i = divmod(c, window)
         inner_prev = o * window + (i - 1) % window
         outer_prev = ((o - 1) % n) * window + i
         for j in range(n):
             for s in range(window - 1):
-                assert ring_source(c, cp, window, j, s + 1) == ring_source(inner_prev, cp, window, j, s)
+                assert ring_source(c, config, j, s + 1) == ring_source(inner_prev, config, j, s)
             if j + 1 < n:
-                assert ring_source(c, cp, window, j + 1, 0) == ring_source(outer_prev, cp, window, j, 0)
+                assert ring_source(c, config, j + 1, 0) == ring_source(outer_prev, config, j, 0)
 
 
 def _pairs_of_block(kind: BlockKind, q_pos: list[int], k_pos: list[int]) -> list[tuple[int, int]]:
@@ -115,7 +123,7 @@ def test_schedule_covers_the_mask_exactly_and_balances_work(cp, window, causal):
     work = []
     for c in range(cp):
         pairs = []
-        for src in ring_sources(c, cp, window):
+        for src in _ring_sources(c, cp, window):
             pairs += _pairs_of_block(block_kind(src, c, causal), positions[c], positions[src])
         covered += pairs
         work.append(len(pairs))

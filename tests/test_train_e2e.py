@@ -34,14 +34,14 @@ def _train(overrides: list[str]) -> dict:
 
 
 def _layout(hp=1, cp=1, window=1, dp=0, placement="head_first") -> list[str]:
-    return [f"parallel.hp={hp}", f"parallel.cp={cp}", f"parallel.window={window}", f"parallel.dp={dp}",
+    return [f"parallel.hp={hp}", f"parallel.cp={cp}", f"parallel.ring_window={window}", f"parallel.dp={dp}",
             f"parallel.placement={placement}"]  # fmt: skip
 
 
 @pytest.mark.dist
 def test_resume_is_bit_exact_and_keeps_latest(dist_pool, tmp_path):
     pool = dist_pool(4)
-    layout = _layout(hp=2, cp=2, window=2) + ["parallel.checkpoint=sc++", "parallel.zero=dp_sp"]
+    layout = _layout(hp=2, cp=2, window=2) + ["memory.activation_checkpoint=sc++", "parallel.zero=dp_sp"]
     full = pool.run(_train, layout + ["run.steps=6", f"run.output_dir={tmp_path / 'a'}"])[0]["losses"]
     first = pool.run(_train, layout + ["run.steps=3", "checkpoint.every=1", "checkpoint.keep=2",
                                        f"run.output_dir={tmp_path / 'b'}"])[0]["losses"]  # fmt: skip
@@ -56,7 +56,7 @@ def test_resume_is_bit_exact_and_keeps_latest(dist_pool, tmp_path):
 
 @pytest.mark.dist
 def test_resume_on_other_layouts_and_world_sizes(dist_pool, tmp_path):
-    base = ["parallel.checkpoint=full"]
+    base = ["memory.activation_checkpoint=full"]
     ref = dist_pool(4).run(_train, base + _layout(hp=2, cp=2) + ["run.steps=5", f"run.output_dir={tmp_path / 'r'}"])
     ref_losses = ref[0]["losses"]
     for name, world, layout in [
@@ -74,7 +74,7 @@ def test_resume_on_other_layouts_and_world_sizes(dist_pool, tmp_path):
 
 @pytest.mark.dist
 def test_same_losses_unsharded_and_2d(dist_pool, tmp_path):
-    common = ["run.steps=4", "parallel.checkpoint=none"]
+    common = ["run.steps=4", "memory.activation_checkpoint=none"]
     plain = dist_pool(4).run(_train, common + _layout(dp=4) + [f"run.output_dir={tmp_path / 'p'}"])[0]
     twod = dist_pool(4).run(_train, common + _layout(hp=2, cp=2, window=2) + [f"run.output_dir={tmp_path / 'q'}"])[0]
     np.testing.assert_allclose(twod["losses"], plain["losses"], rtol=1e-5)

@@ -7,7 +7,8 @@ the pure modules (``loongtrain.planner``, ``loongtrain.options``, ``loongtrain.m
 - attention: ``ParallelConfig``, ``init_parallel`` -> ``ParallelState``, ``RankLayout``,
   ``shard_sequence`` / ``unshard_sequence``, ``head_context_attention``;
 - training: ``model_config`` and ``build_model`` (on the meta device), ``parallelize``
-  (attention wiring, checkpointing, hybrid ZeRO), ``materialize``, ``forward_backward``.
+  (attention wiring, activation checkpointing and the other ``MemoryOptions``, hybrid
+  ZeRO), ``materialize``, ``forward_backward``.
 """
 
 from __future__ import annotations
@@ -29,13 +30,16 @@ _EXPORTS: dict[str, str] = {
     "unshard_sequence": "loongtrain.attention.sharding",
     "model_config": "loongtrain.model.config",
     "build_model": "loongtrain.model.llama",
-    "materialize": "loongtrain.parallelize.init",
+    "MemoryOptions": "loongtrain.options",
+    "materialize": "loongtrain.apply.init",
+    "parallelize": "loongtrain.apply",
     "forward_backward": "loongtrain.train.step",
 }
-# subpackages reachable as attributes; ``parallelize`` is also callable as the function
-_SUBPACKAGES = ("attention", "bench", "data", "model", "parallel", "parallelize", "planner", "train")
+# subpackages reachable as attributes
+_SUBPACKAGES = ("apply", "attention", "bench", "data", "model", "parallel", "planner", "train")
 
 __all__ = [
+    "MemoryOptions",
     "ParallelConfig",
     "ParallelState",
     "RankLayout",
@@ -59,13 +63,14 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; never executed
-    from loongtrain import parallelize
+    from loongtrain.apply import parallelize
+    from loongtrain.apply.init import materialize
     from loongtrain.attention.head_context import head_context_attention
     from loongtrain.attention.sharding import shard_sequence, unshard_sequence
     from loongtrain.model.config import model_config
     from loongtrain.model.llama import build_model
+    from loongtrain.options import MemoryOptions
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.parallel.layout import RankLayout
     from loongtrain.parallel.state import ParallelState, init_parallel
-    from loongtrain.parallelize.init import materialize
     from loongtrain.train.step import forward_backward

@@ -13,7 +13,14 @@ import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from loongtrain.options import BALANCES, CHECKPOINT_MODES, CONTEXT_ORDERS, PLACEMENTS, ZERO_SCOPES
+from loongtrain.options import (
+    ACTIVATION_CHECKPOINT_MODES,
+    BALANCES,
+    CONTEXT_ORDERS,
+    PLACEMENTS,
+    ZERO_SCOPES,
+    MemoryOptions,
+)
 
 
 def _f(default, help: str, choices: tuple | None = None):
@@ -99,9 +106,9 @@ class ModelSection:
 class ParallelSection:
     hp: int = _f(1, "head-parallel degree (Ulysses all-to-all group)")
     cp: int = _f(1, "context-parallel degree (ring group)")
-    window: int = _f(1, "Double-Ring-Attention inner ring size; divides cp (1 or cp: plain ring)")
+    ring_window: int = _f(1, "Double-Ring-Attention inner ring size; divides cp (1 or cp: plain ring)")
     placement: str = _f("head_first", "rank placement", PLACEMENTS)
-    context_order: str = _f("contiguous", "window membership in the context group", CONTEXT_ORDERS)
+    context_order: str = _f("contiguous", "ring window membership in the context group", CONTEXT_ORDERS)
     balance: str = _f(
         "zigzag",
         "sequence layout over the sp group: zigzag (balanced for one document) or documents (from each packed batch)",
@@ -109,8 +116,6 @@ class ParallelSection:
     )
     dp: int = _f(0, "data-parallel degree (0: world size // (hp*cp))")
     zero: str = _f("dp_sp", "ZeRO sharding scope of model states", ZERO_SCOPES)
-    checkpoint: str = _f("sc++", "activation checkpointing per block", CHECKPOINT_MODES)
-    checkpoint_every: int = _f(1, "checkpoint every k-th layer")
     param_dtype: str = _f("float32", "compute dtype of parameters (fp32 master copy kept)", ("float32", "bfloat16"))
     reshard_after_forward: bool = _f(True, "free gathered weights after forward (ZeRO-3); false: keep (ZeRO-2)")
     verify_inputs: bool = _f(
@@ -118,6 +123,24 @@ class ParallelSection:
         "also check with an all-gather in every attention call that the sp ranks agree on shapes and masks "
         "(a debugging aid: each step already checks the batch layout once)",
     )
+
+
+@dataclass
+class MemorySection:
+    activation_checkpoint: str = _f(
+        "sc++",
+        "activation checkpointing per block: none, full (recompute the block, attention included) or sc++ "
+        "(Selective Checkpoint++: recompute the block but keep the distributed attention's results)",
+        ACTIVATION_CHECKPOINT_MODES,
+    )
+    activation_checkpoint_every: int = _f(1, "activation-checkpoint every k-th layer")
+
+    def options(self) -> MemoryOptions:
+        """These keys as the :class:`MemoryOptions` that ``parallelize`` takes."""
+        return MemoryOptions(
+            activation_checkpoint=self.activation_checkpoint,  # type: ignore[arg-type]  # checked by validate
+            activation_checkpoint_every=self.activation_checkpoint_every,
+        )
 
 
 @dataclass
@@ -173,6 +196,7 @@ class TrainConfig:
     run: RunSection = field(default_factory=RunSection)
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
+    memory: MemorySection = field(default_factory=MemorySection)
     data: DataSection = field(default_factory=DataSection)
     optim: OptimSection = field(default_factory=OptimSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
@@ -183,6 +207,17 @@ SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(TrainConf
 
 class ConfigError(ValueError):
     """A configuration file or override that cannot be used; the message says why."""
+
+
+#: Keys that were renamed (one name per idea): an old key is refused with its new name, never aliased.
+RENAMED_KEYS: dict[str, tuple[str, str]] = {
+    "parallel.window": ("parallel.ring_window", "the Double-Ring-Attention inner ring size"),
+    "parallel.checkpoint": (
+        "memory.activation_checkpoint",
+        "activation checkpointing; [checkpoint] is checkpoint files",
+    ),
+    "parallel.checkpoint_every": ("memory.activation_checkpoint_every", "activation checkpointing of every k-th layer"),
+}
 
 
 def _field_type(section_cls: type, name: str) -> type:
@@ -218,6 +253,9 @@ def _set(cfg: TrainConfig, section: str, key: str, value, where: str, from_text:
         raise ConfigError(f"{where}: unknown section [{section}]; sections are {list(SECTIONS)}")
     sec = getattr(cfg, section)
     names = [f.name for f in fields(sec)]
+    renamed = RENAMED_KEYS.get(f"{section}.{key}")
+    if renamed is not None:
+        raise ConfigError(f"{where}: {section}.{key} was renamed to {renamed[0]} ({renamed[1]}); use {renamed[0]}")
     if key not in names:
         raise ConfigError(f"{where}: unknown key {section}.{key}; keys of [{section}] are {names}")
     setattr(sec, key, _coerce(value, _field_type(type(sec), key), where, from_text))
@@ -271,7 +309,8 @@ def validate(cfg: TrainConfig) -> None:
                 raise ConfigError(f"{sec_name}.{f.name}={value} must be finite")
     positive = {
         "run": ("steps", "log_every", "eval_batches", "timeout_s"),
-        "parallel": ("hp", "cp", "window", "checkpoint_every"),
+        "parallel": ("hp", "cp", "ring_window"),
+        "memory": ("activation_checkpoint_every",),
         "data": (
             "seq_len",
             "global_batch",
@@ -317,8 +356,10 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must be at most 1 (the final lr is this fraction of lr)"
         )
-    if cfg.parallel.cp % cfg.parallel.window:
-        raise ConfigError(f"parallel.cp={cfg.parallel.cp} is not divisible by parallel.window={cfg.parallel.window}")
+    if cfg.parallel.cp % cfg.parallel.ring_window:
+        raise ConfigError(
+            f"parallel.cp={cfg.parallel.cp} is not divisible by parallel.ring_window={cfg.parallel.ring_window}"
+        )
     if cfg.data.source == "tokens" and not cfg.data.path:
         raise ConfigError("data.source='tokens' needs data.path (a token file from `loongtrain prepare`)")
     _validate_model_section(cfg.model)

@@ -56,7 +56,7 @@ def _demo_rank(device: torch.device, args: argparse.Namespace) -> None:
             worst = max(worst, *errors)
             cfg = layout.config
             print(
-                f"{layout.name:34s} {cfg.hp:3d} {cfg.cp:3d} {cfg.window:3d}  {run.fwd_s * 1e3:8.1f} "
+                f"{layout.name:34s} {cfg.hp:3d} {cfg.cp:3d} {cfg.ring_window:3d}  {run.fwd_s * 1e3:8.1f} "
                 f"{run.bwd_s * 1e3:8.1f}  "
                 + "  ".join(f"{n}={e:.1e}" for n, e in zip(("out", "dq", "dk", "dv"), errors)),
                 flush=True,

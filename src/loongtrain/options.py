@@ -5,35 +5,57 @@ parallelize functions and the planner all read the same names from here.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 Placement = Literal["head_first", "context_first"]
 ContextOrder = Literal["contiguous", "interleaved"]
-CheckpointMode = Literal["none", "full", "sc++"]
+ActivationCheckpoint = Literal["none", "full", "sc++"]
 ZeroScope = Literal["none", "dp", "sp", "dp_sp"]
 Balance = Literal["zigzag", "documents"]
 
 #: ``head_first``: a head group on consecutive ranks; ``context_first``: a context group.
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
-#: ``contiguous``: windows of consecutive context-group members; ``interleaved``: strided.
+#: ``contiguous``: ring windows of consecutive context-group members; ``interleaved``: strided.
 CONTEXT_ORDERS: tuple[str, ...] = get_args(ContextOrder)
 #: activation checkpointing per block: nothing, the whole block, or the block minus the attention.
-CHECKPOINT_MODES: tuple[str, ...] = get_args(CheckpointMode)
+ACTIVATION_CHECKPOINT_MODES: tuple[str, ...] = get_args(ActivationCheckpoint)
 #: where model states are sharded: nowhere, across dp, within the sp group, over every rank.
 ZERO_SCOPES: tuple[str, ...] = get_args(ZeroScope)
 #: how sequence chunks are assigned to context ranks (see ``loongtrain.attention.balance``).
 BALANCES: tuple[str, ...] = get_args(Balance)
 
 
-def check_checkpoint_mode(mode: str, every: int = 1) -> None:
-    """Raise ValueError unless ``mode`` is a checkpoint mode and ``every`` a positive integer."""
-    if mode not in CHECKPOINT_MODES:
-        raise ValueError(f"unknown activation checkpoint mode {mode!r}; choose one of {list(CHECKPOINT_MODES)}")
+def check_activation_checkpoint(mode: str, every: int = 1) -> None:
+    """Raise ValueError unless ``mode`` is an activation checkpoint mode and ``every`` a positive integer."""
+    if mode not in ACTIVATION_CHECKPOINT_MODES:
+        raise ValueError(
+            f"unknown activation checkpoint mode {mode!r}; choose one of {list(ACTIVATION_CHECKPOINT_MODES)}"
+        )
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"checkpoint every={every!r} must be a positive integer (1 = every layer)")
+        raise ValueError(f"activation checkpoint every={every!r} must be a positive integer (1 = every layer)")
 
 
 def check_zero_scope(scope: str) -> None:
     """Raise ValueError unless ``scope`` is a ZeRO scope."""
     if scope not in ZERO_SCOPES:
         raise ValueError(f"unknown ZeRO scope {scope!r}; choose one of {list(ZERO_SCOPES)}")
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """How a run trades recomputation and host transfers for device memory (the ``[memory]``
+    keys of a training config; the planner prices the same options).
+
+    Args:
+        activation_checkpoint: per block, ``"none"``, ``"full"`` (recompute the whole block,
+            distributed attention included) or ``"sc++"`` (recompute the block but keep the
+            attention's results: Selective Checkpoint++).
+        activation_checkpoint_every: checkpoint layers ``0, k, 2k, ...``.
+    """
+
+    activation_checkpoint: ActivationCheckpoint = "none"
+    activation_checkpoint_every: int = 1
+
+    def __post_init__(self) -> None:
+        check_activation_checkpoint(self.activation_checkpoint, self.activation_checkpoint_every)

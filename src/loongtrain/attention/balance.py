@@ -10,7 +10,7 @@ index). ``m`` grows (2, 4, 8, ...) until the imbalance is within 2% or chunks wo
 shorter than :data:`MIN_CHUNK` tokens; the best assignment found is kept. Every rank
 computes the same answer from the same boundaries, with no communication.
 
-Work is counted for causal attention without a window (what the sharding knows); with
+Work is counted for causal attention without a sliding window (what the sharding knows); with
 a sliding window or full attention the assignment is still valid, only balanced for the
 causal case.
 """

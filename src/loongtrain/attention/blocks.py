@@ -7,7 +7,7 @@ stacks k and v of the visiting block. Two kinds of block work:
 
 - a :class:`BlockKind` of the plain causal/full zigzag ring (``q = [q0 | q1]``, ``kv =
   [kv0 | kv1]``): one kernel per block;
-- a tuple of :class:`~loongtrain.attention.mask_plan.Call` s for document/window masks:
+- a tuple of :class:`~loongtrain.attention.mask_plan.Call` s for document / sliding-window masks:
   one kernel per call on contiguous row and column ranges (masked only for ``band``).
 """
 
@@ -118,27 +118,27 @@ def add_kv_grad(dkv_acc: Tensor, kv_rows: slice, dk: Tensor, dv: Tensor) -> None
     dkv_acc[1, :, kv_rows] += dv
 
 
-def band_mask(call: Call, causal: bool, window: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """Additive mask of a ``band`` call: 0 where ``j <= i`` (causal) and ``|i - j| < window``."""
+def band_mask(call: Call, causal: bool, sliding_window: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Additive mask of a ``band`` call: 0 where ``j <= i`` (causal) and ``|i - j| < sliding_window``."""
     i = call.q_start + torch.arange(call.row1 - call.row0, device=device).unsqueeze(1)
     j = call.k_start + torch.arange(call.col1 - call.col0, device=device).unsqueeze(0)
-    visible = (i - j < window) & ((j <= i) if causal else (j - i < window))
+    visible = (i - j < sliding_window) & ((j <= i) if causal else (j - i < sliding_window))
     return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
 
 
-def _call_inputs(call: Call, causal: bool, window: int | None, q: Tensor):
+def _call_inputs(call: Call, causal: bool, sliding_window: int | None, q: Tensor):
     rows, cols = slice(call.row0, call.row1), slice(call.col0, call.col1)
-    mask = band_mask(call, causal, window, q.dtype, q.device) if call.kind == BAND else None
+    mask = band_mask(call, causal, sliding_window, q.dtype, q.device) if call.kind == BAND else None
     return rows, cols, mask
 
 
 def forward_calls(
-    q: Tensor, kv: Tensor, calls: tuple[Call, ...], causal: bool, window: int | None, scale: float, acc
+    q: Tensor, kv: Tensor, calls: tuple[Call, ...], causal: bool, sliding_window: int | None, scale: float, acc
 ) -> None:
     """Run the calls of one masked block and merge them into ``acc``."""
     k, v = kv[0], kv[1]
     for call in calls:
-        rows, cols, mask = _call_inputs(call, causal, window, q)
+        rows, cols, mask = _call_inputs(call, causal, sliding_window, q)
         out, lse = block_forward(q[:, rows], k[:, cols], v[:, cols], causal=call.kind == CAUSAL, scale=scale, mask=mask)
         acc.add(call.row0, out, lse, call.row1)
 
@@ -154,7 +154,7 @@ def backward_calls(
     lse: Tensor,
     calls: tuple[Call, ...],
     causal: bool,
-    window: int | None,
+    sliding_window: int | None,
     scale: float,
     dq_acc: Tensor,
 ) -> KvGrads:
@@ -162,7 +162,7 @@ def backward_calls(
     k, v = kv[0], kv[1]
     grads: KvGrads = []
     for call in calls:
-        rows, cols, mask = _call_inputs(call, causal, window, q)
+        rows, cols, mask = _call_inputs(call, causal, sliding_window, q)
         dq, dk, dv = block_backward(
             dout[:, rows], q[:, rows], k[:, cols], v[:, cols], out[:, rows], lse[:, rows],
             causal=call.kind == CAUSAL, scale=scale, mask=mask,
@@ -176,13 +176,19 @@ BlockWork = BlockKind | tuple[Call, ...]
 
 
 def forward_work(
-    q: Tensor, kv: Tensor, work: BlockWork, causal: bool, window: int | None, scale: float, acc: OutputAccumulator
+    q: Tensor,
+    kv: Tensor,
+    work: BlockWork,
+    causal: bool,
+    sliding_window: int | None,
+    scale: float,
+    acc: OutputAccumulator,
 ) -> bool:
     """Run one block's work (a zigzag :class:`BlockKind` or masked calls); False if there was none."""
     if isinstance(work, BlockKind):
         forward_block(q, kv, work, scale, acc)
         return True
-    forward_calls(q, kv, work, causal, window, scale, acc)
+    forward_calls(q, kv, work, causal, sliding_window, scale, acc)
     return bool(work)
 
 
@@ -194,14 +200,14 @@ def backward_work(
     lse: Tensor,
     work: BlockWork,
     causal: bool,
-    window: int | None,
+    sliding_window: int | None,
     scale: float,
     dq_acc: Tensor,
 ) -> KvGrads:
     """Gradients of one block's work: dq into ``dq_acc``; returns the dk/dv pieces (empty: no work)."""
     if isinstance(work, BlockKind):
         return [backward_block(dout, q, kv, out, lse, work, scale, dq_acc)]
-    return backward_calls(dout, q, kv, out, lse, work, causal, window, scale, dq_acc)
+    return backward_calls(dout, q, kv, out, lse, work, causal, sliding_window, scale, dq_acc)
 
 
 def add_kv_grads(dkv_acc: Tensor, grads: KvGrads) -> None:

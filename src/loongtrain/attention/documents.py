@@ -3,8 +3,8 @@
 A packed sequence of ``S`` tokens holds documents with global boundaries ``cu_seqlens``
 ``[0 = c_0 < c_1 < ... < c_D = S]`` (FlashAttention's varlen convention). Token ``i`` sees
 token ``j`` iff both lie in the same document, ``j <= i`` when causal, and
-``i - j < window`` when a sliding window is set (``|i - j| < window`` when not causal), the
-convention of the Hugging Face Mistral/Qwen sliding-window masks.
+``i - j < sliding_window`` when a sliding window is set (``|i - j| < sliding_window`` when not
+causal), the convention of the Hugging Face Mistral/Qwen sliding-window masks.
 
 Everything here is pure arithmetic on Python ints (no process group, no tensors needed).
 """
@@ -60,20 +60,21 @@ def as_boundaries(cu_seqlens: torch.Tensor | Sequence[int] | None, seq_len: int)
     return values
 
 
-def check_window(window_size: int | None) -> int | None:
+def check_sliding_window(sliding_window: int | None) -> int | None:
     """Validate a sliding-window size (``None``: no window)."""
-    if window_size is None:
+    if sliding_window is None:
         return None
-    if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size <= 0:
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window <= 0:
         raise ValueError(
-            f"window_size={window_size!r} must be a positive int (token i sees j when i - j < window_size) or None"
+            f"sliding_window={sliding_window!r} must be a positive int (token i sees j when i - j < "
+            "sliding_window) or None"
         )
-    return window_size
+    return sliding_window
 
 
-def is_plain(boundaries: Boundaries | None, window: int | None, seq_len: int) -> bool:
-    """True when the mask is the plain causal/full one (one document, no effective window)."""
-    return (boundaries is None or len(boundaries) == 2) and (window is None or window >= seq_len)
+def is_plain(boundaries: Boundaries | None, sliding_window: int | None, seq_len: int) -> bool:
+    """True when the mask is the plain causal/full one (one document, no effective sliding window)."""
+    return (boundaries is None or len(boundaries) == 2) and (sliding_window is None or sliding_window >= seq_len)
 
 
 def document_of(boundaries: Boundaries, position: int) -> int:
@@ -86,16 +87,18 @@ def document_positions(boundaries: Boundaries) -> list[int]:
     return [p for a, b in zip(boundaries, boundaries[1:]) for p in range(b - a)]
 
 
-def _causal_keys(first: int, last: int, window: int | None) -> int:
+def _causal_keys(first: int, last: int, sliding_window: int | None) -> int:
     """Keys seen by the tokens at in-document positions ``first..last-1`` (causal)."""
-    if window is None or window >= last:
+    if sliding_window is None or sliding_window >= last:
         return (last * (last + 1) - first * (first + 1)) // 2
-    ramp_end = max(first, min(last, window))  # positions < window see pos+1 keys, later ones window
+    ramp_end = max(first, min(last, sliding_window))  # positions < window see pos+1 keys, later ones window
     ramp = (ramp_end * (ramp_end + 1) - first * (first + 1)) // 2
-    return ramp + (last - ramp_end) * window
+    return ramp + (last - ramp_end) * sliding_window
 
 
-def range_work(boundaries: Boundaries, start: int, stop: int, causal: bool = True, window: int | None = None) -> int:
+def range_work(
+    boundaries: Boundaries, start: int, stop: int, causal: bool = True, sliding_window: int | None = None
+) -> int:
     """Attention work of global tokens ``[start, stop)``: the number of keys they see, summed."""
     total = 0
     doc = document_of(boundaries, start)
@@ -105,15 +108,17 @@ def range_work(boundaries: Boundaries, start: int, stop: int, causal: bool = Tru
         end = min(stop, doc_end)
         first, last = pos - doc_start, end - doc_start
         if causal:
-            total += _causal_keys(first, last, window)
+            total += _causal_keys(first, last, sliding_window)
         else:
             length = doc_end - doc_start
             total += (
-                sum(_full_keys(p, length, window) for p in range(first, last)) if window else (last - first) * length
+                sum(_full_keys(p, length, sliding_window) for p in range(first, last))
+                if sliding_window
+                else (last - first) * length
             )
         pos, doc = end, doc + 1
     return total
 
 
-def _full_keys(p: int, length: int, window: int) -> int:
-    return min(length - 1, p + window - 1) - max(0, p - window + 1) + 1
+def _full_keys(p: int, length: int, sliding_window: int) -> int:
+    return min(length - 1, p + sliding_window - 1) - max(0, p - sliding_window + 1) + 1

@@ -1,20 +1,20 @@
 """Double-Ring-Attention over the context group (zigzag, causal load balanced).
 
-The context group of ``cp`` ranks is cut into ``n = cp // window`` windows. For each
+The context group of ``cp`` ranks is cut into ``n = cp // ring_window`` ring windows. For each
 outer step ``j`` a rank first holds the key/value block that arrived over the outer ring
 (from the same position of the previous window), then passes blocks around its inner
-ring for ``window`` steps. The outer transfer for step ``j+1`` starts at the beginning of
-step ``j`` and hides behind ``window`` block computations; each inner transfer hides
-behind one. ``window == 1`` (outer ring only) and ``window == cp`` (inner ring only) are
-the plain ring.
+ring for ``ring_window`` steps. The outer transfer for step ``j+1`` starts at the beginning of
+step ``j`` and hides behind ``ring_window`` block computations; each inner transfer hides
+behind one. ``ring_window == 1`` (outer ring only) and ``ring_window == cp`` (inner ring
+only) are the plain ring.
 
 Backward replays the same KV movement. Key/value gradients accumulate around the inner
-ring (one hop behind their block), arrive at their window position after the last inner
-hop, are added to what the previous windows accumulated (which came over the outer ring
+ring (one hop behind their block), arrive at their inner-ring position after the last inner
+hop, are added to what the previous ring windows accumulated (which came over the outer ring
 while the inner loop ran) and hop the outer ring; after the last outer step they are
 home. Query gradients accumulate locally in fp32.
 
-Under a document/window mask (``RingSetup.masks``) each step runs the calls of its
+Under a document / sliding-window mask (``RingSetup.masks``) each step runs the calls of its
 (query block, key/value block) pair from the pure :class:`MaskPlan`; a pair with nothing
 visible runs no kernel (``*.block_skipped`` in ``state.stats``; ``*.step_skipped`` when
 the step is empty for every rank of the context group). Transfers always run: a block
@@ -38,6 +38,7 @@ from loongtrain.attention.blocks import (
 from loongtrain.attention.comm import Pending, Ready, ring_exchange
 from loongtrain.attention.mask_plan import MaskPlan
 from loongtrain.attention.schedule import block_kind, ring_source
+from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.state import ParallelState, RingLink
 from loongtrain.parallel.stats import AttentionStats
 
@@ -49,14 +50,13 @@ class RingSetup:
     """What one rank needs to run the double ring: its index, the rings, the options."""
 
     context: int
-    cp: int
-    window: int
+    config: ParallelConfig  # the degrees: cp, ring_window, n_ring_windows
     inner: RingLink | None
     outer: RingLink | None
     causal: bool
     scale: float
     stats: AttentionStats
-    masks: MaskPlan | None = None  # document/window mask; None: plain causal or full zigzag ring
+    masks: MaskPlan | None = None  # document / sliding-window mask; None: plain causal or full zigzag ring
     sliding_window: int | None = None
 
     @classmethod
@@ -71,8 +71,7 @@ class RingSetup:
     ) -> RingSetup:
         return cls(
             context=state.coords.context,
-            cp=state.cp,
-            window=state.config.window,
+            config=state.config,
             inner=state.inner_ring,
             outer=state.outer_ring,
             causal=causal,
@@ -82,13 +81,9 @@ class RingSetup:
             sliding_window=sliding_window,
         )
 
-    @property
-    def n_windows(self) -> int:
-        return self.cp // self.window
-
     def work(self, outer_step: int, inner_step: int) -> BlockWork:
         """The block work at step ``(outer_step, inner_step)``."""
-        src = ring_source(self.context, self.cp, self.window, outer_step, inner_step)
+        src = ring_source(self.context, self.config, outer_step, inner_step)
         if self.masks is None:
             return block_kind(src, self.context, self.causal)
         return self.masks.calls(self.context, src)
@@ -98,7 +93,7 @@ class RingSetup:
             self.stats.add(f"{phase}.block")
             return
         self.stats.add(f"{phase}.block_skipped")
-        if (outer_step, inner_step) in self.masks.empty_steps(self.window):
+        if (outer_step, inner_step) in self.masks.empty_steps(self.config):
             self.stats.add(f"{phase}.step_skipped")
 
     def exchange(self, tensor: Tensor, inner: bool, kind: str, dkv: bool = False) -> Pending:
@@ -111,7 +106,7 @@ def ring_forward(plan: RingSetup, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor
 
     ``kv`` is [2, B, Sc, G, d]. Returns ``out`` (q's dtype) and fp32 ``lse`` [B, Sc, H].
     """
-    n, w = plan.n_windows, plan.window
+    n, w = plan.config.n_ring_windows, plan.config.ring_window
     acc = OutputAccumulator(q)
     base = kv
     for j in range(n):
@@ -132,7 +127,7 @@ def ring_backward(
     plan: RingSetup, dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor
 ) -> tuple[Tensor, Tensor]:
     """Gradients ``(dq, dkv)`` of :func:`ring_forward`, in the dtypes of ``q`` and ``kv``."""
-    n, w = plan.n_windows, plan.window
+    n, w = plan.config.n_ring_windows, plan.config.ring_window
     dq = torch.zeros(q.shape, dtype=accum_dtype(q.dtype), device=q.device)
     base = kv
     tail: tuple[int, Pending] | None = None  # (outer step, its window total in flight)
@@ -168,7 +163,7 @@ def ring_backward(
 
 
 def _finish_outer_step(plan: RingSetup, j: int, window_total: Pending, outer_in: Pending | None) -> Pending:
-    """Add earlier windows' sum to this window's and pass it on the outer ring.
+    """Add earlier ring windows' sum to this ring window's and pass it on the outer ring.
 
     At outer step ``j`` window ``o`` worked on the blocks of window ``o - j``; the
     returned transfer carries this rank's block total to window ``o + 1`` and receives
@@ -177,6 +172,6 @@ def _finish_outer_step(plan: RingSetup, j: int, window_total: Pending, outer_in:
     total = window_total.wait()
     if j > 0:
         total += outer_in.wait()
-    if plan.n_windows == 1:
+    if plan.config.n_ring_windows == 1:
         return Ready(total)
     return plan.exchange(total, inner=False, kind="bwd.ring_dkv", dkv=True)

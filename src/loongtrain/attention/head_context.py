@@ -13,7 +13,7 @@ Per rank: ``q`` [B, S/sp, H, d] and ``k``/``v`` [B, S/sp, G, d] zigzag shards (s
 ``hp == 1`` is pure ring attention and ``cp == 1`` pure Ulysses, through the same code.
 The three stages are the custom ops of :mod:`loongtrain.attention.ops`.
 
-Packed documents (``cu_seqlens``) and sliding windows (``window_size``) are masks of the
+Packed documents (``cu_seqlens``) and sliding windows (``sliding_window``) are masks of the
 ring: every context rank derives, from the global boundaries and the sharding map, which
 kernels each (query block, key/value block) pair needs (:mod:`mask_plan`), with no
 communication beyond the plain ring's.
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from loongtrain.attention import ops
-from loongtrain.attention.documents import as_boundaries, check_window
+from loongtrain.attention.documents import as_boundaries, check_sliding_window
 from loongtrain.attention.kernels import check_supported
 from loongtrain.attention.sharding import check_balance, check_sequence_length
 from loongtrain.parallel.layout import check_head_split
@@ -40,13 +40,13 @@ def check_mask_inputs(
     seq_len: int,
     state: ParallelState,
     cu_seqlens: Tensor | Sequence[int] | None,
-    window_size: int | None,
+    sliding_window: int | None,
     balance: str,
 ) -> Tensor | None:
     """Validate the mask keywords for a global sequence of ``seq_len`` tokens (no communication);
     return ``cu_seqlens`` as a CPU int64 tensor (or None)."""
     try:
-        check_window(window_size)
+        check_sliding_window(sliding_window)
         check_balance(balance)
         boundaries = as_boundaries(cu_seqlens, seq_len)
         if cu_seqlens is not None or balance != "zigzag":
@@ -126,7 +126,7 @@ def head_context_attention(
     causal: bool = True,
     softmax_scale: float | None = None,
     cu_seqlens: Tensor | Sequence[int] | None = None,
-    window_size: int | None = None,
+    sliding_window: int | None = None,
     balance: str | None = None,
 ) -> Tensor:
     """2D head-context attention on sequence shards; returns [B, S/sp, H, d].
@@ -141,8 +141,8 @@ def head_context_attention(
             (FlashAttention's varlen convention; a list or an int tensor, the same on every
             rank of the sp group; a CPU tensor avoids a device sync). Token ``i`` sees ``j``
             only inside its own document.
-        window_size: sliding window: ``i`` sees ``j`` only if ``i - j < window_size``
-            (``|i - j| < window_size`` when not causal), as in HF Mistral/Qwen.
+        sliding_window: sliding window: ``i`` sees ``j`` only if ``i - j < sliding_window``
+            (``|i - j| < sliding_window`` when not causal), as in HF Mistral/Qwen.
         balance: the sharding the inputs were made with (``shard_sequence(...,
             cu_seqlens=..., balance=...)``): ``"zigzag"`` or ``"documents"``; ``None``
             takes ``state.config.balance``.
@@ -154,12 +154,14 @@ def head_context_attention(
         cu = _as_cpu_boundaries(cu_seqlens)
     else:
         check_attention_inputs(q, k, v, state, causal, softmax_scale)
-        cu = check_mask_inputs(q.shape[1] * state.sp, state, cu_seqlens, window_size, balance)
-    window = window_size or 0
+        cu = check_mask_inputs(q.shape[1] * state.sp, state, cu_seqlens, sliding_window, balance)
+    sliding_window = sliding_window or 0
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     if state.hp == 1:
-        out, _lse = ops.ring_attention(q, torch.stack((k, v)), state.key, causal, scale, True, cu, window, balance)
+        out, _lse = ops.ring_attention(
+            q, torch.stack((k, v)), state.key, causal, scale, True, cu, sliding_window, balance
+        )
         return out
-    q_h, kv_h = ops.head_scatter(q, k, v, state.key, causal, cu, window, balance)
-    out_h, _lse = ops.ring_attention(q_h, kv_h, state.key, causal, scale, False, cu, window, balance)
+    q_h, kv_h = ops.head_scatter(q, k, v, state.key, causal, cu, sliding_window, balance)
+    out_h, _lse = ops.ring_attention(q_h, kv_h, state.key, causal, scale, False, cu, sliding_window, balance)
     return ops.head_gather(out_h, state.key)

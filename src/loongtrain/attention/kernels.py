@@ -6,7 +6,7 @@ head ``h`` uses key/value head ``h // (H // G)``), ``out`` is ``[B, Sq, H, d]`` 
 input dtype and ``lse`` is ``[B, Sq, H]`` in float32 (float64 for float64 inputs), natural
 log, scale included.
 ``causal`` masks top-left aligned (query ``i`` sees keys ``j <= i``). ``mask`` (optional,
-for partial blocks of document/window masks) is an additive float ``[Sq, Sk]`` tensor
+for partial blocks of document / sliding-window masks) is an additive float ``[Sq, Sk]`` tensor
 (0 visible, -inf hidden); every row must see at least one key.
 
 This module is the only place that picks a kernel by device; the rest of the code calls

@@ -1,6 +1,6 @@
 """Document / sliding-window attention on one device (no process group).
 
-The unsharded model's attention under a packed-document or window mask: the whole
+The unsharded model's attention under a packed-document or sliding-window mask: the whole
 sequence is one block, cut into the same kernel calls as a context rank's own block in
 the ring (:mod:`mask_plan`), so no kernel computes across documents. Every row of the
 batch shares ``cu_seqlens``.
@@ -13,28 +13,28 @@ from collections.abc import Sequence
 import torch
 
 from loongtrain.attention.blocks import OutputAccumulator, accum_dtype, add_kv_grads, backward_calls, forward_calls
-from loongtrain.attention.documents import as_boundaries, check_window
+from loongtrain.attention.documents import as_boundaries, check_sliding_window
 from loongtrain.attention.mask_plan import Call, mask_plan
 from loongtrain.attention.sharding import SequenceSharding
 
 Tensor = torch.Tensor
 
 
-def local_calls(seq_len: int, cu_seqlens, causal: bool, window: int | None) -> tuple[Call, ...]:
+def local_calls(seq_len: int, cu_seqlens, causal: bool, sliding_window: int | None) -> tuple[Call, ...]:
     """Kernel calls of attention over one unsharded sequence under the mask."""
     boundaries = as_boundaries(cu_seqlens, seq_len) or (0, seq_len)
     whole = SequenceSharding(seq_len, 1, 1, (((0, seq_len),),))
-    return mask_plan(whole, boundaries, causal, window).calls(0, 0)
+    return mask_plan(whole, boundaries, causal, sliding_window).calls(0, 0)
 
 
 class _MaskedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, calls, causal, window, scale):
+    def forward(ctx, q, k, v, calls, causal, sliding_window, scale):
         acc = OutputAccumulator(q)
-        forward_calls(q, (k, v), calls, causal, window, scale, acc)
+        forward_calls(q, (k, v), calls, causal, sliding_window, scale, acc)
         out, lse = acc.result(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.calls, ctx.causal, ctx.window, ctx.scale = calls, causal, window, scale
+        ctx.calls, ctx.causal, ctx.sliding_window, ctx.scale = calls, causal, sliding_window, scale
         return out
 
     @staticmethod
@@ -42,7 +42,9 @@ class _MaskedAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq = torch.zeros(q.shape, dtype=accum_dtype(q.dtype), device=q.device)
         dkv = torch.zeros((2, *k.shape), dtype=accum_dtype(k.dtype), device=k.device)
-        grads = backward_calls(dout.contiguous(), q, (k, v), out, lse, ctx.calls, ctx.causal, ctx.window, ctx.scale, dq)
+        grads = backward_calls(
+            dout.contiguous(), q, (k, v), out, lse, ctx.calls, ctx.causal, ctx.sliding_window, ctx.scale, dq
+        )
         add_kv_grads(dkv, grads)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
@@ -52,15 +54,15 @@ def masked_attention(
     k: Tensor,
     v: Tensor,
     cu_seqlens: Tensor | Sequence[int] | None = None,
-    window_size: int | None = None,
+    sliding_window: int | None = None,
     causal: bool = True,
     softmax_scale: float | None = None,
 ) -> Tensor:
     """Attention of ``q`` [B, S, H, d] over ``k``/``v`` [B, S, G, d] within documents
     ``cu_seqlens`` (``[0, ..., S]``) and a sliding window; returns [B, S, H, d]."""
-    window = check_window(window_size)
+    sliding_window = check_sliding_window(sliding_window)
     seq_len = q.shape[1]
-    window = window if window is not None and window < seq_len else None
-    calls = local_calls(seq_len, cu_seqlens, causal, window)
+    sliding_window = sliding_window if sliding_window is not None and sliding_window < seq_len else None
+    calls = local_calls(seq_len, cu_seqlens, causal, sliding_window)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    return _MaskedAttention.apply(q, k, v, calls, causal, window, scale)
+    return _MaskedAttention.apply(q, k, v, calls, causal, sliding_window, scale)

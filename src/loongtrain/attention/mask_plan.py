@@ -1,11 +1,11 @@
-"""Which kernels a (query block, key/value block) pair runs under a document/window mask. Pure.
+"""Which kernels a (query block, key/value block) pair runs under a document / sliding-window mask. Pure.
 
 A context rank's block is its *content* (see :mod:`sharding`): chunks in ascending global
 order. Cut at document boundaries, a block is a list of *segments*: runs of consecutive
 global positions inside one chunk and one document. Two segments of the same sharding
 are either the same global range or disjoint, so for a query segment ``a`` and a key
 segment ``b`` of one document, token ``i`` of ``a`` sees the contiguous key interval
-``[lo(i), hi(i)]`` of ``b`` (causal: ``j <= i``; window: ``|i - j| < W``), with ``lo``
+``[lo(i), hi(i)]`` of ``b`` (causal: ``j <= i``; sliding window: ``|i - j| < W``), with ``lo``
 and ``hi`` non-decreasing in ``i``. From that, pure interval arithmetic classifies each
 pair, and the block becomes a list of :class:`Call` s:
 
@@ -16,7 +16,7 @@ pair, and the block becomes a list of :class:`Call` s:
   to the columns its rows see, so no row is fully masked and masks stay small.
 
 Pairs with no visible token run nothing. Full calls on adjacent rows/columns are merged,
-and in a rank's own block each document's segments form one causal call when the window
+and in a rank's own block each document's segments form one causal call when the sliding window
 does not cut it, so a single document under zigzag runs exactly the kernels of the plain
 causal ring. Rows and columns of a call are contiguous local ranges (no gathers).
 """
@@ -30,9 +30,11 @@ from typing import NamedTuple
 from loongtrain.attention.documents import Boundaries, document_of
 from loongtrain.attention.schedule import ring_source
 from loongtrain.attention.sharding import SequenceSharding
+from loongtrain.parallel.config import ParallelConfig
 
 FULL, CAUSAL, BAND = "full", "causal", "band"
-#: Largest row tile of a masked (band) call; a tile of ``t`` rows costs a ``t x (window + t)`` mask.
+#: Largest row tile of a masked (band) call; a tile of ``t`` rows costs a
+#: ``t x (sliding_window + t)`` mask.
 MAX_BAND_TILE = 512
 MIN_BAND_TILE = 64
 
@@ -92,24 +94,24 @@ class _Pair:
     ks: int
     ke: int
     causal: bool
-    window: int | None
+    sliding_window: int | None
 
     def lo(self, i: int) -> int:
-        return self.ks if self.window is None else max(self.ks, i - self.window + 1)
+        return self.ks if self.sliding_window is None else max(self.ks, i - self.sliding_window + 1)
 
     def hi(self, i: int) -> int:
         if self.causal:
             return min(self.ke - 1, i)
-        return self.ke - 1 if self.window is None else min(self.ke - 1, i + self.window - 1)
+        return self.ke - 1 if self.sliding_window is None else min(self.ke - 1, i + self.sliding_window - 1)
 
     def rows(self) -> tuple[int, int] | None:
         """First and last query position that sees any key, or None."""
         first, last = self.qs, self.qe - 1
         if self.causal:
             first = max(first, self.ks)
-        if self.window is not None:
-            first = max(first, self.ks - self.window + 1)
-            last = min(last, self.ke + self.window - 2)
+        if self.sliding_window is not None:
+            first = max(first, self.ks - self.sliding_window + 1)
+            last = min(last, self.ke + self.sliding_window - 2)
         return (first, last) if first <= last else None
 
 
@@ -125,9 +127,9 @@ def _tile_call(pair: _Pair, t0: int, t1: int, row_base: int, col_base: int) -> C
     return Call(row0, row1, col0, col1, BAND, t0, lo0)
 
 
-def pair_calls(a: Segment, b: Segment, causal: bool, window: int | None) -> list[Call]:
+def pair_calls(a: Segment, b: Segment, causal: bool, sliding_window: int | None) -> list[Call]:
     """Calls for query segment ``a`` against key segment ``b`` of the same document."""
-    pair = _Pair(a.start, a.start + a.length, b.start, b.start + b.length, causal, window)
+    pair = _Pair(a.start, a.start + a.length, b.start, b.start + b.length, causal, sliding_window)
     rows = pair.rows()
     if rows is None:
         return []
@@ -135,7 +137,7 @@ def pair_calls(a: Segment, b: Segment, causal: bool, window: int | None) -> list
     whole = _tile_call(pair, first, last, a.local, b.local)
     if whole.kind != BAND:
         return [whole]
-    tile = max(MIN_BAND_TILE, min(MAX_BAND_TILE, window or MAX_BAND_TILE))
+    tile = max(MIN_BAND_TILE, min(MAX_BAND_TILE, sliding_window or MAX_BAND_TILE))
     return [_tile_call(pair, t, min(t + tile, last + 1) - 1, a.local, b.local) for t in range(first, last + 1, tile)]
 
 
@@ -160,7 +162,7 @@ def _merge_full(calls: list[Call]) -> list[Call]:
 
 
 def block_calls(
-    q_segs: list[Segment], k_segs: list[Segment], same_block: bool, causal: bool, window: int | None
+    q_segs: list[Segment], k_segs: list[Segment], same_block: bool, causal: bool, sliding_window: int | None
 ) -> tuple[Call, ...]:
     """The calls of one (query block, key/value block) pair, sorted by rows."""
     by_doc: dict[int, list[Segment]] = {}
@@ -177,13 +179,13 @@ def block_calls(
         if same_block:
             first, last = qs[0], qs[-1]
             span = last.start + last.length - 1 - first.start
-            if window is None or span < window:  # one square: the document's own triangle (or all of it)
+            if sliding_window is None or span < sliding_window:  # one square: the document's own triangle (or all)
                 row0, row1 = first.local, last.local + last.length
                 calls.append(Call(row0, row1, row0, row1, CAUSAL if causal else FULL))
                 continue
         for a in qs:
             for b in ks:
-                calls += pair_calls(a, b, causal, window)
+                calls += pair_calls(a, b, causal, sliding_window)
     return tuple(_merge_full(calls))
 
 
@@ -194,7 +196,7 @@ class MaskPlan:
     sharding: SequenceSharding
     boundaries: Boundaries
     causal: bool
-    window: int | None
+    sliding_window: int | None
 
     @functools.cached_property
     def _segments(self) -> list[list[Segment]]:
@@ -212,7 +214,11 @@ class MaskPlan:
         found = self._calls.get((context, source))
         if found is None:
             found = self._calls[(context, source)] = block_calls(
-                self._segments[context], self._segments[source], context == source, self.causal, self.window
+                self._segments[context],
+                self._segments[source],
+                context == source,
+                self.causal,
+                self.sliding_window,
             )
         return found
 
@@ -220,21 +226,22 @@ class MaskPlan:
     def _empty_steps(self) -> dict[int, frozenset[tuple[int, int]]]:
         return {}
 
-    def empty_steps(self, window: int) -> frozenset[tuple[int, int]]:
-        """Ring steps ``(outer, inner)`` at which no rank of the context group computes anything."""
-        found = self._empty_steps.get(window)
+    def empty_steps(self, config: ParallelConfig) -> frozenset[tuple[int, int]]:
+        """Ring steps ``(outer, inner)`` of ``config``'s double ring at which no rank of the
+        context group computes anything."""
+        found = self._empty_steps.get(config.ring_window)
         if found is None:
             cp = self.sharding.cp
-            found = self._empty_steps[window] = frozenset(
+            found = self._empty_steps[config.ring_window] = frozenset(
                 (j, s)
-                for j in range(cp // window)
-                for s in range(window)
-                if not any(self.calls(c, ring_source(c, cp, window, j, s)) for c in range(cp))
+                for j in range(config.n_ring_windows)
+                for s in range(config.ring_window)
+                if not any(self.calls(c, ring_source(c, config, j, s)) for c in range(cp))
             )
         return found
 
 
 @functools.lru_cache(maxsize=32)
-def mask_plan(sharding: SequenceSharding, boundaries: Boundaries, causal: bool, window: int | None) -> MaskPlan:
+def mask_plan(sharding: SequenceSharding, boundaries: Boundaries, causal: bool, sliding_window: int | None) -> MaskPlan:
     """The (cached) :class:`MaskPlan`; build it once per batch layout."""
-    return MaskPlan(sharding, boundaries, causal, window)
+    return MaskPlan(sharding, boundaries, causal, sliding_window)

@@ -42,21 +42,21 @@ def _boundaries(cu_seqlens: Tensor | None) -> tuple[int, ...] | None:
 _checked_boundaries = functools.lru_cache(maxsize=64)(as_boundaries)
 
 
-def mask_signature(cu_seqlens: Tensor | None, window: int, balance: str) -> list[int]:
+def mask_signature(cu_seqlens: Tensor | None, sliding_window: int, balance: str) -> list[int]:
     """Small ints that differ when two ranks pass different masks (for the input check)."""
     boundaries = _boundaries(cu_seqlens) or ()
     digest = zlib.crc32(b",".join(str(x).encode() for x in boundaries))
-    return [len(boundaries), digest, window, BALANCES.index(balance)]
+    return [len(boundaries), digest, sliding_window, BALANCES.index(balance)]
 
 
 def masks_for(
-    state: ParallelState, context_len: int, cu_seqlens: Tensor | None, window: int, balance: str, causal: bool
+    state: ParallelState, context_len: int, cu_seqlens: Tensor | None, sliding_window: int, balance: str, causal: bool
 ) -> MaskPlan | None:
     """The mask plan of a ring over ``context_len = S / cp`` tokens per context rank, or
     None for the plain causal/full zigzag ring."""
     seq_len = context_len * state.cp
     boundaries = _checked_boundaries(_boundaries(cu_seqlens), seq_len)
-    sliding = window if 0 < window < seq_len else None
+    sliding = sliding_window if 0 < sliding_window < seq_len else None
     if balance == "zigzag" and is_plain(boundaries, sliding, seq_len):
         return None
     sharding = sequence_sharding(seq_len, state.hp, state.cp, boundaries, balance)
@@ -78,30 +78,37 @@ def verify_same_inputs(q: Tensor, kv_heads: int, state: ParallelState, causal: b
         members = state.layout.sp_group(state.rank)
         detail = "; ".join(
             f"rank {r}: q={tuple(row[:4])} G={row[4]} causal={bool(row[6])} documents={row[7]} "
-            f"(crc {row[8]}) window={row[9]} balance={BALANCES[row[10]]}"
+            f"(crc {row[8]}) sliding_window={row[9]} balance={BALANCES[row[10]]}"
             for r, row in zip(members, rows)
         )
         raise ValueError(
             "head_context_attention: the ranks of the sequence-parallel group passed different "
             f"inputs ({detail}); every rank must pass its shard of the same batch, with the same cu_seqlens, "
-            f"window_size and balance"
+            f"sliding_window and balance"
         )
 
 
 # -- head all-to-all: scatter heads, gather sequence ---------------------------------
 @torch.library.custom_op("loongtrain::head_scatter", mutates_args=())
 def head_scatter(
-    q: Tensor, k: Tensor, v: Tensor, state_key: str, causal: bool, cu_seqlens: Tensor | None, window: int, balance: str
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    state_key: str,
+    causal: bool,
+    cu_seqlens: Tensor | None,
+    sliding_window: int,
+    balance: str,
 ) -> tuple[Tensor, Tensor]:
     """[B,S,H,d], [B,S,G,d] x2 -> q_h [B, hp*S, H/hp, d], kv_h [2, B, hp*S, max(G,hp)/hp, d].
 
-    ``cu_seqlens``/``window``/``balance`` only enter the input check (the mask is applied in
+    ``cu_seqlens``/``sliding_window``/``balance`` only enter the input check (the mask is applied in
     the ring).
     """
     state = state_by_key(state_key)
     hp, groups = state.hp, k.shape[2]
     if state.verify_inputs:
-        verify_same_inputs(q, groups, state, causal, mask_signature(cu_seqlens, window, balance))
+        verify_same_inputs(q, groups, state, causal, mask_signature(cu_seqlens, sliding_window, balance))
     kv = torch.stack((k, v))
     if hp > groups:  # GQA with fewer KV heads than head ranks: replicate each KV head
         kv = kv.repeat_interleave(hp // groups, dim=-2)
@@ -111,7 +118,7 @@ def head_scatter(
 
 
 @head_scatter.register_fake
-def _(q, k, v, state_key, causal, cu_seqlens, window, balance):
+def _(q, k, v, state_key, causal, cu_seqlens, sliding_window, balance):
     hp = state_by_key(state_key).hp
     b, s, h, d = q.shape
     kv_heads = max(k.shape[2], hp)
@@ -162,38 +169,38 @@ def ring_attention(
     scale: float,
     verify: bool,
     cu_seqlens: Tensor | None,
-    window: int,
+    sliding_window: int,
     balance: str,
 ) -> tuple[Tensor, Tensor]:
     """q_h [B, Sc, Hh, d], kv_h [2, B, Sc, Gh, d] -> out_h [B, Sc, Hh, d], lse [B, Sc, Hh].
 
-    ``cu_seqlens`` (CPU int64, global boundaries or None), ``window`` (0: none) and ``balance``
-    select the document/window mask and the sharding the inputs were made with.
+    ``cu_seqlens`` (CPU int64, global boundaries or None), ``sliding_window`` (0: none) and ``balance``
+    select the document / sliding-window mask and the sharding the inputs were made with.
     """
     state = state_by_key(state_key)
     if verify and state.verify_inputs:
-        verify_same_inputs(q_h, kv_h.shape[3], state, causal, mask_signature(cu_seqlens, window, balance))
-    out, lse = ring_forward(_setup(state, q_h, causal, scale, cu_seqlens, window, balance), q_h, kv_h)
+        verify_same_inputs(q_h, kv_h.shape[3], state, causal, mask_signature(cu_seqlens, sliding_window, balance))
+    out, lse = ring_forward(_setup(state, q_h, causal, scale, cu_seqlens, sliding_window, balance), q_h, kv_h)
     return out.contiguous(), lse.contiguous()
 
 
-def _setup(state: ParallelState, q_h: Tensor, causal, scale, cu_seqlens, window, balance) -> RingSetup:
-    masks = masks_for(state, q_h.shape[1], cu_seqlens, window, balance, causal)
-    sliding = masks.window if masks is not None else None
+def _setup(state: ParallelState, q_h: Tensor, causal, scale, cu_seqlens, sliding_window, balance) -> RingSetup:
+    masks = masks_for(state, q_h.shape[1], cu_seqlens, sliding_window, balance, causal)
+    sliding = masks.sliding_window if masks is not None else None
     return RingSetup.from_state(state, causal=causal, scale=scale, masks=masks, sliding_window=sliding)
 
 
 @ring_attention.register_fake
-def _(q_h, kv_h, state_key, causal, scale, verify, cu_seqlens, window, balance):
+def _(q_h, kv_h, state_key, causal, scale, verify, cu_seqlens, sliding_window, balance):
     return torch.empty_like(q_h), q_h.new_empty(q_h.shape[:3], dtype=accum_dtype(q_h.dtype))
 
 
 def _ring_setup(ctx, inputs, output) -> None:
-    q_h, kv_h, state_key, causal, scale, _, cu_seqlens, window, balance = inputs
+    q_h, kv_h, state_key, causal, scale, _, cu_seqlens, sliding_window, balance = inputs
     out_h, lse = output
     ctx.save_for_backward(q_h, kv_h, out_h, lse)
     ctx.state_key, ctx.causal, ctx.scale = state_key, causal, scale
-    ctx.cu_seqlens, ctx.window, ctx.balance = cu_seqlens, window, balance
+    ctx.cu_seqlens, ctx.sliding_window, ctx.balance = cu_seqlens, sliding_window, balance
 
 
 @torch.library.custom_op("loongtrain::ring_attention_backward", mutates_args=())
@@ -207,17 +214,17 @@ def ring_attention_backward(
     causal: bool,
     scale: float,
     cu_seqlens: Tensor | None,
-    window: int,
+    sliding_window: int,
     balance: str,
 ) -> tuple[Tensor, Tensor]:
     """Gradients of :func:`ring_attention`: (dq_h, dkv_h)."""
-    plan = _setup(state_by_key(state_key), q_h, causal, scale, cu_seqlens, window, balance)
+    plan = _setup(state_by_key(state_key), q_h, causal, scale, cu_seqlens, sliding_window, balance)
     dq, dkv = ring_backward(plan, dout_h.contiguous(), q_h, kv_h, out_h, lse)
     return dq.contiguous(), dkv.contiguous()
 
 
 @ring_attention_backward.register_fake
-def _(dout_h, q_h, kv_h, out_h, lse, state_key, causal, scale, cu_seqlens, window, balance):
+def _(dout_h, q_h, kv_h, out_h, lse, state_key, causal, scale, cu_seqlens, sliding_window, balance):
     return torch.empty_like(q_h), torch.empty_like(kv_h)
 
 
@@ -225,7 +232,7 @@ def _ring_backward(ctx, dout_h: Tensor, _dlse):
     q_h, kv_h, out_h, lse = ctx.saved_tensors
     dq, dkv = ring_attention_backward(
         dout_h.contiguous(), q_h, kv_h, out_h, lse, ctx.state_key, ctx.causal, ctx.scale,
-        ctx.cu_seqlens, ctx.window, ctx.balance,
+        ctx.cu_seqlens, ctx.sliding_window, ctx.balance,
     )  # fmt: skip
     return dq, dkv, None, None, None, None, None, None, None
 

@@ -16,6 +16,7 @@ from loongtrain.attention.blocks import OutputAccumulator, accum_dtype, add_kv_g
 from loongtrain.attention.mask_plan import MaskPlan
 from loongtrain.attention.schedule import block_kind, ring_source
 from loongtrain.attention.sharding import SequenceSharding, restore_order, take_ranges, zigzag_sharding
+from loongtrain.parallel.config import ParallelConfig
 
 Tensor = torch.Tensor
 
@@ -24,12 +25,12 @@ Tensor = torch.Tensor
 class RingReplay:
     """The double ring over ``cp`` context ranks (``hp = 1``) replayed in one process.
 
-    ``masks`` (a :class:`MaskPlan` with ``hp = 1``) replays a document/window mask on its
+    ``masks`` (a :class:`MaskPlan` with ``hp = 1``) replays a document / sliding-window mask on its
     sharding; without it, the plain zigzag ring.
     """
 
     cp: int
-    window: int = 1
+    ring_window: int = 1
     causal: bool = True
     masks: MaskPlan | None = None
 
@@ -47,16 +48,16 @@ class RingReplay:
         return restore_order(torch.cat(shards, dim=1), 1, [(0, c) for c in range(self.cp)], sharding)
 
     def _schedule(self, c: int):
-        n = self.cp // self.window
-        for j in range(n):
-            for s in range(self.window):
-                src = ring_source(c, self.cp, self.window, j, s)
+        config = ParallelConfig(cp=self.cp, ring_window=self.ring_window)
+        for j in range(config.n_ring_windows):
+            for s in range(config.ring_window):
+                src = ring_source(c, config, j, s)
                 work = block_kind(src, c, self.causal) if self.masks is None else self.masks.calls(c, src)
                 yield src, work
 
     @property
     def _sliding(self) -> int | None:
-        return self.masks.window if self.masks is not None else None
+        return self.masks.sliding_window if self.masks is not None else None
 
     def forward(self, qs: list[Tensor], kvs: list[Tensor], scale: float) -> tuple[list[Tensor], list[Tensor]]:
         """Per-rank ``(out, lse)`` from per-rank ``q`` [B,Sc,H,d] and ``kv`` [2,B,Sc,G,d]."""

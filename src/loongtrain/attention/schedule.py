@@ -1,14 +1,16 @@
 """The Double-Ring-Attention schedule and its causal block rule. Pure, no process group.
 
-A context rank ``c = o * window + i`` holds the two zigzag chunks ``c`` and
+A context rank ``c = o * ring_window + i`` holds the two zigzag chunks ``c`` and
 ``2*cp - 1 - c`` of the sequence. At outer step ``j`` and inner step ``s`` it holds the
-key/value block of context rank ``src = ((o - j) mod n) * window + ((i - s) mod window)``
-(``n = cp // window``) and computes one of the block kinds below.
+key/value block of context rank ``src = ((o - j) mod n) * ring_window + ((i - s) mod ring_window)``
+(``n = cp // ring_window``, :attr:`ParallelConfig.n_ring_windows`) and computes one of the block kinds below.
 """
 
 from __future__ import annotations
 
 import enum
+
+from loongtrain.parallel.config import ParallelConfig
 
 
 class BlockKind(enum.Enum):
@@ -33,17 +35,11 @@ def block_kind(src: int, c: int, causal: bool) -> BlockKind:
     return BlockKind.KV_FIRST_HALF if src < c else BlockKind.Q_SECOND_HALF
 
 
-def ring_source(c: int, cp: int, window: int, outer_step: int, inner_step: int) -> int:
-    """Context index whose key/value block rank ``c`` holds at step ``(j, s)``."""
-    n = cp // window
-    o, i = divmod(c, window)
-    return ((o - outer_step) % n) * window + (i - inner_step) % window
-
-
-def ring_sources(c: int, cp: int, window: int) -> list[int]:
-    """Sources visited by rank ``c``, in schedule order (outer step major)."""
-    n = cp // window
-    return [ring_source(c, cp, window, j, s) for j in range(n) for s in range(window)]
+def ring_source(c: int, config: ParallelConfig, outer_step: int, inner_step: int) -> int:
+    """Context index whose key/value block rank ``c`` holds at step ``(j, s)`` of ``config``'s double ring."""
+    w = config.ring_window
+    o, i = divmod(c, w)
+    return ((o - outer_step) % config.n_ring_windows) * w + (i - inner_step) % w
 
 
 def zigzag_chunks(c: int, cp: int) -> tuple[int, int]:

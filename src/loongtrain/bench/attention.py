@@ -27,7 +27,7 @@ from loongtrain.parallel import init_parallel
 def decomposition_overhead(
     seq: int,
     cp: int,
-    window: int,
+    ring_window: int,
     heads: int,
     kv_heads: int,
     head_dim: int,
@@ -45,7 +45,7 @@ def decomposition_overhead(
         o, l_ = block_forward(q, k, v, causal=True, scale=scale)
         block_backward(dout, q, k, v, o, l_, causal=True, scale=scale)
 
-    replay = RingReplay(cp, window, causal=True)
+    replay = RingReplay(cp, ring_window, causal=True)
     qs, douts = replay.shard(q), replay.shard(dout)
     kvs = [torch.stack(kv) for kv in zip(replay.shard(k), replay.shard(v))]
 
@@ -60,7 +60,7 @@ def decomposition_overhead(
     return {
         "seq": seq,
         "cp": cp,
-        "window": window,
+        "ring_window": ring_window,
         "fused_s": t_fused,
         "replay_s": t_replay,
         "ratio": t_replay / t_fused,
@@ -108,14 +108,16 @@ def main(args: argparse.Namespace) -> None:
             f"merges for cp={cp} replayed vs one fused causal call, forward+backward, H={args.heads} "
             f"G={args.kv_heads} d={args.head_dim} {args.dtype}"
         )
-        print(f"{'seq':>7s} {'window':>6s} {'fused s':>8s} {'replay s':>9s} {'ratio':>6s} {'max rel err':>11s}")
-        windows = sorted({1, cp // 2 if cp >= 4 else 1})
+        print(f"{'seq':>7s} {'ring_window':>11s} {'fused s':>8s} {'replay s':>9s} {'ratio':>6s} {'max rel err':>11s}")
+        ring_windows = sorted({1, cp // 2 if cp >= 4 else 1})
         for seq in args.seqs:
-            for window in windows:
-                r = decomposition_overhead(seq, cp, window, args.heads, args.kv_heads, args.head_dim, args.reps, dtype)
+            for ring_window in ring_windows:
+                r = decomposition_overhead(
+                    seq, cp, ring_window, args.heads, args.kv_heads, args.head_dim, args.reps, dtype
+                )
                 rows.append({"part": "overhead", **r})
                 print(
-                    f"{seq:7d} {window:6d} {r['fused_s']:8.3f} {r['replay_s']:9.3f} {r['ratio']:6.3f} "
+                    f"{seq:7d} {ring_window:11d} {r['fused_s']:8.3f} {r['replay_s']:9.3f} {r['ratio']:6.3f} "
                     f"{r['max_rel_err']:11.1e}",
                     flush=True,
                 )

@@ -31,7 +31,7 @@ def standard_layouts(world: int, heads: int, kv_heads: int) -> list[NamedLayout]
     if world > 1:
         out.append(NamedLayout("ring", ParallelConfig(cp=world)))
     if world >= 4 and world % 2 == 0:
-        out.append(NamedLayout(f"double ring w={world // 2}", ParallelConfig(cp=world, window=world // 2)))
+        out.append(NamedLayout(f"double ring w={world // 2}", ParallelConfig(cp=world, ring_window=world // 2)))
     if world > 1 and ok(world):
         out.append(NamedLayout("ulysses", ParallelConfig(hp=world)))
     for hp in range(2, world):
@@ -42,7 +42,7 @@ def standard_layouts(world: int, heads: int, kv_heads: int) -> list[NamedLayout]
                 out.append(
                     NamedLayout(
                         f"2D {hp}x{cp} context_first w={cp}",
-                        ParallelConfig(hp=hp, cp=cp, window=cp, placement="context_first"),
+                        ParallelConfig(hp=hp, cp=cp, ring_window=cp, placement="context_first"),
                     )
                 )
     if world == 1:

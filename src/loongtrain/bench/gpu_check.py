@@ -6,7 +6,7 @@ device path of loongtrain and prints one table (also written as JSON).
    fp32, causal and not, MHA and GQA, with and without a sliding-window mask: out, lse,
    dq, dk, dv against float64, and the lse convention through the merge;
 2. replay: the double ring's blocks and merges replayed in one process against one fused
-   call (the decomposition overhead), for cp 4 and 8, windows 1 and 2;
+   call (the decomposition overhead), for cp 4 and 8, ring windows 1 and 2;
 3. training: timed steps of a Llama with Selective Checkpoint++ and full checkpointing:
    tokens/s, model TFLOP/s, MFU against a stated peak, peak memory, and the planner's
    prediction for the same step;
@@ -72,7 +72,7 @@ class Profile:
     kernel_dtypes: tuple[str, ...]
     replay_seqs: tuple[int, ...]
     replay_cps: tuple[int, ...]
-    replay_windows: tuple[int, ...]
+    replay_ring_windows: tuple[int, ...]
     replay_heads: tuple[int, int, int]  # query heads, key/value heads, head dim
     replay_dtype: str
     replay_reps: int
@@ -105,7 +105,7 @@ PROFILES: dict[str, Profile] = {
         kernel_dtypes=("bfloat16", "float16", "float32"),
         replay_seqs=(32768, 131072),
         replay_cps=(4, 8),
-        replay_windows=(1, 2),
+        replay_ring_windows=(1, 2),
         replay_heads=(16, 4, 128),
         replay_dtype="bfloat16",
         replay_reps=3,
@@ -140,7 +140,7 @@ PROFILES: dict[str, Profile] = {
         kernel_dtypes=("bfloat16", "float16", "float32"),
         replay_seqs=(256, 512),
         replay_cps=(4, 8),
-        replay_windows=(1, 2),
+        replay_ring_windows=(1, 2),
         replay_heads=(4, 2, 16),
         replay_dtype="bfloat16",
         replay_reps=1,
@@ -252,14 +252,14 @@ def replay_rows(profile: Profile, device: torch.device, budget: Budget) -> list[
     rows = []
     for seq in profile.replay_seqs:
         for cp in profile.replay_cps:
-            for window in profile.replay_windows:
-                case = f"S={format_length(seq)} cp={cp} window={window} {profile.replay_dtype}"
+            for ring_window in profile.replay_ring_windows:
+                case = f"S={format_length(seq)} cp={cp} ring_window={ring_window} {profile.replay_dtype}"
                 if budget.exhausted():
                     rows.append(_budget_row("replay", case, budget))
                     continue
                 try:
                     reps = profile.replay_reps
-                    r = decomposition_overhead(seq, cp, window, heads, kv_heads, head_dim, reps, dtype, device)
+                    r = decomposition_overhead(seq, cp, ring_window, heads, kv_heads, head_dim, reps, dtype, device)
                 except Exception as exc:  # noqa: BLE001 - reported as a failed row
                     rows.append(_error_row("replay", case, exc))
                     continue

@@ -19,11 +19,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import loongtrain as lt
+from loongtrain.apply import MemoryOptions, materialize, parallelize
 from loongtrain.bench.common import NamedLayout, make_inputs, standard_layouts
 from loongtrain.bench.gpu_check_kernels import float64_attention, relative_error, tolerance, visibility
 from loongtrain.model import ModelConfig, build_model
 from loongtrain.parallel import ParallelConfig
-from loongtrain.parallelize import materialize, parallelize
 from loongtrain.train.step import forward_backward, lm_loss_sum
 
 MAX_LAYOUTS = 5
@@ -59,7 +59,7 @@ def training_layout(world: int) -> ParallelConfig:
     """hp=2 when the world is even and >= 4, the rest a ring, double when cp >= 4 is even."""
     hp = 2 if world >= 4 and world % 2 == 0 else 1
     cp = world // hp
-    return ParallelConfig(hp=hp, cp=cp, window=2 if cp >= 4 and cp % 2 == 0 else 1)
+    return ParallelConfig(hp=hp, cp=cp, ring_window=2 if cp >= 4 and cp % 2 == 0 else 1)
 
 
 def documents(seq: int) -> list[int]:
@@ -77,12 +77,12 @@ def attention_errors(state, sizes: DistSizes, dtype: str, masked: bool, device: 
     """Norm-relative errors of out/dq/dk/dv (max over ranks) against float64 attention."""
     seq = sizes.tokens_per_rank * state.sp
     full = make_inputs(1, seq, sizes.heads, sizes.kv_heads, sizes.head_dim, getattr(torch, dtype), 7, device)
-    cu, window = (documents(seq), seq // 3) if masked else (None, None)
-    keep = visibility(seq, seq, True, window, cu_seqlens=cu, device=device)
+    cu, sliding_window = (documents(seq), seq // 3) if masked else (None, None)
+    keep = visibility(seq, seq, True, sliding_window, cu_seqlens=cu, device=device)
     ref = float64_attention(*full, keep, sizes.head_dim**-0.5)
     q, k, v, dout = (lt.shard_sequence(x, state, cu_seqlens=cu) for x in full)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
-    out = lt.head_context_attention(q, k, v, state, causal=True, cu_seqlens=cu, window_size=window)
+    out = lt.head_context_attention(q, k, v, state, causal=True, cu_seqlens=cu, sliding_window=sliding_window)
     out.backward(dout)
     got = [lt.unshard_sequence(t, state, cu_seqlens=cu) for t in (out, q.grad, k.grad, v.grad)]
     return _max_over_ranks(
@@ -101,7 +101,7 @@ def training_errors(sizes: DistSizes, device: torch.device) -> tuple[ParallelCon
     cfg = sizes.model
     ref = build_model(cfg)
     materialize(ref, device, SEED)
-    par = parallelize(build_model(cfg), state, checkpoint="sc++", zero="dp_sp")
+    par = parallelize(build_model(cfg), state, memory=MemoryOptions(activation_checkpoint="sc++"), zero="dp_sp")
     materialize(par, device, SEED)
     opt_ref, opt_par = (torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-6) for m in (ref, par))
     seq = sizes.train_tokens_per_rank * state.sp
@@ -146,7 +146,7 @@ def run_dist_checks(device: torch.device, sizes: DistSizes, out_path: str) -> No
                 )
     config, errors = training_errors(sizes, device)
     tol = TRAIN_TOLERANCE[device.type]
-    name = f"hp={config.hp} cp={config.cp} window={config.window}"
+    name = f"hp={config.hp} cp={config.cp} ring_window={config.ring_window}"
     rows.append(
         {
             "case": f"world {world} {backend} training {name} sc++ zero=dp_sp fp32 vs unsharded",

@@ -64,7 +64,7 @@ class KernelCase:
         return (self.seq, self.seq) if self.causal else (self.seq, self.seq + self.seq // 2)
 
     @property
-    def window(self) -> int:
+    def sliding_window(self) -> int:
         return self.seq // 3
 
     def band_call(self) -> Call:
@@ -76,7 +76,7 @@ class KernelCase:
         """[Sq, Sk] bool: which keys each query sees (written out from positions)."""
         sq, sk = self.shape
         if self.masked:
-            return visibility(sq, sk, self.causal, self.window, q_start=sk - sq, device=device)
+            return visibility(sq, sk, self.causal, self.sliding_window, q_start=sk - sq, device=device)
         return visibility(sq, sk, self.causal, device=device)
 
     @property
@@ -142,7 +142,7 @@ def run_case(backend: BlockBackend, case: KernelCase, inputs: tuple[Tensor, ...]
     for non-causal unmasked cases ``merge_out``/``merge_lse`` of two key halves merged in fp32."""
     q, k, v, dout = inputs
     scale = case.head_dim**-0.5
-    mask = band_mask(case.band_call(), case.causal, case.window, q.dtype, q.device) if case.masked else None
+    mask = band_mask(case.band_call(), case.causal, case.sliding_window, q.dtype, q.device) if case.masked else None
     causal = case.causal and not case.masked
     out, lse = backend.forward(q, k, v, causal, scale, mask)
     dq, dk, dv = backend.backward(dout, q, k, v, out, lse, causal, scale, mask)
@@ -162,22 +162,22 @@ def visibility(
     sq: int,
     sk: int,
     causal: bool,
-    window: int | None = None,
+    sliding_window: int | None = None,
     *,
     q_start: int = 0,
     cu_seqlens: list[int] | None = None,
     device: torch.device,
 ) -> Tensor:
     """[Sq, Sk] bool, written out from positions: query ``i`` (at position ``q_start + i``) sees
-    key ``j`` if ``j <= i`` (``causal``), ``|i - j| < window`` and both lie in one document of
+    key ``j`` if ``j <= i`` (``causal``), ``|i - j| < sliding_window`` and both lie in one document of
     ``cu_seqlens`` (boundaries of the key positions)."""
     i = q_start + torch.arange(sq, device=device)[:, None]
     j = torch.arange(sk, device=device)[None]
     keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
     if causal:
         keep &= j <= i
-    if window is not None:
-        keep &= (i - j).abs() < window
+    if sliding_window is not None:
+        keep &= (i - j).abs() < sliding_window
     if cu_seqlens is not None:
         bounds = torch.tensor(cu_seqlens[1:-1], dtype=torch.long, device=device)
         keep &= torch.bucketize(i, bounds, right=True) == torch.bucketize(j, bounds, right=True)

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
+from loongtrain.apply import MemoryOptions, materialize, parallelize
 from loongtrain.bench.common import median_time, sync
 from loongtrain.config import OptimSection
 from loongtrain.model import ModelConfig, build_model
 from loongtrain.parallel import ParallelConfig, ParallelState, init_parallel
-from loongtrain.parallelize import materialize, parallelize
 from loongtrain.planner import Candidate, ClusterSpec, PlanError, Workload, cluster_spec, estimate
 from loongtrain.planner.report import format_length
 from loongtrain.planner.specs import CLUSTER_PRESETS
@@ -123,7 +123,14 @@ def measure_training_step(
 
     The model and optimizer are freed when this returns; call :func:`~loongtrain.bench.common.release_memory` then."""
     model = build_model(cfg)
-    parallelize(model, state, checkpoint=case.checkpoint, zero=ZERO, param_dtype=dtype, compile=case.compiled)
+    parallelize(
+        model,
+        state,
+        memory=MemoryOptions(activation_checkpoint=case.checkpoint),
+        zero=ZERO,
+        param_dtype=dtype,
+        compile=case.compiled,
+    )
     materialize(model, device, seed=0)
     optim = OptimSection()
     optimizer = build_optimizer(model.parameters(), optim)

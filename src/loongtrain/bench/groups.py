@@ -27,7 +27,7 @@ def check_groups(layout: Candidate, devices_per_node: int, ranks: list[int] | No
     config = layout.parallel_config()
     world = layout.devices
     ref = RankLayout.build(config, world)
-    topo: Topology = analyze(layout.hp, layout.cp, layout.window, layout.placement, devices_per_node)
+    topo: Topology = analyze(config, devices_per_node)
     lines = []
     for rank in ranks if ranks is not None else _sample_ranks(world):
         dist.init_process_group("fake", rank=rank, world_size=world)

@@ -18,11 +18,11 @@ import os
 import torch
 import torch.distributed as dist
 
+from loongtrain.apply import MemoryOptions, materialize, parallelize
 from loongtrain.bench.common import release_memory
 from loongtrain.launch import launch
 from loongtrain.model import build_model, model_config
 from loongtrain.parallel import ParallelConfig, init_parallel
-from loongtrain.parallelize import materialize, parallelize
 from loongtrain.train.metrics import current_memory_bytes, peak_memory_bytes, reset_peak_memory
 from loongtrain.train.step import forward_backward
 
@@ -41,7 +41,7 @@ def measure_step(layout: ParallelConfig, mode: str, zero: str, args: argparse.Na
         ffn_dim=args.ffn_dim,
         vocab_size=args.vocab,
     )
-    model = parallelize(build_model(mcfg), state, checkpoint=mode, zero=zero)
+    model = parallelize(build_model(mcfg), state, memory=MemoryOptions(activation_checkpoint=mode), zero=zero)
     materialize(model, device, seed=0)
     local_params = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
     gen = torch.Generator().manual_seed(state.coords.dp)

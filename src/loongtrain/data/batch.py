@@ -52,13 +52,13 @@ class Microbatch:
         """The boundaries the attention masks with (None when not packed or not masked)."""
         return self.cu_seqlens if self.mask_documents else None
 
-    def attention_keys(self, window: int = 0) -> int:
+    def attention_keys(self, sliding_window: int = 0) -> int:
         """Keys seen by all its queries under the causal mask, its document masks (when
-        masked) and a sliding ``window`` (0: none): the attention work the kernels do."""
+        masked) and a ``sliding_window`` (0: none): the attention work the kernels do."""
         rows, seq = self.tokens.shape
         documents = self.attention_documents
         boundaries = (0, seq) if documents is None else tuple(documents.tolist())
-        return rows * range_work(boundaries, 0, seq, causal=True, window=window or None)
+        return rows * range_work(boundaries, 0, seq, causal=True, sliding_window=sliding_window or None)
 
     def positions(self) -> torch.Tensor:
         """RoPE position ids [1, S]: ``arange(S)``, restarting at 0 in each document."""

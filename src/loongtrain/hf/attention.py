@@ -47,11 +47,11 @@ def make_attention(state: ParallelState):
             raise ValueError(f"loongtrain attention: attention dropout={dropout} is not supported; set it to 0")
         if kwargs.get("softcap") is not None:
             raise ValueError(f"loongtrain attention: softcap={kwargs['softcap']} is not supported")
-        window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+        sliding_window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
         out = head_context_attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), state,
             causal=getattr(module, "is_causal", True), softmax_scale=scaling,
-            cu_seqlens=kwargs.get("cu_seq_lens_q"), window_size=window or None,
+            cu_seqlens=kwargs.get("cu_seq_lens_q"), sliding_window=sliding_window or None,
         )  # fmt: skip
         return out, None
 

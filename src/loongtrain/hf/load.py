@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
+from loongtrain.apply.init import local_part
 from loongtrain.hf.families import load_hf_config, model_config_from_hf
 from loongtrain.hf.folder import (
     COMPANION_FILES,
@@ -35,7 +36,6 @@ from loongtrain.hf.folder import (
 )
 from loongtrain.hf.weights import IGNORED_SUFFIXES, expected_shapes, parameter_map, rope_row_order
 from loongtrain.model.config import ModelConfig
-from loongtrain.parallelize.init import local_part
 
 
 def declared_dtype(raw_config: dict) -> str | None:

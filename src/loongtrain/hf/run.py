@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from loongtrain.apply.init import materialize
 from loongtrain.config import ConfigError, ModelSection
 from loongtrain.model.config import ModelConfig, extend_context, model_config
-from loongtrain.parallelize.init import materialize
 
 SOURCE_DIR = "hf-source"  # in the run folder: the imported folder's config and tokenizer files
 

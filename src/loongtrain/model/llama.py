@@ -6,7 +6,7 @@ RoPE scaled for a longer context (linear, llama3, yarn; :mod:`loongtrain.model.r
 and a sliding window (Mistral).
 
 The model knows nothing of parallelism. Its attention calls
-``attention_fn(q, k, v, cu_seqlens=..., window_size=...)`` on ``[B, S, H, d]`` /
+``attention_fn(q, k, v, cu_seqlens=..., sliding_window=...)`` on ``[B, S, H, d]`` /
 ``[B, S, G, d]`` tensors with RoPE applied; the default is causal attention over the
 local sequence (one device). ``loongtrain.parallelize`` swaps in the distributed
 attention. Positions are passed in, so the same module runs on sequence shards: RoPE uses
@@ -33,12 +33,12 @@ AttentionFn = Callable[..., Tensor]
 
 
 def sdpa_attention(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | None = None, window_size: int | None = None
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | None = None, sliding_window: int | None = None
 ) -> Tensor:
     """Causal attention over the local (unsharded) sequence: PyTorch SDPA, or the document /
-    sliding-window masked attention when ``cu_seqlens`` or ``window_size`` is given."""
-    if cu_seqlens is not None or window_size is not None:
-        return masked_attention(q, k, v, cu_seqlens=cu_seqlens, window_size=window_size)
+    sliding-window masked attention when ``cu_seqlens`` or ``sliding_window`` is given."""
+    if cu_seqlens is not None or sliding_window is not None:
+        return masked_attention(q, k, v, cu_seqlens=cu_seqlens, sliding_window=sliding_window)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=k.shape[2] != q.shape[2]
     )
@@ -84,7 +84,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
-        self.window = cfg.sliding_window or None
+        self.sliding_window = cfg.sliding_window or None
         # Qwen3: RMSNorm over each head of q and k (weights shared by the heads)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
@@ -98,7 +98,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
-        out = self.attention_fn(q, k, v, cu_seqlens=cu_seqlens, window_size=self.window)
+        out = self.attention_fn(q, k, v, cu_seqlens=cu_seqlens, sliding_window=self.sliding_window)
         return self.wo(out.reshape(b, s, -1))
 
 

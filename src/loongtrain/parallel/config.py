@@ -18,19 +18,20 @@ class ParallelConfig:
 
     The world is ``dp x hp x cp`` ranks, data parallel outermost. The ``sp = hp * cp``
     ranks of one replica are consecutive global ranks. The context group of ``cp`` ranks
-    is split into ``cp // window`` windows (inner rings) of ``window`` ranks joined by
-    an outer ring (Double-Ring-Attention); ``window=1`` and ``window=cp`` are a plain ring.
+    is split into ``n_ring_windows = cp // ring_window`` windows (inner rings) of ``ring_window``
+    ranks joined by an outer ring (Double-Ring-Attention); ``ring_window=1`` and
+    ``ring_window=cp`` are a plain ring.
 
     Args:
         hp: head-parallel degree (Ulysses all-to-all group size).
         cp: context-parallel degree (ring size).
-        window: inner-ring size of the double ring; must divide ``cp``.
+        ring_window: inner-ring size of the double ring; must divide ``cp``.
         placement: ``"head_first"`` puts the ``hp`` ranks of a head group on consecutive
             ranks (context group strided by ``hp``); ``"context_first"`` the reverse.
         dp: data-parallel degree; ``None`` means ``world_size // (hp * cp)``.
-        context_order: ``"contiguous"`` makes windows of consecutive context-group
-            members; ``"interleaved"`` makes window ``o`` take every ``n``-th member
-            (``n = cp // window``), so the outer ring joins neighbouring members.
+        context_order: ``"contiguous"`` makes ring windows of consecutive context-group
+            members; ``"interleaved"`` makes ring window ``o`` take every ``n``-th member
+            (``n = n_ring_windows``), so the outer ring joins neighbouring members.
         balance: how sequences are laid out on the sp group when the caller does not say:
             ``"zigzag"`` (balanced for one causal document) or ``"documents"`` (chunks
             assigned from each batch's document boundaries); the default of
@@ -39,7 +40,7 @@ class ParallelConfig:
 
     hp: int = 1
     cp: int = 1
-    window: int = 1
+    ring_window: int = 1
     placement: Placement = "head_first"
     dp: int | None = None
     context_order: ContextOrder = "contiguous"
@@ -48,14 +49,14 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         _check_positive_int("hp", self.hp)
         _check_positive_int("cp", self.cp)
-        _check_positive_int("window", self.window)
+        _check_positive_int("ring_window", self.ring_window)
         if self.dp is not None:
             _check_positive_int("dp", self.dp)
-        if self.cp % self.window != 0:
+        if self.cp % self.ring_window != 0:
             divisors = [d for d in range(1, self.cp + 1) if self.cp % d == 0]
             raise ValueError(
-                f"ParallelConfig: cp={self.cp} is not divisible by window={self.window}; "
-                f"choose window among the divisors of cp: {divisors}"
+                f"ParallelConfig: cp={self.cp} is not divisible by ring_window={self.ring_window}; "
+                f"choose ring_window among the divisors of cp: {divisors}"
             )
         if self.placement not in PLACEMENTS:
             raise ValueError(f"ParallelConfig: unknown placement={self.placement!r}; use one of {list(PLACEMENTS)}")
@@ -72,9 +73,9 @@ class ParallelConfig:
         return self.hp * self.cp
 
     @property
-    def n_windows(self) -> int:
-        """Number of windows in the outer ring, ``cp // window``."""
-        return self.cp // self.window
+    def n_ring_windows(self) -> int:
+        """Number of ring windows (the outer ring's size), ``cp // ring_window``."""
+        return self.cp // self.ring_window
 
     def resolve_dp(self, world_size: int) -> int:
         """Return the data-parallel degree for ``world_size``, checking the product."""

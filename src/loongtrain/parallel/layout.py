@@ -1,10 +1,10 @@
 """Rank layout arithmetic: which global ranks form each group. Pure, no process group.
 
 Coordinates of a rank: data-parallel index ``d``, head index ``h`` (0..hp-1) and context
-index ``c`` (0..cp-1), with ``c = o * window + i`` (``o`` the window, ``i`` the position
-inside it). The context index ``c`` is the one source of truth for the ring schedule and
-for the sequence sharding; the placement and the context order only decide which global
-rank carries which coordinates.
+index ``c`` (0..cp-1), with ``c = o * ring_window + i`` (``o`` the rank's position on the
+outer ring, i.e. its ring window, ``i`` its position on the inner ring). The context index
+``c`` is the one source of truth for the ring schedule and for the sequence sharding; the
+placement and the context order only decide which global rank carries which coordinates.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ class RankCoords:
     dp: int
     head: int
     context: int
-    window: int
-    window_pos: int
+    outer_pos: int  # position on the outer ring (which ring window)
+    inner_pos: int  # position on the inner ring (inside the ring window)
 
 
 @dataclass(frozen=True)
@@ -96,26 +96,26 @@ class RankLayout:
         return self.config.sp
 
     @property
-    def window(self) -> int:
-        return self.config.window
+    def ring_window(self) -> int:
+        return self.config.ring_window
 
     @property
-    def n_windows(self) -> int:
-        return self.config.n_windows
+    def n_ring_windows(self) -> int:
+        return self.config.n_ring_windows
 
     # -- coordinates <-> rank ------------------------------------------------------
     def _context_slot(self, c: int) -> int:
         """Physical slot (0..cp-1) of context index ``c`` in the placement."""
         if self.config.context_order == "contiguous":
             return c
-        o, i = divmod(c, self.window)
-        return i * self.n_windows + o
+        o, i = divmod(c, self.ring_window)
+        return i * self.n_ring_windows + o
 
     def _context_index(self, slot: int) -> int:
         if self.config.context_order == "contiguous":
             return slot
-        i, o = divmod(slot, self.n_windows)
-        return o * self.window + i
+        i, o = divmod(slot, self.n_ring_windows)
+        return o * self.ring_window + i
 
     def rank(self, dp: int, head: int, context: int) -> int:
         """Global rank with coordinates ``(dp, head, context)``."""
@@ -143,8 +143,8 @@ class RankLayout:
         else:
             head, slot = divmod(local, self.cp)
         context = self._context_index(slot)
-        window, window_pos = divmod(context, self.window)
-        return RankCoords(dp=dp, head=head, context=context, window=window, window_pos=window_pos)
+        outer_pos, inner_pos = divmod(context, self.ring_window)
+        return RankCoords(dp=dp, head=head, context=context, outer_pos=outer_pos, inner_pos=inner_pos)
 
     # -- groups of one rank --------------------------------------------------------
     def sp_group(self, rank: int) -> tuple[int, ...]:
@@ -168,15 +168,15 @@ class RankLayout:
         return tuple(self.rank(x.dp, x.head, c) for c in range(self.cp))
 
     def inner_ring(self, rank: int) -> tuple[int, ...]:
-        """Ranks of ``rank``'s window, ordered by position in the window."""
+        """Ranks of ``rank``'s ring window, ordered by position on the inner ring."""
         x = self.coords(rank)
-        base = x.window * self.window
-        return tuple(self.rank(x.dp, x.head, base + i) for i in range(self.window))
+        base = x.outer_pos * self.ring_window
+        return tuple(self.rank(x.dp, x.head, base + i) for i in range(self.ring_window))
 
     def outer_ring(self, rank: int) -> tuple[int, ...]:
-        """Ranks at ``rank``'s window position in every window, ordered by window."""
+        """Ranks at ``rank``'s inner-ring position in every ring window, ordered by window."""
         x = self.coords(rank)
-        return tuple(self.rank(x.dp, x.head, o * self.window + x.window_pos) for o in range(self.n_windows))
+        return tuple(self.rank(x.dp, x.head, o * self.ring_window + x.inner_pos) for o in range(self.n_ring_windows))
 
     # -- every group of a family (for building process groups) ---------------------
     def _family(self, member_fn) -> list[tuple[int, ...]]:

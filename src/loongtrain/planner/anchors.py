@@ -81,7 +81,7 @@ TRL_STEP_SECONDS = 380.0
 #: Qwen3-8B (Hugging Face config): 36 layers, hidden 4096, 32 query / 8 KV heads of 128, FFN 12288
 QWEN3_8B = ModelConfig(vocab_size=151936, dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=12288)
 #: the run's layout: one ring of 8 over the node, FSDP over all 8, full recompute
-TRL_CANDIDATE = Candidate(dp=1, hp=1, cp=8, window=1, placement="head_first", zero="dp_sp", checkpoint="full")
+TRL_CANDIDATE = Candidate(dp=1, hp=1, cp=8, ring_window=1, placement="head_first", zero="dp_sp", checkpoint="full")
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ the local machine, or validate the cost model against measured runs.
 
     loongtrain plan --cluster a100 --model 7b-gqa --seq-len 1M --devices 64
     loongtrain plan ... --timeline plan.png --check-groups
-    loongtrain plan ... --layout hp=8,cp=8,window=4,placement=context_first,zero=dp_sp,ckpt=sc++
+    loongtrain plan ... --layout hp=8,cp=8,ring_window=4,placement=context_first,zero=dp_sp,ckpt=sc++
     loongtrain plan --calibrate            # writes clusters/local.toml
     loongtrain plan --validate             # measured vs predicted on local processes
 
@@ -50,7 +50,8 @@ def _ints_arg(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer or a comma-separated list of them") from None
 
 
-_LAYOUT_KEYS = {"dp": "dp", "hp": "hp", "cp": "cp", "window": "window", "w": "window", "placement": "placement"}
+_LAYOUT_KEYS = {"dp": "dp", "hp": "hp", "cp": "cp", "ring_window": "ring_window", "w": "ring_window"}
+_LAYOUT_KEYS["placement"] = "placement"
 _LAYOUT_KEYS.update({"zero": "zero", "ckpt": "checkpoint", "checkpoint": "checkpoint"})
 
 
@@ -65,7 +66,7 @@ def _tokens_arg(text: str) -> int:
 
 
 def parse_candidate(text: str, devices: int):
-    """``"hp=8,cp=8,window=4,placement=head_first,zero=dp_sp,ckpt=sc++"`` -> ``Candidate`` (dp derived)."""
+    """``"hp=8,cp=8,ring_window=4,placement=head_first,zero=dp_sp,ckpt=sc++"`` -> ``Candidate`` (dp derived)."""
     from loongtrain.planner.cost import Candidate
 
     values: dict = {}
@@ -75,7 +76,7 @@ def parse_candidate(text: str, devices: int):
             raise PlanError(f"--layout: cannot read {part!r}; use key=value with keys {sorted(_LAYOUT_KEYS)}")
         name = _LAYOUT_KEYS[key.strip()]
         value = value.strip()
-        if name in ("dp", "hp", "cp", "window"):
+        if name in ("dp", "hp", "cp", "ring_window"):
             if not value.isdigit():
                 raise PlanError(f"--layout: {key}={value!r} must be a positive integer")
             values[name] = int(value)
@@ -110,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=int, default=10, help="rows of the table (10)")
     out.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    out.add_argument("--layout", default=None, help="also price this layout, e.g. hp=8,cp=8,window=4,ckpt=sc++")
+    out.add_argument("--layout", default=None, help="also price this layout, e.g. hp=8,cp=8,ring_window=4,ckpt=sc++")
     out.add_argument("--timeline", default=None, metavar="PNG", help="simulate one layer of the winner (or --layout)")
     out.add_argument("--check-groups", action="store_true", help="build the winner's groups on the fake backend")
     mode = parser.add_argument_group("measure this machine")

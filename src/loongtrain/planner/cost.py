@@ -32,7 +32,7 @@ class Candidate:
     dp: int
     hp: int
     cp: int
-    window: int = 1
+    ring_window: int = 1
     placement: str = "head_first"
     zero: str = "dp_sp"
     checkpoint: str = "full"
@@ -46,15 +46,17 @@ class Candidate:
         return self.dp * self.sp
 
     @property
-    def n_windows(self) -> int:
-        return self.cp // self.window
+    def n_ring_windows(self) -> int:
+        return self.parallel_config().n_ring_windows
 
     def parallel_config(self) -> ParallelConfig:
         """The :class:`ParallelConfig` that ``init_parallel`` takes for this layout (validated)."""
-        return ParallelConfig(hp=self.hp, cp=self.cp, window=self.window, placement=self.placement, dp=self.dp)
+        return ParallelConfig(
+            hp=self.hp, cp=self.cp, ring_window=self.ring_window, placement=self.placement, dp=self.dp
+        )
 
     def label(self) -> str:
-        ring = "-" if self.cp == 1 else (f"w{self.window}" if 1 < self.window < self.cp else "ring")
+        ring = "-" if self.cp == 1 else (f"w{self.ring_window}" if 1 < self.ring_window < self.cp else "ring")
         return f"dp{self.dp} hp{self.hp} cp{self.cp} {ring} {self.placement} zero={self.zero} ckpt={self.checkpoint}"
 
 
@@ -99,7 +101,7 @@ class Workload:
 def candidate_topology(c: ClusterSpec, candidate: Candidate) -> Topology:
     """Where ``candidate``'s transfers go on ``c``'s nodes and NICs."""
     x = candidate
-    return analyze(x.hp, x.cp, x.window, x.placement, c.devices_per_node, c.nics_per_node)
+    return analyze(x.parallel_config(), c.devices_per_node, c.nics_per_node)
 
 
 # -- FLOPs ------------------------------------------------------------------------------
@@ -150,15 +152,15 @@ class CommVolume:
         return self.kinds.get(kind, (0, 0))[1]
 
 
-def dkv_hops(cp: int, window: int) -> int:
-    """dK/dV ring transfers per rank in backward: ``cp`` for a plain ring, ``cp + cp/window`` otherwise."""
-    n = cp // window
-    return (cp if window > 1 else 0) + (n if n > 1 else 0)
+def dkv_hops(config: ParallelConfig) -> int:
+    """dK/dV ring transfers per rank in backward: ``cp`` for a plain ring, ``cp + n_ring_windows`` otherwise."""
+    n = config.n_ring_windows
+    return (config.cp if config.ring_window > 1 else 0) + (n if n > 1 else 0)
 
 
-def comm_volume(w: Workload, hp: int, cp: int, window: int) -> CommVolume:
+def comm_volume(w: Workload, config: ParallelConfig) -> CommVolume:
     """Per-rank transfers of one attention forward and backward (matches ``state.stats``)."""
-    m = w.model
+    m, hp, cp = w.model, config.hp, config.cp
     e, hd, b = w.dtype_bytes, m.head_dim, w.micro_batch
     gr = replicated_kv_heads(m, hp)
     local = b * w.seq_len // (hp * cp)  # tokens of one rank before the all-to-all
@@ -172,7 +174,7 @@ def comm_volume(w: Workload, hp: int, cp: int, window: int) -> CommVolume:
         block = 2 * b * (w.seq_len // cp) * (gr // hp) * hd
         kinds["fwd.ring_kv"] = (cp - 1, (cp - 1) * block * e)
         kinds["bwd.ring_kv"] = (cp - 1, (cp - 1) * block * e)
-        hops = dkv_hops(cp, window)
+        hops = dkv_hops(config)
         kinds["bwd.ring_dkv"] = (hops, hops * block * w.accum_bytes)
     return CommVolume(kinds)
 
@@ -448,8 +450,8 @@ class AttentionTimes:
 
 def attention_seconds(c: ClusterSpec, w: Workload, candidate: Candidate, topo: Topology) -> AttentionTimes:
     """All-to-alls and the double ring of one layer, forward and backward."""
-    hp, cp, win = candidate.hp, candidate.cp, candidate.window
-    n = cp // win
+    hp, cp, win = candidate.hp, candidate.cp, candidate.ring_window
+    n = candidate.n_ring_windows
     bt = block_seconds(c, w, hp, cp)
     a2a_fwd = a2a_bwd = 0.0
     if hp > 1:  # the packed buffers whose bytes comm_volume counts

@@ -23,7 +23,7 @@ def _main_difference(better: Estimate, worse: Estimate) -> str:
     return f"{name} +{_ms(delta)}"
 
 
-def describe_topology(t: Topology, hp: int, cp: int, window: int) -> str:
+def describe_topology(t: Topology, hp: int, cp: int, ring_window: int) -> str:
     """One line on where the layout's transfers go."""
     parts = []
     if hp > 1:
@@ -32,10 +32,11 @@ def describe_topology(t: Topology, hp: int, cp: int, window: int) -> str:
             if t.head.off_peers == 0
             else f"the head all-to-all sends to {t.head.off_peers} of {hp - 1} peers on other nodes"
         )
-    if 1 < window < cp:
-        rings = [(t.inner, f"inner ring ({window} ranks)"), (t.outer, f"outer ring ({cp // window} windows)")]
+    if 1 < ring_window < cp:
+        n = cp // ring_window
+        rings = [(t.inner, f"inner ring ({ring_window} ranks)"), (t.outer, f"outer ring ({n} ring windows)")]
     elif cp > 1:
-        rings = [(t.outer if window == 1 else t.inner, f"the ring ({cp} ranks)")]
+        rings = [(t.outer if ring_window == 1 else t.inner, f"the ring ({cp} ranks)")]
     else:
         rings = []
     for ring, label in rings:
@@ -56,9 +57,9 @@ def _variant_line(result: SearchResult, best: Estimate, knob: str, label: str) -
     def same_but(e: Estimate) -> bool:
         x = e.candidate
         if knob == "hp":
-            return x.hp != lay.hp and replace(x, hp=lay.hp, cp=lay.cp, window=lay.window) == lay
-        if knob == "window" and lay.cp > 1:
-            return x.window != lay.window and replace(x, window=lay.window) == lay
+            return x.hp != lay.hp and replace(x, hp=lay.hp, cp=lay.cp, ring_window=lay.ring_window) == lay
+        if knob == "ring_window" and lay.cp > 1:
+            return x.ring_window != lay.ring_window and replace(x, ring_window=lay.ring_window) == lay
         return getattr(x, knob) != getattr(lay, knob) and replace(x, **{knob: getattr(lay, knob)}) == lay
 
     options = sorted((e for e in pool if same_but(e)), key=lambda e: e.step_s)
@@ -66,7 +67,7 @@ def _variant_line(result: SearchResult, best: Estimate, knob: str, label: str) -
         return None
     alt = options[0]
     value = {
-        "window": f"window={alt.candidate.window}" if alt.candidate.window > 1 else "a plain ring",
+        "ring_window": f"ring_window={alt.candidate.ring_window}" if alt.candidate.ring_window > 1 else "a plain ring",
         "placement": alt.candidate.placement,
         "checkpoint": f"checkpoint {alt.candidate.checkpoint}",
         "zero": f"ZeRO scope {alt.candidate.zero}",
@@ -91,7 +92,7 @@ def explain(result: SearchResult) -> list[str]:
         f"{lay.label()}: {_ms(best.step_s)} per step = compute {_ms(best.compute_s)} + all-to-all "
         f"{_ms(best.a2a_s)} + exposed ring {_ms(best.ring_s)} + ZeRO {_ms(best.zero_s)}; "
         f"{best.memory.total / GiB:.1f} of {best.memory_limit / GiB:.1f} GiB",
-        f"placement: {describe_topology(best.topology, lay.hp, lay.cp, lay.window)}",
+        f"placement: {describe_topology(best.topology, lay.hp, lay.cp, lay.ring_window)}",
     ]
     close = [e for e in result.ranked[1:] if e.step_s <= best.step_s * 1.01]
     if close:
@@ -111,7 +112,7 @@ def explain(result: SearchResult) -> list[str]:
             )
     for knob, label in (
         ("hp", "head/context split"),
-        ("window", "double ring"),
+        ("ring_window", "double ring"),
         ("placement", "placement"),
         ("checkpoint", "checkpointing"),
         ("zero", "ZeRO"),

@@ -33,9 +33,10 @@ def batch_text(w: Workload) -> str:
 
 def row_text(index: int | str, e: Estimate) -> str:
     x = e.candidate
-    window = "-" if x.cp == 1 else str(x.window)
+    ring_window = "-" if x.cp == 1 else str(x.ring_window)
     return (
-        f"{index!s:>3s} {x.dp:3d} {x.hp:3d} {x.cp:4d} {window:>3s} {x.placement:13s} {x.zero:5s} {x.checkpoint:4s} "
+        f"{index!s:>3s} {x.dp:3d} {x.hp:3d} {x.cp:4d} {ring_window:>3s} {x.placement:13s} {x.zero:5s} "
+        f"{x.checkpoint:4s} "
         f"{e.step_s:8.3g} {e.tokens_per_s_per_device:9.4g} {e.mfu:6.1%} {e.memory.total / GiB:7.1f} "
         f"{e.compute_s:8.3g} {e.a2a_s:7.3g} {e.ring_s:7.3g} {e.zero_s:6.2g}"
     )
@@ -146,7 +147,7 @@ SWEEP_HEADER = (
 
 def _short(e: Estimate) -> str:
     x = e.candidate
-    ring = "" if x.cp == 1 else (" ring" if x.window == 1 else f" w{x.window}")
+    ring = "" if x.cp == 1 else (" ring" if x.ring_window == 1 else f" w{x.ring_window}")
     place = "" if x.hp == 1 or x.cp == 1 else (" hf" if x.placement == "head_first" else " cf")
     dp = f"dp{x.dp} " if x.dp > 1 else ""
     return f"{dp}hp{x.hp} cp{x.cp}{ring}{place} {x.zero} {x.checkpoint}"

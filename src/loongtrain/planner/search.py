@@ -1,8 +1,8 @@
 """Enumerate the layouts of a request, rank them, pick the baselines' best. Pure.
 
-A layout is (dp, hp, cp, window, placement, ZeRO scope, checkpoint mode) with
+A layout is (dp, hp, cp, ring_window, placement, ZeRO scope, checkpoint mode) with
 ``dp * hp * cp = devices``. Equivalent layouts are listed once: a plain ring is
-``window=1`` (``window=cp`` is the same ring), placement only matters when
+``ring_window=1`` (``ring_window=cp`` is the same ring), placement only matters when
 ``hp > 1`` and ``cp > 1``, and ZeRO scopes that shard over the same group are merged.
 """
 
@@ -13,7 +13,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loongtrain.model.config import ModelConfig
-from loongtrain.options import CHECKPOINT_MODES, PLACEMENTS, ZERO_SCOPES, check_checkpoint_mode, check_zero_scope
+from loongtrain.options import (
+    ACTIVATION_CHECKPOINT_MODES,
+    PLACEMENTS,
+    ZERO_SCOPES,
+    check_activation_checkpoint,
+    check_zero_scope,
+)
 from loongtrain.parallel.layout import check_head_split, check_sequence_length
 from loongtrain.planner.cost import Candidate, Workload
 from loongtrain.planner.estimate import Estimate, estimate
@@ -97,13 +103,13 @@ def enumerate_layouts(m: ModelConfig, w: Workload, devices: int) -> list[Candida
             if not head_degree_ok(m, hp):
                 continue
             cp = sp // hp
-            windows = [x for x in divisors(cp) if x < cp] or [1]
+            ring_windows = [x for x in divisors(cp) if x < cp] or [1]
             placements = PLACEMENTS if hp > 1 and cp > 1 else ("head_first",)
-            for window in windows:
+            for ring_window in ring_windows:
                 for placement in placements:
                     for zero in zero_scopes(dp, sp):
-                        for ckpt in CHECKPOINT_MODES:
-                            out.append(Candidate(dp, hp, cp, window, placement, zero, ckpt))
+                        for ckpt in ACTIVATION_CHECKPOINT_MODES:
+                            out.append(Candidate(dp, hp, cp, ring_window, placement, zero, ckpt))
     return out
 
 
@@ -129,9 +135,9 @@ BASELINES: dict[str, Callable[[Candidate], bool]] = {
     # DeepSpeed-Ulysses: head all-to-all only (sp = hp <= H); ZeRO, ordinary checkpointing
     "DeepSpeed-Ulysses": lambda x: x.cp == 1 and x.checkpoint != "sc++",
     # Megatron-LM context parallelism: one zigzag ring over the sp ranks (hp = 1)
-    "Megatron-CP": lambda x: x.hp == 1 and x.window == 1 and x.checkpoint != "sc++",
+    "Megatron-CP": lambda x: x.hp == 1 and x.ring_window == 1 and x.checkpoint != "sc++",
     # USP (yunchang): 2D with the head group on consecutive ranks, plain ring, no SC++
-    "USP 2D": lambda x: x.placement == "head_first" and x.window == 1 and x.checkpoint != "sc++",
+    "USP 2D": lambda x: x.placement == "head_first" and x.ring_window == 1 and x.checkpoint != "sc++",
 }
 
 
@@ -206,7 +212,7 @@ def search_layouts(c: ClusterSpec, w: Workload, devices: int) -> SearchResult:
 def check_candidate(w: Workload, candidate: Candidate, devices: int) -> None:
     """Raise :class:`PlanError` naming what makes ``candidate`` invalid for ``w`` on ``devices``.
 
-    The rules are the library's own: ``ParallelConfig`` (degrees, window, placement, the
+    The rules are the library's own: ``ParallelConfig`` (degrees, ring window, placement, the
     world size), ``check_head_split``, ``check_sequence_length`` and the option checks.
     """
     m, x = w.model, candidate
@@ -216,7 +222,7 @@ def check_candidate(w: Workload, candidate: Candidate, devices: int) -> None:
         raise PlanError(f"layout: {exc}") from None
     for what, check, args in (
         (f"layout zero={x.zero!r}", check_zero_scope, (x.zero,)),
-        (f"layout ckpt={x.checkpoint!r}", check_checkpoint_mode, (x.checkpoint,)),
+        (f"layout ckpt={x.checkpoint!r}", check_activation_checkpoint, (x.checkpoint,)),
         (f"layout hp={x.hp} does not fit the model's heads", check_head_split, (m.n_heads, m.n_kv_heads, x.hp)),
         (f"seq_len={w.seq_len}", check_sequence_length, (w.seq_len, x.hp, x.cp)),
     ):

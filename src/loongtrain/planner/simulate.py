@@ -27,10 +27,9 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from loongtrain.attention.schedule import block_kind, ring_source
-from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.layout import RankLayout
 from loongtrain.planner.cost import (
     Candidate,
@@ -188,14 +187,15 @@ class _Costs:
 
 
 def _forward(c: int, layout: Candidate, costs: _Costs, causal: bool) -> Program:
-    n, w = layout.n_windows, layout.window
+    config = layout.parallel_config()
+    n, w = config.n_ring_windows, config.ring_window
     if layout.hp > 1:
         yield Compute("q, kv", costs.a2a_qkv, "all-to-all")
     for j in range(n):
         outer = (yield Exchange("outer", "kv")) if j + 1 < n else None
         for s in range(w):
             inner = (yield Exchange("inner", "kv")) if s + 1 < w else None
-            kind = block_kind(ring_source(c, layout.cp, w, j, s), c, causal).value
+            kind = block_kind(ring_source(c, config, j, s), c, causal).value
             first = j == 0 and s == 0
             yield Compute(f"fwd {kind}", costs.block_fwd_first if first else costs.block_fwd)
             yield Wait(inner)
@@ -214,7 +214,8 @@ def _finish_outer_step(j: int, window_total, outer_in, n: int) -> Program:
 
 
 def _backward(c: int, layout: Candidate, costs: _Costs, causal: bool) -> Program:
-    n, w = layout.n_windows, layout.window
+    config = layout.parallel_config()
+    n, w = config.n_ring_windows, config.ring_window
     if layout.hp > 1:
         yield Compute("dout", costs.a2a_out, "all-to-all")
     tail = None
@@ -223,7 +224,7 @@ def _backward(c: int, layout: Candidate, costs: _Costs, causal: bool) -> Program
         outer_kv = (yield Exchange("outer", "kv")) if j + 1 < n else None
         for s in range(w):
             inner_kv = (yield Exchange("inner", "kv")) if s + 1 < w else None
-            kind = block_kind(ring_source(c, layout.cp, w, j, s), c, causal).value
+            kind = block_kind(ring_source(c, config, j, s), c, causal).value
             first = j == 0 and s == 0
             yield Compute(f"bwd {kind}", costs.block_bwd_first if first else costs.block_bwd)
             if s > 0:
@@ -381,9 +382,7 @@ def simulate_layer(c: ClusterSpec, w: Workload, layout: Candidate) -> tuple[Time
         "kv": kv_block_bytes(w, layout.hp, layout.cp),
         "dkv": kv_block_bytes(w, layout.hp, layout.cp, w.accum_bytes),
     }
-    ranks = RankLayout.build(
-        ParallelConfig(hp=layout.hp, cp=layout.cp, window=layout.window, placement=layout.placement), world
-    )
+    ranks = RankLayout.build(replace(layout.parallel_config(), dp=None), world)
     peers = {}
     for rank in range(world):
         for ring, members in (("inner", ranks.inner_ring(rank)), ("outer", ranks.outer_ring(rank))):

@@ -58,7 +58,7 @@ class Topology:
 
     @property
     def double_ring_concurrent(self) -> bool:
-        """Inner and outer hops are in flight together (``1 < window < cp``)."""
+        """Inner and outer hops are in flight together (``1 < ring_window < cp``)."""
         return self.inner.size > 1 and self.outer.size > 1
 
 
@@ -106,30 +106,27 @@ def _ring_traffic(rings: list[tuple[int, ...]], node: list[int], nic: list[int])
 @functools.lru_cache(maxsize=256)
 def _rank_table(hp: int, cp: int, placement: str, world: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """``table[d][h][c]``: the global rank of coordinates (d, h, c), from ``RankLayout.rank``
-    (the window does not move ranks in the contiguous context order)."""
+    (the ring window does not move ranks in the contiguous context order)."""
     layout = RankLayout.build(ParallelConfig(hp=hp, cp=cp, placement=placement), world)  # type: ignore[arg-type]
     return tuple(tuple(tuple(layout.rank(d, h, c) for c in range(cp)) for h in range(hp)) for d in range(layout.dp))
 
 
 @functools.lru_cache(maxsize=4096)
-def analyze(
-    hp: int, cp: int, window: int, placement: str, devices_per_node: int, nics_per_node: int | None = None
-) -> Topology:
-    """Node locality of a layout's groups on nodes of ``devices_per_node`` ranks with
-    ``nics_per_node`` NICs (default: one per rank).
+def analyze(config: ParallelConfig, devices_per_node: int, nics_per_node: int | None = None) -> Topology:
+    """Node locality of ``config``'s groups on nodes of ``devices_per_node`` ranks with
+    ``nics_per_node`` NICs (default: one per rank); ``config.dp`` is ignored.
 
     Scans every ring and head group of ``lcm(sp, devices_per_node)`` ranks, with members in
     the order ``RankLayout.inner_ring`` / ``outer_ring`` / ``head_group`` give them.
     """
     nics_per_node = nics_per_node or devices_per_node
-    ParallelConfig(hp=hp, cp=cp, window=window, placement=placement)  # type: ignore[arg-type]  # validates
+    hp, cp, placement, w = config.hp, config.cp, config.placement, config.ring_window
     table = _rank_table(hp, cp, placement, _scan_world(hp * cp, devices_per_node))
-    n = cp // window
     inner_rings, outer_rings = [], []
     for by_head in table:
-        for ranks in by_head:  # context index c = o * window + i
-            inner_rings += [ranks[o * window : (o + 1) * window] for o in range(n)]
-            outer_rings += [ranks[i::window] for i in range(window)]
+        for ranks in by_head:  # context index c = o * ring_window + i
+            inner_rings += [ranks[o * w : (o + 1) * w] for o in range(config.n_ring_windows)]
+            outer_rings += [ranks[i::w] for i in range(w)]
     node, nic = _nodes_and_nics(len(table) * hp * cp, devices_per_node, nics_per_node)
     inner, inner_nics = _ring_traffic(inner_rings, node, nic)
     outer, outer_nics = _ring_traffic(outer_rings, node, nic)
@@ -144,7 +141,7 @@ def analyze(
 
 @functools.lru_cache(maxsize=1024)
 def _head_traffic(hp: int, cp: int, placement: str, devices_per_node: int) -> HeadTraffic:
-    """The head groups' node locality (the window does not move ranks)."""
+    """The head groups' node locality (the ring window does not move ranks)."""
     table = _rank_table(hp, cp, placement, _scan_world(hp * cp, devices_per_node))
     off_peers, ranks_off = 0, {}
     for by_head in table:

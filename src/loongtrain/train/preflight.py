@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from loongtrain.apply import check_model_fits
 from loongtrain.attention.sharding import check_sequence_length
 from loongtrain.config import ConfigError, OptimSection, TrainConfig
 from loongtrain.data import PackedRecallTask, RecallTask, TokenFile, TokenFileError, TokenFileSource
@@ -19,7 +20,6 @@ from loongtrain.hf.run import model_config_for
 from loongtrain.launch import check_device
 from loongtrain.model import ModelConfig
 from loongtrain.parallel import ParallelConfig
-from loongtrain.parallelize import check_model_fits
 from loongtrain.train.checkpoint import CheckpointManager, check_model_shape
 
 
@@ -35,8 +35,8 @@ class RunSpec:
 def parallel_config(cfg: TrainConfig) -> ParallelConfig:
     p = cfg.parallel
     return ParallelConfig(
-        hp=p.hp, cp=p.cp, window=p.window, placement=p.placement, dp=p.dp or None, context_order=p.context_order,
-        balance=p.balance,
+        hp=p.hp, cp=p.cp, ring_window=p.ring_window, placement=p.placement, dp=p.dp or None,
+        context_order=p.context_order, balance=p.balance,
     )  # fmt: skip
 
 

@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from loongtrain.apply import parallelize
 from loongtrain.config import ConfigError, TrainConfig, to_toml
 from loongtrain.data import BatchLoader
 from loongtrain.hf.run import init_weights
 from loongtrain.model import build_model
 from loongtrain.parallel import ParallelState, init_parallel
-from loongtrain.parallelize import parallelize
 from loongtrain.train.checkpoint import CheckpointManager
 from loongtrain.train.collectives import broadcast_object
 from loongtrain.train.faults import restart_notice, say
@@ -114,8 +114,8 @@ def build_run(device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat 
     param_dtype = PARAM_DTYPES[cfg.parallel.param_dtype]
     model = build_model(spec.model)
     parallelize(
-        model, state, checkpoint=cfg.parallel.checkpoint, checkpoint_every=cfg.parallel.checkpoint_every,
-        zero=cfg.parallel.zero, param_dtype=None if param_dtype == torch.float32 else param_dtype,
+        model, state, memory=cfg.memory.options(), zero=cfg.parallel.zero,
+        param_dtype=None if param_dtype == torch.float32 else param_dtype,
         reshard_after_forward=cfg.parallel.reshard_after_forward, compile=cfg.run.compile,
     )  # fmt: skip
     init_weights(model, device, cfg.model, run_dir, seed=cfg.run.seed)  # random, or the init_from HF weights
@@ -145,8 +145,9 @@ def describe(run: Run) -> str:
     cfg, spec, state = run.cfg, run.spec, run.state
     text = (
         f"loongtrain train: {dist.get_world_size()} process(es) on {run.device.type} ({dist.get_backend()}), "
-        f"layout dp={state.dp} hp={state.hp} cp={state.cp} window={spec.parallel.window} {spec.parallel.placement}, "
-        f"zero={cfg.parallel.zero}, checkpoint={cfg.parallel.checkpoint}, compute {cfg.parallel.param_dtype}"
+        f"layout dp={state.dp} hp={state.hp} cp={state.cp} ring_window={spec.parallel.ring_window} "
+        f"{spec.parallel.placement}, zero={cfg.parallel.zero}, "
+        f"activation checkpoint {cfg.memory.activation_checkpoint}, compute {cfg.parallel.param_dtype}"
         f"{', compiled blocks' if cfg.run.compile else ''}\n"
         f"model {cfg.model.init_from or cfg.model.preset} ({spec.model.num_params() / 1e6:.2f}M parameters), "
         f"data {cfg.data.source}: "
@@ -266,7 +267,7 @@ def train(device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat | No
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dt = time.perf_counter() - t0
-            flops_tok = batch_flops_per_token(spec.model, batch)  # this replica's documents and window
+            flops_tok = batch_flops_per_token(spec.model, batch)  # this replica's documents and sliding window
             step_times.append(dt)
             losses.append(out.loss)
             tps = tokens_per_step / dt / world

@@ -19,11 +19,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from loongtrain.model.llama import Transformer
-from loongtrain.options import ZERO_SCOPES, check_zero_scope
+from loongtrain.options import check_zero_scope
 from loongtrain.parallel import ParallelState
-from loongtrain.parallel.state import zero_mesh_ranks
 
-__all__ = ["ZERO_SCOPES", "apply_zero", "check_zero_scope", "zero_mesh", "zero_mesh_ranks"]
+__all__ = ["apply_zero", "zero_mesh"]
 
 
 def zero_mesh(state: ParallelState, scope: str) -> DeviceMesh:

@@ -19,9 +19,9 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from loongtrain.attention.ops import ATTENTION_OPS
 from loongtrain.model.llama import Transformer
-from loongtrain.options import CHECKPOINT_MODES, check_checkpoint_mode
+from loongtrain.options import check_activation_checkpoint
 
-__all__ = ["CHECKPOINT_MODES", "apply_checkpoint", "check_checkpoint_mode"]
+__all__ = ["apply_activation_checkpoint"]
 
 # The attention ops kept by sc++: the distributed ones, and PyTorch's own SDPA kernels so
 # that sc++ means the same on a single device.
@@ -48,13 +48,13 @@ def _sc_plus_plus_context():
     return create_selective_checkpoint_contexts(_keep_attention)
 
 
-def apply_checkpoint(model: Transformer, mode: str, every: int = 1) -> None:
+def apply_activation_checkpoint(model: Transformer, mode: str, every: int = 1) -> None:
     """Checkpoint layers ``0, every, 2*every, ...`` with ``mode``.
 
     The block's ``forward`` is wrapped in place (parameter names do not change, so
     checkpoints load across modes).
     """
-    check_checkpoint_mode(mode, every)
+    check_activation_checkpoint(mode, every)
     if mode == "none":
         return
     context_fn = _sc_plus_plus_context if mode == "sc++" else None

@@ -1,0 +1,65 @@
+"""Apply parallelism and memory options to a model, in one readable order:
+
+1. attention wiring (2D head-context attention on the ParallelState),
+2. activation checkpointing (none / full / sc++, every k-th layer),
+3. ``torch.compile`` of each block, when asked (the attention ops stay opaque),
+4. hybrid ZeRO (FSDP2 over the chosen scope, optional bf16 compute).
+
+The model is built on the meta device first and materialised afterwards with
+:func:`materialize`, so no rank ever holds the full unsharded model. :func:`parallelize`
+runs the four steps; each ``apply_*`` function is usable on its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loongtrain.apply.activation_checkpoint import apply_activation_checkpoint
+from loongtrain.apply.attention import apply_attention, check_model_fits
+from loongtrain.apply.compile import apply_compile
+from loongtrain.apply.init import materialize
+from loongtrain.apply.zero import apply_zero, zero_mesh
+from loongtrain.model.llama import Transformer
+from loongtrain.options import MemoryOptions, check_zero_scope
+from loongtrain.parallel import ParallelState
+
+__all__ = [
+    "MemoryOptions",
+    "apply_activation_checkpoint",
+    "apply_attention",
+    "apply_compile",
+    "apply_zero",
+    "check_model_fits",
+    "materialize",
+    "parallelize",
+]
+
+
+def parallelize(
+    model: Transformer,
+    state: ParallelState,
+    *,
+    memory: MemoryOptions | None = None,
+    zero: str = "dp_sp",
+    param_dtype: torch.dtype | None = None,
+    reshard_after_forward: bool = True,
+    compile: bool = False,
+) -> Transformer:
+    """Parallelise ``model`` (on meta) for ``state``; returns it (modified in place).
+
+    ``memory`` holds the activation checkpointing (and the other memory options; None:
+    ``MemoryOptions()``); ``zero`` the ZeRO scope of the model states. Every argument is
+    validated before any communication.
+    """
+    memory = MemoryOptions() if memory is None else memory
+    if not isinstance(memory, MemoryOptions):
+        raise TypeError(f"parallelize: memory must be a loongtrain.MemoryOptions, got {type(memory).__name__}")
+    check_model_fits(model.config, state.config.hp)
+    check_zero_scope(zero)
+    zero_mesh(state, zero)  # built by init_parallel for this scope
+    apply_attention(model, state)
+    apply_activation_checkpoint(model, memory.activation_checkpoint, memory.activation_checkpoint_every)
+    if compile:
+        apply_compile(model)
+    apply_zero(model, state, zero, param_dtype=param_dtype, reshard_after_forward=reshard_after_forward)
+    return model
