@@ -122,7 +122,7 @@ def _bad_mask_calls() -> dict[str, str]:
         "end": {"cu_seqlens": [0, 8]},
         "increasing": {"cu_seqlens": [0, 9, 5, 16]},
         "float": {"cu_seqlens": torch.tensor([0.0, 16.0])},
-        "ring_window": {"window_size": 0},
+        "sliding_window": {"sliding_window": 0},
         "balance": {"balance": "random"},
     }
     found = {}
@@ -146,7 +146,7 @@ MASK_EXPECTED = {
     "end": "cu_seqlens must end at the global sequence length S=16, got 8",
     "increasing": "strictly increasing, got 9 then 5",
     "float": "1-D integer tensor",
-    "ring_window": "window_size=0 must be a positive int",
+    "sliding_window": "sliding_window=0 must be a positive int",
     "balance": "balance='random' is not known; choose one of ['zigzag', 'documents']",
     "shard_start": "cu_seqlens must start at 0, got 1",
     "shard_balance": "balance='x' is not known",
