@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 SMALL = [
     "--run.progress", "off", "--run.tensorboard", "false", "--run.log_every", "1", "--run.eval_batches", "1",
     "--data.seq_len", "64", "--data.global_batch", "8", "--data.recall_queries", "8", "--optim.warmup_steps", "2",
-    "--parallel.checkpoint", "none",
+    "--memory.activation_checkpoint", "none",
 ]  # fmt: skip
 
 

@@ -152,7 +152,7 @@ def _count_work(cfg: dict) -> dict:
             {"fwd.all_to_all": 3, "fwd.ring_kv": 1, "fwd.block": 2},
             {"bwd.all_to_all": 3, "bwd.ring_kv": 1, "bwd.ring_dkv": 2, "bwd.block": 2},
         ),
-        # double ring cp=4, window=2: KV makes 1 outer + 2 inner hops; dKV 4 inner + 2 outer
+        # double ring cp=4, ring_window=2: KV makes 1 outer + 2 inner hops; dKV 4 inner + 2 outer
         (
             {"cp": 4, "ring_window": 2},
             {"fwd.ring_kv": 3, "fwd.block": 4},

@@ -114,42 +114,54 @@ def test_shape_mismatch_across_ranks_is_caught(dist_pool):
         assert "rank 0: q=(1, 4, 2, 8)" in message and "rank 1: q=(1, 6, 2, 8)" in message
 
 
+def _error(fn) -> str:
+    try:
+        fn()
+    except (ValueError, TypeError) as e:
+        return str(e)
+    return "no error"
+
+
 def _bad_mask_calls() -> dict[str, str]:
     state = cached_state(hp=2, cp=2)  # local [1, 4, 4, 8] -> S = 16
+    docs = cached_state(hp=2, cp=2, balance="documents")
     q, kv = _t(1, 4, 4, 8), _t(1, 4, 2, 8)
+    x = _t(1, 16, 2, 8)
+    layout_of_docs = lt.sequence_layout(16, docs, [0, 5, 16])
     cases = {
-        "start": {"cu_seqlens": [2, 16]},
-        "end": {"cu_seqlens": [0, 8]},
-        "increasing": {"cu_seqlens": [0, 9, 5, 16]},
-        "float": {"cu_seqlens": torch.tensor([0.0, 16.0])},
-        "sliding_window": {"sliding_window": 0},
-        "balance": {"balance": "random"},
+        "start": lambda: lt.sequence_layout(16, state, [2, 16]),
+        "end": lambda: lt.sequence_layout(16, state, [0, 8]),
+        "increasing": lambda: lt.sequence_layout(16, state, [0, 9, 5, 16]),
+        "float": lambda: lt.sequence_layout(16, state, torch.tensor([0.0, 16.0])),
+        "length": lambda: lt.sequence_layout(12, state, [0, 12]),
+        "sliding_window": lambda: lt.head_context_attention(q, kv, kv, state, sliding_window=0),
+        # the balance is the state's: a layout cut with one balance cannot serve a state of another
+        "other_balance": lambda: lt.head_context_attention(q, kv, kv, state, layout=layout_of_docs),
+        "other_length": lambda: lt.head_context_attention(q, kv, kv, docs, layout=lt.sequence_layout(32, docs)),
+        "docs_needs_layout": lambda: lt.head_context_attention(q, kv, kv, docs),
+        "shard_docs_needs_layout": lambda: lt.shard_sequence(x, docs),
+        "unshard_other_balance": lambda: lt.unshard_sequence(q, state, layout=layout_of_docs),
+        "no_per_call_balance": lambda: lt.shard_sequence(x, state, balance="documents"),
+        "not_a_layout": lambda: lt.shard_sequence(x, state, layout=[0, 5, 16]),
     }
-    found = {}
-    for name, kwargs in cases.items():
-        try:
-            lt.head_context_attention(q, kv, kv, state, **kwargs)
-        except (ValueError, TypeError) as e:
-            found[name] = str(e)
-        else:
-            found[name] = "no error"
-    for name, kwargs in {"shard_start": {"cu_seqlens": [1, 16]}, "shard_balance": {"balance": "x"}}.items():
-        try:
-            lt.shard_sequence(_t(1, 16, 2, 8), state, **kwargs)
-        except ValueError as e:
-            found[name] = str(e)
-    return found
+    return {name: _error(fn) for name, fn in cases.items()}
 
 
 MASK_EXPECTED = {
-    "start": "head_context_attention: cu_seqlens must start at 0, got 2",
+    "start": "cu_seqlens must start at 0, got 2",
     "end": "cu_seqlens must end at the global sequence length S=16, got 8",
     "increasing": "strictly increasing, got 9 then 5",
     "float": "1-D integer tensor",
+    "length": "sequence length 12 is not divisible by 2*sp = 2*2*2 = 8",
     "sliding_window": "sliding_window=0 must be a positive int",
-    "balance": "balance='random' is not known; choose one of ['zigzag', 'documents']",
-    "shard_start": "cu_seqlens must start at 0, got 1",
-    "shard_balance": "balance='x' is not known",
+    "other_balance": "head_context_attention: the layout was made for hp=2, cp=2, balance='documents', S=16 but is "
+    "used with hp=2, cp=2, balance='zigzag', S=16",
+    "other_length": "the layout was made for hp=2, cp=2, balance='documents', S=32 but is used with",
+    "docs_needs_layout": "head_context_attention: balance='documents' lays each batch out by its document boundaries",
+    "shard_docs_needs_layout": "shard_sequence: balance='documents' lays each batch out by its document boundaries",
+    "unshard_other_balance": "unshard_sequence: the layout was made for hp=2, cp=2, balance='documents'",
+    "no_per_call_balance": "unexpected keyword argument 'balance'",
+    "not_a_layout": "layout must be a SequenceLayout (from sequence_layout), got list",
 }
 
 
@@ -165,7 +177,7 @@ def _mismatched_documents() -> str:
     q = torch.randn(1, 4, 2, 8)
     cu = [0, 3, 8] if state.rank == 0 else [0, 5, 8]
     try:
-        lt.head_context_attention(q, q, q, state, cu_seqlens=cu)
+        lt.head_context_attention(q, q, q, state, layout=lt.sequence_layout(8, state, cu))
     except ValueError as e:
         return str(e)
     return "no error"
@@ -174,4 +186,4 @@ def _mismatched_documents() -> str:
 @pytest.mark.dist
 def test_documents_differing_across_ranks_are_caught(dist_pool):
     for message in dist_pool(2).run(_mismatched_documents):
-        assert "passed different inputs" in message and "same cu_seqlens" in message
+        assert "passed different inputs" in message and "same layout (cu_seqlens)" in message

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from loongtrain.apply import MemoryOptions, materialize, parallelize
+from loongtrain.data.batch import Microbatch
 from loongtrain.model import build_model, model_config
-from loongtrain.train.step import lm_loss_sum, shard_batch
+from loongtrain.train.step import lm_loss_sum, shard_microbatch
 
 from dist_pool import cached_state
 
@@ -33,7 +34,8 @@ def _backward_counts(cfg: dict, mode: str, every: int) -> dict:
     seq = 8 * state.sp
     gen = torch.Generator().manual_seed(0)
     data = torch.randint(0, mcfg.vocab_size, (2, seq + 1), generator=gen)
-    tokens, labels, positions = shard_batch(data[:, :-1], data[:, 1:], state)
+    shard = shard_microbatch(Microbatch(data[:, :-1], data[:, 1:]), state)
+    tokens, labels, positions = shard.tokens, shard.labels, shard.positions
 
     def step():
         loss = lm_loss_sum(model(tokens, positions), labels)

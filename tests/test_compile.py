@@ -152,7 +152,7 @@ def _count_host_reads(boundaries: torch.Tensor):
 
 
 def _host_reads_in_the_hot_path(verify: bool) -> int:
-    state = cached_state(hp=2, cp=2, window=2)
+    state = cached_state(hp=2, cp=2, ring_window=2)
     model = build_model(model_config("debug"))
     apply_attention(model, state)
     apply_activation_checkpoint(model, "sc++")
@@ -165,7 +165,7 @@ def _host_reads_in_the_hot_path(verify: bool) -> int:
     object.__setattr__(state, "verify_inputs", verify)
     try:
         with _count_host_reads(batch.cu_seqlens) as count:
-            logits = model(shard.tokens, shard.positions, shard.cu_seqlens)
+            logits = model(shard.tokens, shard.positions, shard.layout)
             logits.float().square().mean().backward()
     finally:
         object.__setattr__(state, "verify_inputs", previous)

@@ -116,10 +116,11 @@ def _packed_logits(folder: str, tokens: torch.Tensor, cu: list[int]) -> torch.Te
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     model.set_attn_implementation(register_attention(state))
     positions = torch.cat([torch.arange(b - a) for a, b in zip(cu, cu[1:])]).unsqueeze(0)
-    input_ids, position_ids = (lt.shard_sequence(x, state, cu_seqlens=cu) for x in (tokens, positions))
+    layout = lt.sequence_layout(tokens.shape[1], state, cu)
+    input_ids, position_ids = (lt.shard_sequence(x, state, layout=layout) for x in (tokens, positions))
     with torch.no_grad():
         logits = model(input_ids=input_ids, position_ids=position_ids, cu_seq_lens_q=torch.tensor(cu)).logits
-    return lt.unshard_sequence(logits, state, cu_seqlens=cu)
+    return lt.unshard_sequence(logits, state, layout=layout)
 
 
 @pytest.mark.dist

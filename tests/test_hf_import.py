@@ -56,7 +56,8 @@ def test_bfloat16_source_loads_exactly(tmp_path):
 def _sharded_logits(cfg, folder: str, tokens: torch.Tensor) -> torch.Tensor:
     from loongtrain.apply import parallelize
     from loongtrain.attention import unshard_sequence
-    from loongtrain.train.step import shard_batch
+    from loongtrain.data.batch import Microbatch
+    from loongtrain.train.step import shard_microbatch
 
     from dist_pool import cached_state
 
@@ -66,9 +67,9 @@ def _sharded_logits(cfg, folder: str, tokens: torch.Tensor) -> torch.Tensor:
     model.to_empty(device="cpu")
     load_weights(model, folder)  # this rank's rows only
     local_rows = model.layers[0].attention.wq.weight.to_local().shape[0]
-    tok, _, pos = shard_batch(tokens, tokens, state)
+    shard = shard_microbatch(Microbatch(tokens, tokens), state)
     with torch.no_grad():
-        logits = unshard_sequence(model(tok, pos), state)
+        logits = unshard_sequence(model(shard.tokens, shard.positions), state)
     return logits, local_rows
 
 

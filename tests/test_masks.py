@@ -11,7 +11,7 @@ import torch
 
 from loongtrain.attention.balance import balance_documents
 from loongtrain.attention.documents import as_boundaries, check_sliding_window, range_work
-from loongtrain.attention.mask_plan import BAND, CAUSAL, FULL, mask_plan
+from loongtrain.attention.mask_plan import BAND, CAUSAL, FULL, MaskPlan
 from loongtrain.attention.replay import RingReplay
 from loongtrain.attention.sharding import sequence_sharding, zigzag_sharding
 from loongtrain.parallel.config import ParallelConfig
@@ -86,16 +86,20 @@ def test_balancer_fixes_one_long_document_plus_short_ones():
         assert sum(n for _, n in chunks) == seq // cp and list(chunks) == sorted(chunks)
 
 
+def _positions(sharding, head: int, context: int) -> list[int]:
+    return [p for s, n in sharding.ranges(head, context) for p in range(s, s + n)]
+
+
 def test_sharding_partitions_the_sequence_for_every_balance():
     rng = random.Random(3)
     for _ in range(50):
         hp, cp, seq, cu = _random_case(rng)
         for balance in ("zigzag", "documents"):
             sharding = sequence_sharding(seq, hp, cp, cu, balance)
-            seen = [p for c in range(cp) for h in range(hp) for p in sharding.positions(h, c)]
+            seen = [p for c in range(cp) for h in range(hp) for p in _positions(sharding, h, c)]
             assert sorted(seen) == list(range(seq))
             for c in range(cp):  # the head all-to-all yields the content in ascending order
-                gathered = [p for h in range(hp) for p in sharding.positions(h, c)]
+                gathered = [p for h in range(hp) for p in _positions(sharding, h, c)]
                 assert gathered == sorted(gathered)
 
 
@@ -129,7 +133,7 @@ def test_calls_cover_every_visible_pair_exactly_once():
         window = rng.choice([None, 1, 2, 3, 5, 8, seq, 2 * seq])
         causal = rng.random() < 0.7
         balance = rng.choice(["zigzag", "documents"])
-        plan = mask_plan(sequence_sharding(seq, hp, cp, cu, balance), cu, causal, window)
+        plan = MaskPlan(sequence_sharding(seq, hp, cp, cu, balance), cu, causal, window)
         cover = _coverage(plan, seq, cp, causal, window)
         assert cover.max() <= 1, "a pair is computed twice"
         assert torch.equal(cover == 1, visibility(seq, cu, causal, window)), (hp, cp, seq, cu, window, causal)
@@ -138,7 +142,7 @@ def test_calls_cover_every_visible_pair_exactly_once():
 def test_one_document_runs_the_plain_ring_kernels():
     """Under zigzag, one document needs exactly the kernels of the plain causal ring: one per block."""
     seq, cp = 64, 4
-    plan = mask_plan(zigzag_sharding(seq, 1, cp), (0, seq), True, None)
+    plan = MaskPlan(zigzag_sharding(seq, 1, cp), (0, seq), True, None)
     for c in range(cp):
         for src in range(cp):
             (call,) = plan.calls(c, src)
@@ -152,7 +156,7 @@ def test_one_document_runs_the_plain_ring_kernels():
 def test_documents_on_chunk_edges_skip_every_foreign_block():
     seq, cp = 64, 4
     cu = tuple(range(0, seq + 1, seq // (2 * cp)))
-    plan = mask_plan(zigzag_sharding(seq, 1, cp), cu, True, None)
+    plan = MaskPlan(zigzag_sharding(seq, 1, cp), cu, True, None)
     for c in range(cp):
         assert all(not plan.calls(c, src) for src in range(cp) if src != c)
     assert plan.empty_steps(ParallelConfig(cp=cp)) == {(j, 0) for j in range(1, cp)}
@@ -168,7 +172,7 @@ def test_ring_replay_with_masks_matches_float64(seed):
     cu = (0, *cuts, seq)
     sliding = rng.choice([None, 2, 5, seq // 2])
     causal = seed % 3 != 2
-    plan = mask_plan(sequence_sharding(seq, 1, cp, cu, rng.choice(["zigzag", "documents"])), cu, causal, sliding)
+    plan = MaskPlan(sequence_sharding(seq, 1, cp, cu, rng.choice(["zigzag", "documents"])), cu, causal, sliding)
     gen = torch.Generator().manual_seed(seed)
     q, k, v = torch.randn(2, seq, 4, 8, generator=gen), *torch.randn(2, 2, seq, 2, 8, generator=gen)
     dout = torch.randn_like(q)

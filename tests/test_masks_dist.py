@@ -2,7 +2,7 @@
 against float64 attention of the unsharded tensors with the same document/window mask.
 
 Every rank builds the same full q/k/v and the same ``cu_seqlens`` (within a data-parallel
-replica), shards them with ``shard_sequence(..., cu_seqlens, balance)``, runs
+replica), shards them with the layout of its documents (the state's balance), runs
 ``head_context_attention`` with the mask, gathers out and the gradients with
 ``unshard_sequence`` and compares them with :func:`reference.attention_with_grads` under
 :func:`reference.visibility`, which is written out independently of the library.
@@ -64,7 +64,7 @@ def _masked_case(
     dtype_name: str,
     seed: int,
 ) -> dict:
-    state = cached_state(**cfg)
+    state = cached_state(**cfg, balance=balance)
     dtype = getattr(torch, dtype_name)
     seq = tokens_per_rank * state.sp
     cu = boundaries(docs, seq, state.sp, state.cp, seed + 1000 * state.coords.dp)
@@ -77,7 +77,7 @@ def _masked_case(
     scale = 8**-0.5
     ref = attention_with_grads(q, k, v, dout, causal, scale, visibility(seq, cu, causal, win))
 
-    keys = {"cu_seqlens": cu, "balance": balance}
+    keys = {"layout": lt.sequence_layout(seq, state, cu)}
     q_l, k_l, v_l = (lt.shard_sequence(x, state, **keys).requires_grad_() for x in (q, k, v))
     state.stats.reset()
     out_l = lt.head_context_attention(q_l, k_l, v_l, state, causal=causal, sliding_window=win, **keys)
@@ -172,16 +172,17 @@ def test_masked_attention_matches_float64_world8(dist_pool, case):
 
 
 def _single_document_vs_plain(cfg: dict) -> dict:
-    state = cached_state(**cfg)
-    seq = 16 * state.sp
+    zigzag = cached_state(**cfg)
+    docs = cached_state(**cfg, balance="documents")
+    seq = 16 * zigzag.sp
     gen = torch.Generator().manual_seed(5)
     q, k, v = torch.randn(1, seq, 4, 8, generator=gen), *torch.randn(2, 1, seq, 2, 8, generator=gen)
     results = {}
-    for name, keys in {
-        "plain": {},
-        "zigzag": {"cu_seqlens": [0, seq]},
-        "documents": {"cu_seqlens": [0, seq], "balance": "documents"},
-    }.items():
+    for name, state, keys in (
+        ("plain", zigzag, {}),
+        ("zigzag", zigzag, {"layout": lt.sequence_layout(seq, zigzag, [0, seq])}),
+        ("documents", docs, {"layout": lt.sequence_layout(seq, docs, [0, seq])}),
+    ):
         shards = [lt.shard_sequence(x, state, **keys).requires_grad_() for x in (q, k, v)]
         out = lt.head_context_attention(*shards, state, **keys)
         out.square().sum().backward()
@@ -205,7 +206,7 @@ def _skipped_work() -> dict:
     cu = list(range(0, seq + 1, seq // 8))  # documents on chunk edges: no block but a rank's own has work
     q = torch.randn(1, seq // 4, 2, 8, requires_grad=True)
     state.stats.reset()
-    out = lt.head_context_attention(q, q, q, state, cu_seqlens=cu)
+    out = lt.head_context_attention(q, q, q, state, layout=lt.sequence_layout(seq, state, cu))
     forward = state.stats.snapshot()
     state.stats.reset()
     out.sum().backward()

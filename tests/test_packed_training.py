@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from loongtrain.apply import MemoryOptions, materialize, parallelize
+from loongtrain.attention import sequence_layout
 from loongtrain.data.batch import Microbatch
 from loongtrain.model import build_model, model_config
 from loongtrain.train.step import forward_backward, lm_loss_sum
@@ -28,7 +29,7 @@ SEED = 5
 
 
 def _dense_attention(keep: torch.Tensor):
-    def attention(q, k, v, cu_seqlens=None, sliding_window=None):
+    def attention(q, k, v, layout=None, sliding_window=None):
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=keep, enable_gqa=True
         )
@@ -118,7 +119,7 @@ def test_unsharded_model_masks_documents():
         layer.attention.attention_fn = _dense_attention(visibility(48, cu, True, 6))
     positions = _positions(cu)
     want = ref(tokens, positions)
-    got = mine(tokens, positions, torch.tensor(cu))
+    got = mine(tokens, positions, sequence_layout(tokens.shape[1], None, torch.tensor(cu)))
     assert _rel(got, want) < 1e-5
     assert _rel(mine(tokens, positions), want) > 1e-2  # without the boundaries it is another model
 

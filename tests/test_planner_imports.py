@@ -65,7 +65,7 @@ def test_top_level_exports_are_lazy_and_complete():
         "print('torch' in sys.modules)\n"
         "names = ['ParallelConfig', 'ParallelState', 'RankLayout', 'init_parallel', 'shard_sequence',\n"
         "         'unshard_sequence', 'head_context_attention', 'model_config', 'build_model', 'parallelize',\n"
-        "         'materialize', 'forward_backward', 'MemoryOptions']\n"
+        "         'materialize', 'forward_backward', 'MemoryOptions', 'SequenceLayout', 'sequence_layout']\n"
         "assert sorted(names) == sorted(lt.__all__), lt.__all__\n"
         "from loongtrain.model.llama import build_model\n"
         "from loongtrain.apply import parallelize\n"

@@ -9,10 +9,15 @@ import torch
 
 from loongtrain.attention.comm import pack_head_to_seq, pack_seq_to_head, unpack_head_to_seq, unpack_seq_to_head
 from loongtrain.attention.schedule import BlockKind, block_kind, ring_source
-from loongtrain.attention.sharding import check_sequence_length, shard_positions, shard_ranges
+from loongtrain.attention.sharding import check_sequence_length, zigzag_sharding
 from loongtrain.parallel.config import ParallelConfig
 
 GRID = [(hp, cp) for hp, cp in itertools.product((1, 2, 3, 4), (1, 2, 3, 4, 8))]
+
+
+def shard_positions(seq: int, hp: int, cp: int, head: int, context: int) -> list[int]:
+    """Zigzag global token positions held by rank ``(head, context)``, in local order."""
+    return [p for s, n in zigzag_sharding(seq, hp, cp).ranges(head, context) for p in range(s, s + n)]
 
 
 @pytest.mark.parametrize("hp, cp", GRID)
@@ -42,7 +47,7 @@ def test_head_gather_yields_the_zigzag_chunks(hp, cp):
 
 def test_ranges_straddle_chunks_for_odd_hp():
     # hp=3, cp=1, S=6: content = chunks [0:3] and [3:6]; pieces of 2 tokens
-    assert shard_ranges(6, 3, 1, 1, 0) == [(2, 1), (3, 1)]
+    assert zigzag_sharding(6, 3, 1).ranges(1, 0) == [(2, 1), (3, 1)]
 
 
 def test_sequence_length_error_names_the_fix():

@@ -5,7 +5,8 @@ the pure modules (``loongtrain.planner``, ``loongtrain.options``, ``loongtrain.m
 ``loongtrain.parallel.layout``) do not import torch.
 
 - attention: ``ParallelConfig``, ``init_parallel`` -> ``ParallelState``, ``RankLayout``,
-  ``shard_sequence`` / ``unshard_sequence``, ``head_context_attention``;
+  ``sequence_layout`` -> ``SequenceLayout``, ``shard_sequence`` / ``unshard_sequence``,
+  ``head_context_attention``;
 - training: ``model_config`` and ``build_model`` (on the meta device), ``parallelize``
   (attention wiring, activation checkpointing and the other ``MemoryOptions``, hybrid
   ZeRO), ``materialize``, ``forward_backward``.
@@ -26,8 +27,10 @@ _EXPORTS: dict[str, str] = {
     "RankLayout": "loongtrain.parallel.layout",
     "init_parallel": "loongtrain.parallel.state",
     "head_context_attention": "loongtrain.attention.head_context",
-    "shard_sequence": "loongtrain.attention.sharding",
-    "unshard_sequence": "loongtrain.attention.sharding",
+    "SequenceLayout": "loongtrain.attention.layout",
+    "sequence_layout": "loongtrain.attention.layout",
+    "shard_sequence": "loongtrain.attention.layout",
+    "unshard_sequence": "loongtrain.attention.layout",
     "model_config": "loongtrain.model.config",
     "build_model": "loongtrain.model.llama",
     "MemoryOptions": "loongtrain.options",
@@ -41,6 +44,7 @@ _SUBPACKAGES = ("apply", "attention", "bench", "data", "model", "parallel", "pla
 __all__ = [
     "MemoryOptions",
     "ParallelConfig",
+    "SequenceLayout",
     "ParallelState",
     "RankLayout",
     "build_model",
@@ -50,6 +54,7 @@ __all__ = [
     "materialize",
     "model_config",
     "parallelize",
+    "sequence_layout",
     "shard_sequence",
     "unshard_sequence",
 ]
@@ -66,7 +71,12 @@ if TYPE_CHECKING:  # for type checkers and IDEs; never executed
     from loongtrain.apply import parallelize
     from loongtrain.apply.init import materialize
     from loongtrain.attention.head_context import head_context_attention
-    from loongtrain.attention.sharding import shard_sequence, unshard_sequence
+    from loongtrain.attention.layout import (
+        SequenceLayout,
+        sequence_layout,
+        shard_sequence,
+        unshard_sequence,
+    )
     from loongtrain.model.config import model_config
     from loongtrain.model.llama import build_model
     from loongtrain.options import MemoryOptions

@@ -22,8 +22,8 @@ def check_model_fits(cfg: ModelConfig, hp: int) -> None:
 def apply_attention(model: Transformer, state: ParallelState) -> None:
     """Make every layer call :func:`head_context_attention` (causal) on this state.
 
-    The model passes each batch's ``cu_seqlens`` and its sliding window through; packed
-    batches are laid out with the state's ``config.balance``.
+    The model passes each batch's :class:`~loongtrain.attention.layout.SequenceLayout`
+    (its documents, cut with the state's ``config.balance``) and its sliding window through.
     """
     check_model_fits(model.config, state.hp)
     attention = partial(head_context_attention, state=state, causal=True)

@@ -11,12 +11,14 @@ from typing import TYPE_CHECKING
 from loongtrain._lazy import lazy_attributes
 
 _LAZY = {
+    "SequenceLayout": "loongtrain.attention.layout",
     "head_context_attention": "loongtrain.attention.head_context",
-    "shard_sequence": "loongtrain.attention.sharding",
-    "unshard_sequence": "loongtrain.attention.sharding",
+    "sequence_layout": "loongtrain.attention.layout",
+    "shard_sequence": "loongtrain.attention.layout",
+    "unshard_sequence": "loongtrain.attention.layout",
 }
 
-__all__ = ["head_context_attention", "shard_sequence", "unshard_sequence"]
+__all__ = ["SequenceLayout", "head_context_attention", "sequence_layout", "shard_sequence", "unshard_sequence"]
 
 
 __getattr__ = lazy_attributes(__name__, _LAZY)
@@ -24,4 +26,9 @@ __getattr__ = lazy_attributes(__name__, _LAZY)
 
 if TYPE_CHECKING:
     from loongtrain.attention.head_context import head_context_attention
-    from loongtrain.attention.sharding import shard_sequence, unshard_sequence
+    from loongtrain.attention.layout import (
+        SequenceLayout,
+        sequence_layout,
+        shard_sequence,
+        unshard_sequence,
+    )

@@ -82,11 +82,6 @@ def document_of(boundaries: Boundaries, position: int) -> int:
     return bisect_right(boundaries, position) - 1
 
 
-def document_positions(boundaries: Boundaries) -> list[int]:
-    """Position of every token inside its document (RoPE position ids restart at 0)."""
-    return [p for a, b in zip(boundaries, boundaries[1:]) for p in range(b - a)]
-
-
 def _causal_keys(first: int, last: int, sliding_window: int | None) -> int:
     """Keys seen by the tokens at in-document positions ``first..last-1`` (causal)."""
     if sliding_window is None or sliding_window >= last:

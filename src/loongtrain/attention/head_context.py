@@ -13,8 +13,9 @@ Per rank: ``q`` [B, S/sp, H, d] and ``k``/``v`` [B, S/sp, G, d] zigzag shards (s
 ``hp == 1`` is pure ring attention and ``cp == 1`` pure Ulysses, through the same code.
 The three stages are the custom ops of :mod:`loongtrain.attention.ops`.
 
-Packed documents (``cu_seqlens``) and sliding windows (``sliding_window``) are masks of the
-ring: every context rank derives, from the global boundaries and the sharding map, which
+Packed documents (a :class:`~loongtrain.attention.layout.SequenceLayout`, the same
+one the inputs were sharded with) and sliding windows (``sliding_window``) are masks of the
+ring: every context rank derives, from the layout's boundaries and sharding map, which
 kernels each (query block, key/value block) pair needs (:mod:`mask_plan`), with no
 communication beyond the plain ring's.
 """
@@ -22,44 +23,17 @@ communication beyond the plain ring's.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 
 from loongtrain.attention import ops
-from loongtrain.attention.documents import as_boundaries, check_sliding_window
+from loongtrain.attention.documents import check_sliding_window
 from loongtrain.attention.kernels import check_supported
-from loongtrain.attention.sharding import check_balance, check_sequence_length
+from loongtrain.attention.layout import SequenceLayout, check_layout
 from loongtrain.parallel.layout import check_head_split
 from loongtrain.parallel.state import ParallelState
 
 Tensor = torch.Tensor
-
-
-def check_mask_inputs(
-    seq_len: int,
-    state: ParallelState,
-    cu_seqlens: Tensor | Sequence[int] | None,
-    sliding_window: int | None,
-    balance: str,
-) -> Tensor | None:
-    """Validate the mask keywords for a global sequence of ``seq_len`` tokens (no communication);
-    return ``cu_seqlens`` as a CPU int64 tensor (or None)."""
-    try:
-        check_sliding_window(sliding_window)
-        check_balance(balance)
-        boundaries = as_boundaries(cu_seqlens, seq_len)
-        if cu_seqlens is not None or balance != "zigzag":
-            check_sequence_length(seq_len, state.hp, state.cp)
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"head_context_attention: {e}") from None
-    return None if boundaries is None else torch.tensor(boundaries, dtype=torch.int64)
-
-
-def _as_cpu_boundaries(cu_seqlens) -> Tensor | None:
-    if cu_seqlens is None or isinstance(cu_seqlens, Tensor):
-        return None if cu_seqlens is None else cu_seqlens.to("cpu", torch.int64)
-    return torch.tensor(list(cu_seqlens), dtype=torch.int64)
 
 
 def check_attention_inputs(
@@ -125,9 +99,8 @@ def head_context_attention(
     state: ParallelState,
     causal: bool = True,
     softmax_scale: float | None = None,
-    cu_seqlens: Tensor | Sequence[int] | None = None,
+    layout: SequenceLayout | None = None,
     sliding_window: int | None = None,
-    balance: str | None = None,
 ) -> Tensor:
     """2D head-context attention on sequence shards; returns [B, S/sp, H, d].
 
@@ -137,31 +110,30 @@ def head_context_attention(
         state: from :func:`loongtrain.init_parallel`.
         causal: causal (top-left aligned over the global sequence) or full attention.
         softmax_scale: defaults to ``d ** -0.5``.
-        cu_seqlens: document boundaries ``[0, ..., S]`` of the packed *global* sequence
-            (FlashAttention's varlen convention; a list or an int tensor, the same on every
-            rank of the sp group; a CPU tensor avoids a device sync). Token ``i`` sees ``j``
-            only inside its own document.
-        sliding_window: sliding window: ``i`` sees ``j`` only if ``i - j < sliding_window``
-            (``|i - j| < sliding_window`` when not causal), as in HF Mistral/Qwen.
-        balance: the sharding the inputs were made with (``shard_sequence(...,
-            cu_seqlens=..., balance=...)``): ``"zigzag"`` or ``"documents"``; ``None``
-            takes ``state.config.balance``.
+        layout: the :class:`~loongtrain.attention.layout.SequenceLayout` the inputs were
+            sharded with (``sequence_layout(S, state, cu_seqlens)``): packed documents, token
+            ``i`` sees ``j`` only inside its own document. None: one sequence (not allowed
+            under ``balance="documents"``).
+        sliding_window: ``i`` sees ``j`` only if ``i - j < sliding_window`` (``|i - j| <
+            sliding_window`` when not causal), as in HF Mistral/Qwen.
     """
-    balance = balance or state.config.balance
     if torch.compiler.is_compiling():
-        # Under torch.compile the checks that read values (the boundaries, a kernel table)
-        # stay out of the graph; the ops check the boundaries themselves when they run.
-        cu = _as_cpu_boundaries(cu_seqlens)
+        # Under torch.compile the checks that read values (a kernel table) stay out of the
+        # graph; the ops find the layout again from its boundaries tensor when they run.
+        cu = None if layout is None else layout.cu_seqlens
     else:
         check_attention_inputs(q, k, v, state, causal, softmax_scale)
-        cu = check_mask_inputs(q.shape[1] * state.sp, state, cu_seqlens, sliding_window, balance)
-    sliding_window = sliding_window or 0
+        try:
+            check_sliding_window(sliding_window)
+        except ValueError as e:
+            raise ValueError(f"head_context_attention: {e}") from None
+        check_layout(state, q.shape[1] * state.sp, layout, "head_context_attention")
+        cu = None if layout is None else layout.cu_seqlens
+    window = sliding_window or 0
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     if state.hp == 1:
-        out, _lse = ops.ring_attention(
-            q, torch.stack((k, v)), state.key, causal, scale, True, cu, sliding_window, balance
-        )
+        out, _lse = ops.ring_attention(q, torch.stack((k, v)), state.key, causal, scale, True, cu, window)
         return out
-    q_h, kv_h = ops.head_scatter(q, k, v, state.key, causal, cu, sliding_window, balance)
-    out_h, _lse = ops.ring_attention(q_h, kv_h, state.key, causal, scale, False, cu, sliding_window, balance)
+    q_h, kv_h = ops.head_scatter(q, k, v, state.key, causal, cu, window)
+    out_h, _lse = ops.ring_attention(q_h, kv_h, state.key, causal, scale, False, cu, window)
     return ops.head_gather(out_h, state.key)

@@ -3,28 +3,19 @@
 The unsharded model's attention under a packed-document or sliding-window mask: the whole
 sequence is one block, cut into the same kernel calls as a context rank's own block in
 the ring (:mod:`mask_plan`), so no kernel computes across documents. Every row of the
-batch shares ``cu_seqlens``.
+batch shares the layout's documents.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from loongtrain.attention.blocks import OutputAccumulator, accum_dtype, add_kv_grads, backward_calls, forward_calls
-from loongtrain.attention.documents import as_boundaries, check_sliding_window
-from loongtrain.attention.mask_plan import Call, mask_plan
-from loongtrain.attention.sharding import SequenceSharding
+from loongtrain.attention.documents import check_sliding_window
+from loongtrain.attention.layout import SequenceLayout, sequence_layout
+from loongtrain.attention.mask_plan import MaskPlan
 
 Tensor = torch.Tensor
-
-
-def local_calls(seq_len: int, cu_seqlens, causal: bool, sliding_window: int | None) -> tuple[Call, ...]:
-    """Kernel calls of attention over one unsharded sequence under the mask."""
-    boundaries = as_boundaries(cu_seqlens, seq_len) or (0, seq_len)
-    whole = SequenceSharding(seq_len, 1, 1, (((0, seq_len),),))
-    return mask_plan(whole, boundaries, causal, sliding_window).calls(0, 0)
 
 
 class _MaskedAttention(torch.autograd.Function):
@@ -53,16 +44,28 @@ def masked_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    cu_seqlens: Tensor | Sequence[int] | None = None,
+    layout: SequenceLayout | None = None,
     sliding_window: int | None = None,
     causal: bool = True,
     softmax_scale: float | None = None,
 ) -> Tensor:
-    """Attention of ``q`` [B, S, H, d] over ``k``/``v`` [B, S, G, d] within documents
-    ``cu_seqlens`` (``[0, ..., S]``) and a sliding window; returns [B, S, H, d]."""
+    """Attention of ``q`` [B, S, H, d] over ``k``/``v`` [B, S, G, d] within the documents of
+    ``layout`` (a one-device layout: ``sequence_layout(S, None, cu_seqlens)``) and a sliding
+    window; returns [B, S, H, d]."""
     sliding_window = check_sliding_window(sliding_window)
     seq_len = q.shape[1]
-    sliding_window = sliding_window if sliding_window is not None and sliding_window < seq_len else None
-    calls = local_calls(seq_len, cu_seqlens, causal, sliding_window)
+    if layout is None:
+        layout = sequence_layout(seq_len)
+    elif layout.sp != 1 or layout.seq_len != seq_len:
+        raise ValueError(
+            f"masked_attention runs on one device over the whole sequence of {seq_len} tokens, but the layout is "
+            f"for S={layout.seq_len} on hp={layout.hp} x cp={layout.cp}; use sequence_layout(S, None, cu_seqlens)"
+        )
+    plan = layout.mask_plan(causal, sliding_window)
+    if plan is None:  # no documents, no effective window: one plain call
+        boundaries = (0, seq_len)
+        plan = MaskPlan(layout.sharding, boundaries, causal, None)
+    calls = plan.calls(0, 0)
+    sliding_window = plan.sliding_window
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     return _MaskedAttention.apply(q, k, v, calls, causal, sliding_window, scale)

@@ -15,17 +15,14 @@ registry key.
 
 from __future__ import annotations
 
-import functools
 import zlib
 
 import torch
 
 from loongtrain.attention.blocks import accum_dtype
 from loongtrain.attention.comm import all_gather_flat, head_to_seq, seq_to_head
-from loongtrain.attention.documents import as_boundaries, is_plain
 from loongtrain.attention.double_ring import RingSetup, ring_backward, ring_forward
-from loongtrain.attention.mask_plan import MaskPlan, mask_plan
-from loongtrain.attention.sharding import BALANCES, sequence_sharding
+from loongtrain.attention.layout import layout_of_op
 from loongtrain.parallel.state import ParallelState, state_by_key
 
 Tensor = torch.Tensor
@@ -33,34 +30,11 @@ Tensor = torch.Tensor
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 
 
-def _boundaries(cu_seqlens: Tensor | None) -> tuple[int, ...] | None:
-    return None if cu_seqlens is None else tuple(cu_seqlens.tolist())
-
-
-# The ring checks the boundaries in every forward and backward call (under torch.compile
-# only the ops see their values); a batch's boundaries are checked once, not per layer.
-_checked_boundaries = functools.lru_cache(maxsize=64)(as_boundaries)
-
-
-def mask_signature(cu_seqlens: Tensor | None, sliding_window: int, balance: str) -> list[int]:
+def mask_signature(cu_seqlens: Tensor | None, sliding_window: int) -> list[int]:
     """Small ints that differ when two ranks pass different masks (for the input check)."""
-    boundaries = _boundaries(cu_seqlens) or ()
+    boundaries = () if cu_seqlens is None else cu_seqlens.tolist()
     digest = zlib.crc32(b",".join(str(x).encode() for x in boundaries))
-    return [len(boundaries), digest, sliding_window, BALANCES.index(balance)]
-
-
-def masks_for(
-    state: ParallelState, context_len: int, cu_seqlens: Tensor | None, sliding_window: int, balance: str, causal: bool
-) -> MaskPlan | None:
-    """The mask plan of a ring over ``context_len = S / cp`` tokens per context rank, or
-    None for the plain causal/full zigzag ring."""
-    seq_len = context_len * state.cp
-    boundaries = _checked_boundaries(_boundaries(cu_seqlens), seq_len)
-    sliding = sliding_window if 0 < sliding_window < seq_len else None
-    if balance == "zigzag" and is_plain(boundaries, sliding, seq_len):
-        return None
-    sharding = sequence_sharding(seq_len, state.hp, state.cp, boundaries, balance)
-    return mask_plan(sharding, boundaries or (0, seq_len), causal, sliding)
+    return [len(boundaries), digest, sliding_window]
 
 
 def verify_same_inputs(q: Tensor, kv_heads: int, state: ParallelState, causal: bool, mask: list[int]) -> None:
@@ -78,13 +52,13 @@ def verify_same_inputs(q: Tensor, kv_heads: int, state: ParallelState, causal: b
         members = state.layout.sp_group(state.rank)
         detail = "; ".join(
             f"rank {r}: q={tuple(row[:4])} G={row[4]} causal={bool(row[6])} documents={row[7]} "
-            f"(crc {row[8]}) sliding_window={row[9]} balance={BALANCES[row[10]]}"
+            f"(crc {row[8]}) sliding_window={row[9]}"
             for r, row in zip(members, rows)
         )
         raise ValueError(
             "head_context_attention: the ranks of the sequence-parallel group passed different "
-            f"inputs ({detail}); every rank must pass its shard of the same batch, with the same cu_seqlens, "
-            f"sliding_window and balance"
+            f"inputs ({detail}); every rank must pass its shard of the same batch, with the same layout "
+            f"(cu_seqlens) and sliding_window"
         )
 
 
@@ -98,17 +72,15 @@ def head_scatter(
     causal: bool,
     cu_seqlens: Tensor | None,
     sliding_window: int,
-    balance: str,
 ) -> tuple[Tensor, Tensor]:
     """[B,S,H,d], [B,S,G,d] x2 -> q_h [B, hp*S, H/hp, d], kv_h [2, B, hp*S, max(G,hp)/hp, d].
 
-    ``cu_seqlens``/``sliding_window``/``balance`` only enter the input check (the mask is applied in
-    the ring).
+    ``cu_seqlens``/``sliding_window`` only enter the input check (the mask is applied in the ring).
     """
     state = state_by_key(state_key)
     hp, groups = state.hp, k.shape[2]
     if state.verify_inputs:
-        verify_same_inputs(q, groups, state, causal, mask_signature(cu_seqlens, sliding_window, balance))
+        verify_same_inputs(q, groups, state, causal, mask_signature(cu_seqlens, sliding_window))
     kv = torch.stack((k, v))
     if hp > groups:  # GQA with fewer KV heads than head ranks: replicate each KV head
         kv = kv.repeat_interleave(hp // groups, dim=-2)
@@ -118,7 +90,7 @@ def head_scatter(
 
 
 @head_scatter.register_fake
-def _(q, k, v, state_key, causal, cu_seqlens, sliding_window, balance):
+def _(q, k, v, state_key, causal, cu_seqlens, sliding_window):
     hp = state_by_key(state_key).hp
     b, s, h, d = q.shape
     kv_heads = max(k.shape[2], hp)
@@ -153,7 +125,7 @@ def _(dq_h, dkv_h, state_key, groups):
 
 def _head_scatter_backward(ctx, dq_h: Tensor, dkv_h: Tensor):
     dq, dkv = head_scatter_backward(dq_h.contiguous(), dkv_h.contiguous(), ctx.state_key, ctx.groups)
-    return dq, dkv[0], dkv[1], None, None, None, None, None
+    return dq, dkv[0], dkv[1], None, None, None, None
 
 
 head_scatter.register_autograd(_head_scatter_backward, setup_context=_head_scatter_setup)
@@ -170,37 +142,45 @@ def ring_attention(
     verify: bool,
     cu_seqlens: Tensor | None,
     sliding_window: int,
-    balance: str,
 ) -> tuple[Tensor, Tensor]:
     """q_h [B, Sc, Hh, d], kv_h [2, B, Sc, Gh, d] -> out_h [B, Sc, Hh, d], lse [B, Sc, Hh].
 
-    ``cu_seqlens`` (CPU int64, global boundaries or None), ``sliding_window`` (0: none) and ``balance``
-    select the document / sliding-window mask and the sharding the inputs were made with.
+    ``cu_seqlens`` (CPU int64, the global boundaries of the batch's
+    :class:`~loongtrain.attention.layout.SequenceLayout`, or None) and
+    ``sliding_window`` (0: none) select the mask; the layout (with the state's balance)
+    says how the inputs were sharded.
     """
     state = state_by_key(state_key)
     if verify and state.verify_inputs:
-        verify_same_inputs(q_h, kv_h.shape[3], state, causal, mask_signature(cu_seqlens, sliding_window, balance))
-    out, lse = ring_forward(_setup(state, q_h, causal, scale, cu_seqlens, sliding_window, balance), q_h, kv_h)
+        verify_same_inputs(q_h, kv_h.shape[3], state, causal, mask_signature(cu_seqlens, sliding_window))
+    out, lse = ring_forward(_setup(state, q_h, causal, scale, cu_seqlens, sliding_window), q_h, kv_h)
     return out.contiguous(), lse.contiguous()
 
 
-def _setup(state: ParallelState, q_h: Tensor, causal, scale, cu_seqlens, sliding_window, balance) -> RingSetup:
-    masks = masks_for(state, q_h.shape[1], cu_seqlens, sliding_window, balance, causal)
+def _setup(
+    state: ParallelState, q_h: Tensor, causal: bool, scale: float, cu_seqlens: Tensor | None, sliding_window: int
+) -> RingSetup:
+    """The ring of this call: the plain zigzag ring, or the mask plan of the batch's layout
+    (found again from its boundaries) under its documents and the sliding window."""
+    seq_len = q_h.shape[1] * state.cp
+    masks = None
+    if cu_seqlens is not None or state.config.balance != "zigzag" or 0 < sliding_window < seq_len:
+        masks = layout_of_op(state.config, seq_len, cu_seqlens).mask_plan(causal, sliding_window)
     sliding = masks.sliding_window if masks is not None else None
     return RingSetup.from_state(state, causal=causal, scale=scale, masks=masks, sliding_window=sliding)
 
 
 @ring_attention.register_fake
-def _(q_h, kv_h, state_key, causal, scale, verify, cu_seqlens, sliding_window, balance):
+def _(q_h, kv_h, state_key, causal, scale, verify, cu_seqlens, sliding_window):
     return torch.empty_like(q_h), q_h.new_empty(q_h.shape[:3], dtype=accum_dtype(q_h.dtype))
 
 
 def _ring_setup(ctx, inputs, output) -> None:
-    q_h, kv_h, state_key, causal, scale, _, cu_seqlens, sliding_window, balance = inputs
+    q_h, kv_h, state_key, causal, scale, _, cu_seqlens, sliding_window = inputs
     out_h, lse = output
     ctx.save_for_backward(q_h, kv_h, out_h, lse)
     ctx.state_key, ctx.causal, ctx.scale = state_key, causal, scale
-    ctx.cu_seqlens, ctx.sliding_window, ctx.balance = cu_seqlens, sliding_window, balance
+    ctx.cu_seqlens, ctx.sliding_window = cu_seqlens, sliding_window
 
 
 @torch.library.custom_op("loongtrain::ring_attention_backward", mutates_args=())
@@ -215,16 +195,15 @@ def ring_attention_backward(
     scale: float,
     cu_seqlens: Tensor | None,
     sliding_window: int,
-    balance: str,
 ) -> tuple[Tensor, Tensor]:
     """Gradients of :func:`ring_attention`: (dq_h, dkv_h)."""
-    plan = _setup(state_by_key(state_key), q_h, causal, scale, cu_seqlens, sliding_window, balance)
+    plan = _setup(state_by_key(state_key), q_h, causal, scale, cu_seqlens, sliding_window)
     dq, dkv = ring_backward(plan, dout_h.contiguous(), q_h, kv_h, out_h, lse)
     return dq.contiguous(), dkv.contiguous()
 
 
 @ring_attention_backward.register_fake
-def _(dout_h, q_h, kv_h, out_h, lse, state_key, causal, scale, cu_seqlens, sliding_window, balance):
+def _(dout_h, q_h, kv_h, out_h, lse, state_key, causal, scale, cu_seqlens, sliding_window):
     return torch.empty_like(q_h), torch.empty_like(kv_h)
 
 
@@ -232,9 +211,9 @@ def _ring_backward(ctx, dout_h: Tensor, _dlse):
     q_h, kv_h, out_h, lse = ctx.saved_tensors
     dq, dkv = ring_attention_backward(
         dout_h.contiguous(), q_h, kv_h, out_h, lse, ctx.state_key, ctx.causal, ctx.scale,
-        ctx.cu_seqlens, ctx.sliding_window, ctx.balance,
+        ctx.cu_seqlens, ctx.sliding_window,
     )  # fmt: skip
-    return dq, dkv, None, None, None, None, None, None, None
+    return dq, dkv, None, None, None, None, None, None
 
 
 ring_attention.register_autograd(_ring_backward, setup_context=_ring_setup)

@@ -10,29 +10,23 @@ holds the ``h``-th of ``hp`` equal contiguous pieces of that content.
 
 That gives one permutation of token positions for the whole sp group; inputs, labels and
 RoPE position ids are all sharded with it, and the attention derives its masks from the
-same map. The maps are pure functions; ``shard_sequence`` / ``unshard_sequence`` apply
-them to tensors.
+same map. The maps are pure functions; a
+:class:`~loongtrain.attention.layout.SequenceLayout` holds the one of a batch and
+``shard_sequence`` / ``unshard_sequence`` apply it to tensors.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from loongtrain.attention.balance import balance_documents
-from loongtrain.attention.comm import all_gather_flat
-from loongtrain.attention.documents import Boundaries, as_boundaries
+from loongtrain.attention.documents import Boundaries
 from loongtrain.attention.schedule import zigzag_chunks
 from loongtrain.options import BALANCES
 from loongtrain.parallel.layout import check_sequence_length  # the rule lives with the layout (pure)
-
-if TYPE_CHECKING:
-    from loongtrain.parallel.state import ParallelState
-
 
 Ranges = tuple[tuple[int, int], ...]  # (global start, length), in local order
 
@@ -73,12 +67,7 @@ class SequenceSharding:
         piece = self.seq_len // (self.hp * self.cp)
         return _take(self.content[context], head * piece, (head + 1) * piece)
 
-    def positions(self, head: int, context: int) -> list[int]:
-        """Global token positions held by rank ``(head, context)``, in local order."""
-        return [p for s, n in self.ranges(head, context) for p in range(s, s + n)]
 
-
-@functools.lru_cache(maxsize=64)
 def zigzag_sharding(seq_len: int, hp: int, cp: int) -> SequenceSharding:
     """Context index ``c`` holds chunks ``c`` and ``2*cp - 1 - c`` of ``2*cp``."""
     check_sequence_length(seq_len, hp, cp)
@@ -87,45 +76,20 @@ def zigzag_sharding(seq_len: int, hp: int, cp: int) -> SequenceSharding:
     return SequenceSharding(seq_len, hp, cp, content, "zigzag")
 
 
-@functools.lru_cache(maxsize=64)
-def _sharding(seq_len: int, hp: int, cp: int, boundaries: Boundaries | None, balance: str) -> SequenceSharding:
+def sequence_sharding(
+    seq_len: int, hp: int, cp: int, boundaries: Boundaries | None = None, balance: str = "zigzag"
+) -> SequenceSharding:
+    """The sharding for ``balance``: ``"zigzag"``, or ``"documents"`` (chunks assigned from the
+    validated document ``boundaries``; ``None``: one document). Pure; a
+    :class:`~loongtrain.attention.layout.SequenceLayout` holds the one it uses."""
     check_balance(balance)
+    if hp * cp == 1:  # one device: the whole sequence in order (any length)
+        return SequenceSharding(seq_len, 1, 1, (((0, seq_len),),), balance)
     if balance == "zigzag" or cp == 1:
         return zigzag_sharding(seq_len, hp, cp)
     check_sequence_length(seq_len, hp, cp)
     found = balance_documents(seq_len, cp, boundaries or (0, seq_len))
     return SequenceSharding(seq_len, hp, cp, found.chunks, "documents")
-
-
-def sequence_sharding(
-    seq_len: int,
-    hp: int,
-    cp: int,
-    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
-    balance: str = "zigzag",
-) -> SequenceSharding:
-    """The sharding for ``balance`` (``"zigzag"`` or ``"documents"``); pure and cached.
-
-    ``"documents"`` assigns chunks from the document boundaries ``cu_seqlens`` (``None``:
-    one document); ``"zigzag"`` ignores them.
-    """
-    check_balance(balance)
-    check_sequence_length(seq_len, hp, cp)
-    boundaries = as_boundaries(cu_seqlens, seq_len)  # validated even where the balance ignores it
-    return _sharding(seq_len, hp, cp, boundaries if balance == "documents" else None, balance)
-
-
-def shard_ranges(seq_len: int, hp: int, cp: int, head: int, context: int) -> list[tuple[int, int]]:
-    """Zigzag ``(start, length)`` ranges held by rank ``(head, context)``, in order.
-
-    At most two ranges (a piece can straddle the two zigzag chunks when ``hp`` is odd).
-    """
-    return zigzag_sharding(seq_len, hp, cp).ranges(head, context)
-
-
-def shard_positions(seq_len: int, hp: int, cp: int, head: int, context: int) -> list[int]:
-    """Zigzag global token positions held by rank ``(head, context)``, in local order."""
-    return zigzag_sharding(seq_len, hp, cp).positions(head, context)
 
 
 def take_ranges(x: torch.Tensor, dim: int, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
@@ -147,61 +111,3 @@ def restore_order(
             offset += length
     segments.sort()
     return take_ranges(shards, dim, [(off, n) for _, off, n in segments])
-
-
-def _normalize_dim(x: torch.Tensor, dim: int) -> int:
-    if not -x.dim() <= dim < x.dim():
-        raise ValueError(f"dim={dim} is out of range for a tensor of shape {tuple(x.shape)}")
-    return dim % x.dim()
-
-
-def shard_sequence(
-    x: torch.Tensor,
-    state: ParallelState,
-    dim: int = 1,
-    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
-    balance: str | None = None,
-) -> torch.Tensor:
-    """Return this rank's shard of the full-sequence tensor ``x`` along ``dim``.
-
-    ``x`` must be the same full tensor on every rank of the sequence-parallel group
-    (inputs, labels and RoPE position ids are all sharded with this function). The
-    result is a new contiguous tensor of length ``S / sp`` along ``dim``.
-    ``balance="documents"`` assigns tokens from the document boundaries ``cu_seqlens``
-    (see :mod:`loongtrain.attention.balance`); ``None`` takes ``state.config.balance``.
-    Pass the same ``cu_seqlens`` and ``balance`` to :func:`head_context_attention` and
-    :func:`unshard_sequence`.
-    """
-    dim = _normalize_dim(x, dim)
-    coords = state.coords
-    sharding = sequence_sharding(x.shape[dim], state.hp, state.cp, cu_seqlens, balance or state.config.balance)
-    return take_ranges(x, dim, sharding.ranges(coords.head, coords.context))
-
-
-def unshard_sequence(
-    x_local: torch.Tensor,
-    state: ParallelState,
-    dim: int = 1,
-    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
-    balance: str | None = None,
-) -> torch.Tensor:
-    """Gather the shards of the sp group and return the full sequence in original order.
-
-    Every rank of the sequence-parallel group receives the full tensor. Collective over
-    the sp group (all ranks must call it); not differentiable (for evaluation and tests).
-    ``cu_seqlens``/``balance`` must be those the shards were made with.
-    """
-    dim = _normalize_dim(x_local, dim)
-    layout = state.layout
-    local_len = x_local.shape[dim]
-    sharding = sequence_sharding(
-        local_len * layout.sp, layout.hp, layout.cp, cu_seqlens, balance or state.config.balance
-    )
-    moved = x_local.detach().movedim(dim, 0).contiguous()
-    if state.sp_group is None:
-        gathered = moved
-    else:
-        gathered = moved.new_empty((layout.sp * local_len, *moved.shape[1:]))
-        all_gather_flat(gathered, moved, group=state.sp_group)
-    members = [(c.head, c.context) for c in map(layout.coords, layout.sp_group(state.rank))]
-    return restore_order(gathered, 0, members, sharding).movedim(0, dim).contiguous()

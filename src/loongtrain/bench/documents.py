@@ -22,13 +22,14 @@ import json
 import math
 import random
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
-from loongtrain.attention import head_context_attention, shard_sequence
+from loongtrain.attention import head_context_attention, sequence_layout, shard_sequence
 from loongtrain.attention.documents import range_work
-from loongtrain.attention.mask_plan import BAND, CAUSAL, mask_plan
+from loongtrain.attention.mask_plan import BAND, CAUSAL, MaskPlan
 from loongtrain.attention.schedule import ring_source
 from loongtrain.attention.sharding import sequence_sharding
 from loongtrain.bench.common import make_inputs
@@ -75,7 +76,7 @@ def work_table(seq: int, cp: int, cu: list[int], balance: str) -> dict:
     bounds = tuple(cu)
     sharding = sequence_sharding(seq, 1, cp, bounds, balance)
     loads = [sum(range_work(bounds, s, s + n) for s, n in sharding.content[c]) for c in range(cp)]
-    plan = mask_plan(sharding, bounds, True, None)
+    plan = MaskPlan(sharding, bounds, True, None)
 
     def visible(c: int, src: int) -> int:
         total = 0
@@ -84,7 +85,8 @@ def work_table(seq: int, cp: int, cu: list[int], balance: str) -> dict:
             total += rows * (rows + 1) // 2 if call.kind == CAUSAL else rows * cols
         return total
 
-    steps = [[visible(c, ring_source(c, cp, 1, s, 0)) for s in range(cp)] for c in range(cp)]
+    ring = ParallelConfig(cp=cp)
+    steps = [[visible(c, ring_source(c, ring, s, 0)) for s in range(cp)] for c in range(cp)]
     mean = sum(loads) / cp
     return {
         "balance": balance,
@@ -94,9 +96,11 @@ def work_table(seq: int, cp: int, cu: list[int], balance: str) -> dict:
     }
 
 
-def _timed(state, full, cu, balance, device, reps: int) -> float:
-    """Best forward+backward seconds (max over ranks) of the attention on ``full`` tensors."""
-    keys = {} if cu is None else {"cu_seqlens": cu, "balance": balance}
+def _timed(state, full, cu, device, reps: int) -> float:
+    """Best forward+backward seconds (max over ranks) of the attention on ``full`` tensors with
+    documents ``cu`` (None: one causal sequence), laid out by ``state``'s balance."""
+    layout = sequence_layout(full[0].shape[1], state, cu)
+    keys = {"layout": layout}
     q, k, v, dout = (shard_sequence(x, state, **keys).to(device) for x in full)
     times = []
     for rep in range(reps + 1):
@@ -123,14 +127,14 @@ def _bench_rank(device: torch.device, args: argparse.Namespace, cases: dict, row
         print(f"\n[2] {world} processes: forward+backward seconds (best of {args.reps}), ratio to full causal")
         print(f"{'layout':10s} {'documents':12s} {'balance':10s} {'f+b s':>8s} {'vs causal':>9s}")
     for name, config in layouts.items():
-        state = init_parallel(config, verify_inputs=False)
-        base = _timed(state, full, None, "zigzag", device, args.reps)
+        states = {b: init_parallel(replace(config, balance=b), verify_inputs=False) for b in ("zigzag", "documents")}
+        base = _timed(states["zigzag"], full, None, device, args.reps)
         if rank == 0:
             print(f"{name:10s} {'(one)':12s} {'-':10s} {base:8.3f} {1.0:9.3f}", flush=True)
             rows.append({"part": "time", "layout": name, "documents": "causal", "seconds": base})
         for kind, cu in cases.items():
-            for balance in ("zigzag", "documents"):
-                t = _timed(state, full, cu, balance, device, args.reps)
+            for balance, state in states.items():
+                t = _timed(state, full, cu, device, args.reps)
                 if rank == 0:
                     print(f"{name:10s} {kind:12s} {balance:10s} {t:8.3f} {t / base:9.3f}", flush=True)
                     rows.append({"part": "time", "layout": name, "documents": kind, "balance": balance,
@@ -154,7 +158,7 @@ def draw_blocks(path: str, seq: int = 2048, cp: int = 4) -> None:
     colors = ListedColormap(["white", "#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860"][: cp + 1])
     for ax, balance in zip(axes, ("zigzag", "documents")):
         sharding = sequence_sharding(seq, 1, cp, cu, balance)
-        plan = mask_plan(sharding, tuple(cu), True, None)
+        plan = MaskPlan(sharding, tuple(cu), True, None)
         grid = torch.zeros(seq, seq)
         content = [torch.tensor([p for s, n in sharding.content[c] for p in range(s, s + n)]) for c in range(cp)]
         kernels = 0

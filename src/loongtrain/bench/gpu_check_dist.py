@@ -80,11 +80,12 @@ def attention_errors(state, sizes: DistSizes, dtype: str, masked: bool, device: 
     cu, sliding_window = (documents(seq), seq // 3) if masked else (None, None)
     keep = visibility(seq, seq, True, sliding_window, cu_seqlens=cu, device=device)
     ref = float64_attention(*full, keep, sizes.head_dim**-0.5)
-    q, k, v, dout = (lt.shard_sequence(x, state, cu_seqlens=cu) for x in full)
+    layout = lt.sequence_layout(seq, state, cu)
+    q, k, v, dout = (lt.shard_sequence(x, state, layout=layout) for x in full)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
-    out = lt.head_context_attention(q, k, v, state, causal=True, cu_seqlens=cu, sliding_window=sliding_window)
+    out = lt.head_context_attention(q, k, v, state, causal=True, layout=layout, sliding_window=sliding_window)
     out.backward(dout)
-    got = [lt.unshard_sequence(t, state, cu_seqlens=cu) for t in (out, q.grad, k.grad, v.grad)]
+    got = [lt.unshard_sequence(t, state, layout=layout) for t in (out, q.grad, k.grad, v.grad)]
     return _max_over_ranks(
         {name: relative_error(g, ref[name]) for name, g in zip(("out", "dq", "dk", "dv"), got)}, device
     )

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loongtrain.attention.documents import as_boundaries, range_work
+from loongtrain.attention.documents import range_work
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,8 @@ class Microbatch:
                     f"a packed microbatch is one row [1, S] with document boundaries, got tokens "
                     f"{tuple(self.tokens.shape)}; concatenate the rows and their cu_seqlens"
                 )
-            as_boundaries(self.cu_seqlens, self.tokens.shape[1])
+            # the boundaries themselves are validated once, where the step makes the batch's
+            # SequenceLayout (loongtrain.attention.layout)
 
     def to(self, device: torch.device) -> Microbatch:
         """Tokens and labels on ``device`` (the boundaries stay on the CPU)."""

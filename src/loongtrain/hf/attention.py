@@ -12,15 +12,17 @@ Attention is causal over the global positions, so no attention mask is built or 
 (a name transformers has no mask function for gets ``attention_mask=None``); pack
 documents instead of padding: pass the *global* boundaries as ``cu_seq_lens_q`` (the
 keyword transformers forwards to attention functions, as for FlashAttention's varlen
-path) with position ids restarting per document, and shard with the same boundaries and
-``state.config.balance``. A model's sliding window (Mistral) is applied.
+path) with position ids restarting per document, and shard with the layout of the same
+boundaries (``shard_sequence(x, state, layout=sequence_layout(S, state, cu))``; the
+attention makes the same layout, from the same cache). A model's sliding window (Mistral)
+is applied.
 """
 
 from __future__ import annotations
 
 import torch
 
-from loongtrain.attention import head_context_attention
+from loongtrain.attention import head_context_attention, sequence_layout
 from loongtrain.hf.families import require_transformers
 from loongtrain.parallel import ParallelState
 
@@ -48,10 +50,12 @@ def make_attention(state: ParallelState):
         if kwargs.get("softcap") is not None:
             raise ValueError(f"loongtrain attention: softcap={kwargs['softcap']} is not supported")
         sliding_window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+        cu = kwargs.get("cu_seq_lens_q")
+        layout = None if cu is None else sequence_layout(query.shape[2] * state.sp, state, cu)
         out = head_context_attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), state,
             causal=getattr(module, "is_causal", True), softmax_scale=scaling,
-            cu_seqlens=kwargs.get("cu_seq_lens_q"), sliding_window=sliding_window or None,
+            layout=layout, sliding_window=sliding_window or None,
         )  # fmt: skip
         return out, None
 

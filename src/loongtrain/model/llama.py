@@ -6,13 +6,14 @@ RoPE scaled for a longer context (linear, llama3, yarn; :mod:`loongtrain.model.r
 and a sliding window (Mistral).
 
 The model knows nothing of parallelism. Its attention calls
-``attention_fn(q, k, v, cu_seqlens=..., sliding_window=...)`` on ``[B, S, H, d]`` /
+``attention_fn(q, k, v, layout=..., sliding_window=...)`` on ``[B, S, H, d]`` /
 ``[B, S, G, d]`` tensors with RoPE applied; the default is causal attention over the
 local sequence (one device). ``loongtrain.parallelize`` swaps in the distributed
 attention. Positions are passed in, so the same module runs on sequence shards: RoPE uses
 each token's position (which restarts at 0 in each document of a packed sequence).
-``cu_seqlens`` (document boundaries of the whole packed sequence, or None) and the
-model's sliding window only reach the attention function.
+``layout`` (a :class:`~loongtrain.attention.layout.SequenceLayout`: the packed
+documents of the whole sequence and how it was sharded, or None) and the model's sliding
+window only reach the attention function.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loongtrain.attention.layout import SequenceLayout
 from loongtrain.attention.local import masked_attention
 from loongtrain.model.config import ModelConfig, RopeScaling
 from loongtrain.model.rope import rope_frequencies
@@ -33,12 +35,12 @@ AttentionFn = Callable[..., Tensor]
 
 
 def sdpa_attention(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | None = None, sliding_window: int | None = None
+    q: Tensor, k: Tensor, v: Tensor, layout: SequenceLayout | None = None, sliding_window: int | None = None
 ) -> Tensor:
     """Causal attention over the local (unsharded) sequence: PyTorch SDPA, or the document /
-    sliding-window masked attention when ``cu_seqlens`` or ``sliding_window`` is given."""
-    if cu_seqlens is not None or sliding_window is not None:
-        return masked_attention(q, k, v, cu_seqlens=cu_seqlens, sliding_window=sliding_window)
+    sliding-window masked attention when ``layout`` has documents or ``sliding_window`` is set."""
+    if (layout is not None and layout.boundaries is not None) or sliding_window is not None:
+        return masked_attention(q, k, v, layout=layout, sliding_window=sliding_window)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=k.shape[2] != q.shape[2]
     )
@@ -90,7 +92,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.attention_fn: AttentionFn = sdpa_attention
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: SequenceLayout | None = None) -> Tensor:
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, self.n_heads, self.head_dim)
         k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim)
@@ -98,7 +100,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
-        out = self.attention_fn(q, k, v, cu_seqlens=cu_seqlens, sliding_window=self.sliding_window)
+        out = self.attention_fn(q, k, v, layout=layout, sliding_window=self.sliding_window)
         return self.wo(out.reshape(b, s, -1))
 
 
@@ -123,16 +125,17 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, cu_seqlens)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: SequenceLayout | None = None) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, layout)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Transformer(nn.Module):
-    """Decoder-only LM: ``forward(tokens [B, S], positions [B, S] or [S], cu_seqlens=None) -> logits [B, S, V]``.
+    """Decoder-only LM: ``forward(tokens [B, S], positions [B, S] or [S], layout=None) -> logits [B, S, V]``.
 
-    ``cu_seqlens``: document boundaries ``[0, ..., S]`` of a packed sequence (of the whole
-    sequence when the model runs on shards), or None for one causal sequence.
+    ``layout``: the :class:`~loongtrain.attention.layout.SequenceLayout` of the whole
+    sequence (its packed documents, and how the tokens were sharded when the model runs on
+    shards), or None for one causal sequence.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -143,13 +146,13 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
-    def forward(self, tokens: Tensor, positions: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
+    def forward(self, tokens: Tensor, positions: Tensor, layout: SequenceLayout | None = None) -> Tensor:
         if positions.dim() == 1:
             positions = positions.unsqueeze(0)
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, cos, sin, cu_seqlens)
+            h = layer(h, cos, sin, layout)
         h = self.norm(h)
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
         return F.linear(h, weight)

@@ -1,9 +1,10 @@
 """One optimisation step's forward/backward on sequence shards, with the loss normalised
 by the global number of target tokens (so summed gradients equal the unsharded ones).
 
-Packed microbatches (``Microbatch.cu_seqlens``) are sharded with the state's balance; the
-model gets each shard's in-document positions and the global boundaries, which its
-attention turns into document masks."""
+Each microbatch gets one :class:`~loongtrain.attention.layout.SequenceLayout`
+(its packed documents, ``Microbatch.cu_seqlens``, cut with the state's balance): its tokens,
+labels and in-document positions are sharded with it, and the model's attention gets the
+same layout, which it turns into document masks."""
 
 from __future__ import annotations
 
@@ -14,9 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from loongtrain.attention import shard_sequence
 from loongtrain.attention.comm import all_gather_flat
-from loongtrain.attention.sharding import check_sequence_length
+from loongtrain.attention.layout import SequenceLayout, sequence_layout, shard_sequence
 from loongtrain.data.batch import Microbatch
 from loongtrain.data.recall import IGNORE_INDEX
 from loongtrain.parallel import ParallelState
@@ -29,26 +29,18 @@ class ShardedBatch:
     tokens: torch.Tensor  # [B, S/sp]
     labels: torch.Tensor  # [B, S/sp]
     positions: torch.Tensor  # [1, S/sp] RoPE positions (restarting per document)
-    cu_seqlens: torch.Tensor | None  # global document boundaries (CPU), or None
+    layout: SequenceLayout  # how the whole sequence lies on the sp group (documents, sharding)
 
 
 def shard_microbatch(batch: Microbatch, state: ParallelState) -> ShardedBatch:
-    """This rank's shard of ``batch`` (tokens, labels, positions), laid out by ``state.config.balance``."""
-    check_sequence_length(batch.tokens.shape[1], state.hp, state.cp)
-    cu = batch.attention_documents
+    """This rank's shard of ``batch`` (tokens, labels, positions) and the layout they were cut with
+    (the batch's documents, the state's balance; validated here, before any communication)."""
+    layout = sequence_layout(batch.tokens.shape[1], state, batch.attention_documents)
 
     def shard(x: torch.Tensor) -> torch.Tensor:
-        return shard_sequence(x, state, cu_seqlens=cu)
+        return shard_sequence(x, state, layout=layout)
 
-    return ShardedBatch(shard(batch.tokens), shard(batch.labels), shard(batch.positions()), cu)
-
-
-def shard_batch(
-    tokens: torch.Tensor, labels: torch.Tensor, state: ParallelState
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This rank's shard of unpacked ``tokens``/``labels`` [B, S] and the matching position ids."""
-    sharded = shard_microbatch(Microbatch(tokens, labels), state)
-    return sharded.tokens, sharded.labels, sharded.positions
+    return ShardedBatch(shard(batch.tokens), shard(batch.labels), shard(batch.positions()), layout)
 
 
 def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -134,7 +126,7 @@ def forward_backward(
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, correct predictions
     with torch.set_grad_enabled(backward):
         for sb in shards:
-            logits = model(sb.tokens, sb.positions, sb.cu_seqlens)
+            logits = model(sb.tokens, sb.positions, sb.layout)
             labels = sb.labels
             loss = lm_loss_sum(logits, labels) / total_targets
             if backward:
