@@ -4,7 +4,7 @@
 # the planner's prediction, and with 2+ GPUs the distributed attention and training over
 # NCCL), prints one table and writes it as JSON (runs/gpu_check.json; --json FILE).
 # Without a GPU, or with --device cpu, it runs the same paths at tiny sizes (the tests do).
-# Extra arguments go to `loongtrain bench gpu-check` (see --help).
+# Extra arguments go to `loongtrain gpu-check` (see --help).
 #
 # Python: $LOONGTRAIN_PYTHON if set; else a python3 (3.11+) whose torch sees a GPU (a GPU
 # machine's own CUDA build: nothing is installed, loongtrain is imported from src/);
@@ -24,4 +24,4 @@ fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 # fewer out-of-memory failures from fragmentation at 128K tokens (ignored on CPU)
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
-exec "$py" -m loongtrain bench gpu-check "$@"
+exec "$py" -m loongtrain gpu-check "$@"

@@ -80,9 +80,9 @@ def import_and_checkpoint(folder: str, run_dir: str) -> None:
 
     from loongtrain.apply import parallelize
     from loongtrain.config import ModelSection
-    from loongtrain.hf.run import init_weights, model_config_for
     from loongtrain.model import build_model
     from loongtrain.train.checkpoint import CheckpointManager
+    from loongtrain.train.model_setup import init_weights, model_config_for
 
     from dist_pool import cached_state
 
@@ -91,7 +91,7 @@ def import_and_checkpoint(folder: str, run_dir: str) -> None:
     cfg = model_config_for(section)
     model = build_model(cfg)
     parallelize(model, state, zero="dp_sp")
-    init_weights(model, torch.device("cpu"), section, run_dir, seed=0)
+    init_weights(model, torch.device("cpu"), folder, run_dir, seed=0)
     optimizer = torch.optim.AdamW(model.parameters())
     CheckpointManager(Path(run_dir) / "checkpoints", 1).save(
         0, model, optimizer, {"model_shape": dataclasses.asdict(cfg)}

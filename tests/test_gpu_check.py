@@ -26,10 +26,10 @@ import pytest
 import torch
 
 from loongtrain.attention.kernels import CudaSdpaBackend
-from loongtrain.bench.gpu_check import PROFILES, Budget, dist_rows, kernel_rows, replay_status, training_status
-from loongtrain.bench.gpu_check_dist import check_layouts, documents, training_layout
-from loongtrain.bench.gpu_check_kernels import case_inputs, installed_backends, kernel_grid, run_case
-from loongtrain.bench.gpu_check_train import TrainCase, predict_step
+from loongtrain.gpucheck.check import PROFILES, Budget, dist_rows, kernel_rows, replay_status, training_status
+from loongtrain.gpucheck.dist import check_layouts, documents, training_layout
+from loongtrain.gpucheck.kernels import case_inputs, installed_backends, kernel_grid, run_case
+from loongtrain.gpucheck.train import TrainCase, predict_step
 from loongtrain.parallel.layout import check_head_split, check_sequence_length
 from loongtrain.planner import cluster_spec
 

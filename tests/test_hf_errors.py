@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from loongtrain.config import ConfigError, load_config
-from loongtrain.hf.export import export_checkpoint
 from loongtrain.hf.folder import HFFormatError
-from loongtrain.hf.load import inspect_folder
+from loongtrain.hf.load import read_folder
+from loongtrain.train.export import export_checkpoint
 from loongtrain.train.trainer import preflight
 
 from hf_tiny import import_and_checkpoint, make_hf_model
@@ -102,7 +102,7 @@ def test_bad_folder_is_refused_before_start_up(tmp_path, case):
     edit, message = CASES[case]
     edit(folder)
     with pytest.raises(HFFormatError, match=message) as info:
-        inspect_folder(folder)
+        read_folder(folder)
     assert "\n" not in str(info.value)
     run = tmp_path / "run"
     cfg = load_config(None, [f"model.init_from={folder}", f"run.output_dir={run}"])
@@ -120,7 +120,7 @@ def test_quantised_weights_are_refused(tmp_path):
     save_file(tensors, str(folder / "model.safetensors"))
     _edit_config(folder, dtype=None)
     with pytest.raises(HFFormatError, match="has dtype int8; only unquantised float weights"):
-        inspect_folder(folder)
+        read_folder(folder)
 
 
 @pytest.mark.dist
@@ -168,11 +168,11 @@ def test_core_imports_without_the_hf_extra(tmp_path):
         "import sys\n"
         "sys.modules['transformers'] = None\n"
         "sys.modules['safetensors'] = None\n"
-        "import loongtrain, loongtrain.train.trainer, loongtrain.hf.attention, loongtrain.hf.export\n"
+        "import loongtrain, loongtrain.train.trainer, loongtrain.hf.attention, loongtrain.train.export\n"
         "from loongtrain.cli import build_parser\n"
         "build_parser()\n"
         "from loongtrain.config import ConfigError, load_config\n"
-        "from loongtrain.hf.run import model_config_for\n"
+        "from loongtrain.train.model_setup import model_config_for\n"
         "try:\n"
         "    model_config_for(load_config(None, ['model.init_from=FOLDER_PLACEHOLDER']).model)\n"
         "except ConfigError as e:\n"

@@ -13,10 +13,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from loongtrain.config import load_config
-from loongtrain.hf.export import export_checkpoint, model_config_of_checkpoint
 from loongtrain.hf.folder import INDEX_FILE
-from loongtrain.hf.load import inspect_folder
+from loongtrain.hf.load import read_folder
 from loongtrain.model import build_model
+from loongtrain.train.export import export_checkpoint, model_config_of_checkpoint
 
 from hf_tiny import FAMILIES, add_tokenizer, hf_logits, import_and_checkpoint, make_hf_model, rel_err
 
@@ -112,7 +112,7 @@ def test_export_after_training_loads_in_transformers(dist_pool, tmp_path):
         assert err < 1e-5, f"{family}: rel err {err:.2e}"
         before = hf_logits(source, tokens)
         assert rel_err(before, theirs) > 1e-3, "training must have changed the model"
-        exported_cfg, _ = inspect_folder(out)  # the export re-imports to the trained config
+        exported_cfg = read_folder(out).model  # the export re-imports to the trained config
         assert exported_cfg == cfg
         if EXTENSIONS[family] and "rope_theta" not in EXTENSIONS[family][0]:
             assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == cfg.max_positions

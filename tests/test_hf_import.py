@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loongtrain.hf.load import inspect_folder, load_weights
+from loongtrain.hf.load import load_weights, read_folder
 from loongtrain.hf.weights import parameter_map
 from loongtrain.model import build_model
 
@@ -29,11 +29,11 @@ def _tokens() -> torch.Tensor:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_unsharded_logits_equal_transformers(folders, family):
-    cfg, _ = inspect_folder(folders[family])
+    cfg = read_folder(folders[family]).model
     model = build_model(cfg)
     assert set(parameter_map(cfg)) == {n for n, _ in model.named_parameters()}
     model.to_empty(device="cpu")
-    load_weights(model, folders[family])
+    load_weights(model, read_folder(folders[family]))
     with torch.no_grad():
         ours = model(_tokens(), torch.arange(SEQ))
     err = rel_err(ours, hf_logits(folders[family], _tokens()))
@@ -42,11 +42,12 @@ def test_unsharded_logits_equal_transformers(folders, family):
 
 def test_bfloat16_source_loads_exactly(tmp_path):
     folder = make_hf_model("qwen3", tmp_path / "bf16", dtype=torch.bfloat16)
-    cfg, table = inspect_folder(folder)
+    hf = read_folder(folder)
+    cfg, table = hf.model, hf.table
     assert table["model.norm.weight"].dtype == "bfloat16"
     model = build_model(cfg)
     model.to_empty(device="cpu")
-    load_weights(model, folder)
+    load_weights(model, read_folder(folder))
     with torch.no_grad():
         ours = model(_tokens(), torch.arange(SEQ))
     err = rel_err(ours, hf_logits(folder, _tokens()))  # transformers upcasts the same bf16 values to fp32
@@ -65,7 +66,7 @@ def _sharded_logits(cfg, folder: str, tokens: torch.Tensor) -> torch.Tensor:
     model = build_model(cfg)
     parallelize(model, state, zero="dp_sp")
     model.to_empty(device="cpu")
-    load_weights(model, folder)  # this rank's rows only
+    load_weights(model, read_folder(folder))  # this rank's rows only
     local_rows = model.layers[0].attention.wq.weight.to_local().shape[0]
     shard = shard_microbatch(Microbatch(tokens, tokens), state)
     with torch.no_grad():
@@ -77,7 +78,7 @@ def _sharded_logits(cfg, folder: str, tokens: torch.Tensor) -> torch.Tensor:
 def test_2d_layout_world4_logits_equal_transformers(dist_pool, folders):
     pool = dist_pool(4)
     for family in FAMILIES:
-        cfg, _ = inspect_folder(folders[family])
+        cfg = read_folder(folders[family]).model
         results = pool.run(_sharded_logits, cfg, str(folders[family]), _tokens())
         assert [rows for _, rows in results] == [cfg.n_heads * cfg.head_dim // 4] * 4, "weights must stay sharded"
         ref = hf_logits(folders[family], _tokens())

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from loongtrain.attention import unshard_sequence
 from loongtrain.attention.kernels import block_backward, block_forward
-from loongtrain.bench.common import make_inputs, run_sharded_attention, standard_layouts
+from loongtrain.harness import make_inputs, run_sharded_attention, standard_layouts
 from loongtrain.launch import launch
 from loongtrain.parallel import init_parallel
 

@@ -54,10 +54,9 @@ def parallelize(
     memory = MemoryOptions() if memory is None else memory
     if not isinstance(memory, MemoryOptions):
         raise TypeError(f"parallelize: memory must be a loongtrain.MemoryOptions, got {type(memory).__name__}")
-    check_model_fits(model.config, state.config.hp)
     check_zero_scope(zero)
     zero_mesh(state, zero)  # built by init_parallel for this scope
-    apply_attention(model, state)
+    apply_attention(model, state)  # checks that the heads split over hp, before anything else
     apply_activation_checkpoint(model, memory.activation_checkpoint, memory.activation_checkpoint_every)
     if compile:
         apply_compile(model)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from loongtrain.attention.kernels import block_backward, block_forward
 from loongtrain.attention.replay import RingReplay
-from loongtrain.bench.common import make_inputs, median_time, run_sharded_attention, standard_layouts
+from loongtrain.harness import make_inputs, median_time, run_sharded_attention, standard_layouts
 from loongtrain.launch import launch, under_torchrun
 from loongtrain.parallel import init_parallel
 

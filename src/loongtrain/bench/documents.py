@@ -32,7 +32,7 @@ from loongtrain.attention.documents import range_work
 from loongtrain.attention.mask_plan import BAND, CAUSAL, MaskPlan
 from loongtrain.attention.schedule import ring_source
 from loongtrain.attention.sharding import sequence_sharding
-from loongtrain.bench.common import make_inputs
+from loongtrain.harness import make_inputs
 from loongtrain.launch import launch, under_torchrun
 from loongtrain.parallel import ParallelConfig, init_parallel
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from loongtrain.apply import MemoryOptions, materialize, parallelize
-from loongtrain.bench.common import release_memory
+from loongtrain.harness import release_memory
 from loongtrain.launch import launch
 from loongtrain.model import build_model, model_config
 from loongtrain.parallel import ParallelConfig, init_parallel

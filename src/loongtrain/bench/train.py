@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from loongtrain.bench.common import sync
 from loongtrain.bench.step_profile import PARTS, breakdown, spans_of
 from loongtrain.config import ConfigError, TrainConfig, load_config
+from loongtrain.harness import sync
 from loongtrain.launch import launch
 from loongtrain.train.preflight import preflight
 from loongtrain.train.trainer import Run, build_run, to_device, train_step

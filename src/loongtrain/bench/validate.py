@@ -34,7 +34,7 @@ def _probe(args: argparse.Namespace, gen: torch.Generator) -> tuple[float, float
 
 
 def _validate_rank(device: torch.device, args: argparse.Namespace, cluster: ClusterSpec) -> None:
-    from loongtrain.bench.common import make_inputs, run_sharded_attention
+    from loongtrain.harness import make_inputs, run_sharded_attention
     from loongtrain.parallel import init_parallel
 
     rank, world = dist.get_rank(), dist.get_world_size()

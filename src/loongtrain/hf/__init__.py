@@ -4,9 +4,10 @@
 - :mod:`~loongtrain.hf.weights`: parameter names and the q/k RoPE row order
 - :mod:`~loongtrain.hf.folder`: a local folder's config.json and safetensors tensor table
 - :mod:`~loongtrain.hf.load`: checks and sharded loading into a (FSDP2) model
-- :mod:`~loongtrain.hf.export`: a checkpoint as an HF folder (``loongtrain export``)
 - :mod:`~loongtrain.hf.attention`: 2D head-context attention in transformers' AttentionInterface
-- :mod:`~loongtrain.hf.run`: what the trainer calls for ``[model] init_from``
+
+The trainer's side lives in ``loongtrain.train``: ``model_setup`` (``[model] init_from``) and
+``export`` (a training checkpoint as an HF folder, ``loongtrain export``).
 
 Needs ``pip install 'loongtrain[hf]'`` (transformers, safetensors) when used; importing
 this package does not.

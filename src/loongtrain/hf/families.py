@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from loongtrain.hf.folder import HFFormatError, read_config
+from loongtrain.hf.folder import HFFormatError
 from loongtrain.model.config import ModelConfig, RopeScaling
 
 # model_type -> what the family adds to Llama
@@ -46,13 +46,13 @@ def check_model_type(raw: dict, where: str) -> str:
     return model_type
 
 
-def load_hf_config(folder: str):
-    """transformers' config object for ``folder`` (local files only, no remote code)."""
-    raw = read_config(folder)
-    check_model_type(raw, f"{folder}/config.json")
+def load_hf_config(folder: str, raw: dict):
+    """transformers' config object for ``folder``'s parsed ``config.json`` ``raw`` (its own
+    config class, as ``AutoConfig`` would pick; no file read, no remote code)."""
+    model_type = check_model_type(raw, f"{folder}/config.json")
     transformers = require_transformers()
     try:
-        return transformers.AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+        return transformers.CONFIG_MAPPING[model_type].from_dict(raw)
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds
         raise HFFormatError(f"transformers cannot read {folder}/config.json: {e}") from None
 

@@ -94,11 +94,19 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
     except (OSError, ValueError) as e:
         raise HFFormatError(f"{path} is not a readable safetensors file: {e}") from None
     entries = {}
+    data_end = 0
     for name, info in header.items():
         if name == "__metadata__":
             continue
         dtype = DTYPES.get(info.get("dtype"), str(info.get("dtype")))
         entries[name] = TensorEntry(file=path, shape=tuple(info["shape"]), dtype=dtype)
+        data_end = max(data_end, int(info.get("data_offsets", (0, 0))[1]))
+    size, needed = path.stat().st_size, 8 + length + data_end
+    if size < needed:
+        raise HFFormatError(
+            f"{path} is truncated: its header describes {needed} bytes but the file has {size} (an interrupted "
+            "copy or download?); copy the file again"
+        )
     return entries
 
 

@@ -17,7 +17,9 @@ group, and every check runs on the file headers before anything is read.
 
 from __future__ import annotations
 
+import functools
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -80,17 +82,33 @@ def check_tensors(folder: str | Path, table: dict[str, TensorEntry], cfg: ModelC
             )
 
 
-def inspect_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, TensorEntry]]:
-    """Read and check a HF folder completely (config and tensor table, no tensor data).
+@dataclass(frozen=True)
+class HFFolder:
+    """A local Hugging Face folder, read and checked completely (no tensor data): its parsed
+    ``config.json``, the loongtrain model it describes and its safetensors tensor table."""
 
-    Returns the model config and the tensor table; raises HFFormatError with the fix.
-    """
-    folder = str(folder)
-    raw = read_config(folder)
-    cfg = model_config_from_hf(load_hf_config(folder))
-    table = read_tensor_table(folder)
-    check_tensors(folder, table, cfg, declared_dtype(raw))
-    return cfg, table
+    path: str
+    raw_config: dict
+    model: ModelConfig
+    table: dict[str, TensorEntry]
+
+
+@functools.lru_cache(maxsize=4)
+def _read_folder(path: str, stamp: tuple) -> HFFolder:
+    raw = read_config(path)
+    cfg = model_config_from_hf(load_hf_config(path, raw))
+    table = read_tensor_table(path)
+    check_tensors(path, table, cfg, declared_dtype(raw))
+    return HFFolder(path, raw, cfg, table)
+
+
+def read_folder(folder: str | Path) -> HFFolder:
+    """``folder`` read and checked once per process (again only if its files change); raises
+    HFFormatError naming the file and the fix."""
+    path = Path(folder)
+    files = sorted(path.glob("*.json")) + sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    stamp = tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in files)
+    return _read_folder(str(path), stamp)
 
 
 def _read_rows(entry: TensorEntry, name: str, rows: torch.Tensor) -> torch.Tensor:
@@ -106,18 +124,15 @@ def _read_rows(entry: TensorEntry, name: str, rows: torch.Tensor) -> torch.Tenso
 
 
 @torch.no_grad()
-def load_weights(model: torch.nn.Module, folder: str | Path, table: dict[str, TensorEntry] | None = None) -> None:
-    """Fill ``model`` (materialised, possibly FSDP-sharded) from the HF ``folder``.
+def load_weights(model: torch.nn.Module, folder: HFFolder) -> None:
+    """Fill ``model`` (materialised, possibly FSDP-sharded) from the HF ``folder`` (from
+    :func:`read_folder`, whose checks ran on the file headers before anything is read).
 
-    Every rank reads only the rows of its own shards; no communication. ``table`` is the
-    folder's tensor table (from :func:`inspect_folder`); if None it is read and checked
-    against ``model.config`` (file headers only, so a bad folder raises on every rank
-    before any tensor is touched).
+    Every rank reads only the rows of its own shards; no communication.
     """
     cfg: ModelConfig = model.config
-    if table is None:
-        table = read_tensor_table(folder)
-        check_tensors(folder, table, cfg, declared_dtype(read_config(folder)))
+    check_tensors(folder.path, folder.table, cfg, declared_dtype(folder.raw_config))
+    table = folder.table
     mapping = parameter_map(cfg)
     for name, param in model.named_parameters():
         target_map = mapping[name]

@@ -16,19 +16,26 @@ from loongtrain.attention.sharding import check_sequence_length
 from loongtrain.config import ConfigError, OptimSection, TrainConfig
 from loongtrain.data import PackedRecallTask, RecallTask, TokenFile, TokenFileError, TokenFileSource
 from loongtrain.data.loader import rows_per_microbatch
-from loongtrain.hf.run import model_config_for
 from loongtrain.launch import check_device
 from loongtrain.model import ModelConfig
+from loongtrain.options import MemoryOptions
 from loongtrain.parallel import ParallelConfig
 from loongtrain.train.checkpoint import CheckpointManager, check_model_shape
+from loongtrain.train.model_setup import model_config_for
+
+PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
 class RunSpec:
-    """What :func:`preflight` resolved from a config for one world size."""
+    """What :func:`preflight` resolved from a config for one world size: what ``build_run``
+    builds the parallel model from (the config's other sections are read as they are)."""
 
     parallel: ParallelConfig
     model: ModelConfig
+    memory: MemoryOptions
+    param_dtype: torch.dtype  # compute dtype of the parameters (fp32 master copy kept)
+    init_from: str  # a Hugging Face folder the weights come from, or "" (random initial weights)
     task: RecallTask | PackedRecallTask | None  # the synthetic task, or None for a token file
 
 
@@ -118,4 +125,7 @@ def preflight(cfg: TrainConfig, world_size: int, local_world_size: int | None = 
         newest = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep).newest_readable()
         if newest is not None:
             check_model_shape(newest[1], newest[2], model_shape(mcfg))
-    return RunSpec(parallel=layout, model=mcfg, task=None if isinstance(source, TokenFileSource) else source)
+    return RunSpec(
+        parallel=layout, model=mcfg, memory=cfg.memory.options(), param_dtype=PARAM_DTYPES[cfg.parallel.param_dtype],
+        init_from=cfg.model.init_from, task=None if isinstance(source, TokenFileSource) else source,
+    )  # fmt: skip

@@ -24,7 +24,6 @@ import torch.distributed as dist
 from loongtrain.apply import parallelize
 from loongtrain.config import ConfigError, TrainConfig, to_toml
 from loongtrain.data import BatchLoader
-from loongtrain.hf.run import init_weights
 from loongtrain.model import build_model
 from loongtrain.parallel import ParallelState, init_parallel
 from loongtrain.train.checkpoint import CheckpointManager
@@ -37,6 +36,7 @@ from loongtrain.train.metrics import (
     peak_memory_bytes,
     reset_peak_memory,
 )
+from loongtrain.train.model_setup import init_weights
 from loongtrain.train.preflight import RunSpec, build_optimizer, make_source, model_shape, preflight
 from loongtrain.train.report import Reporter, StepMetrics
 from loongtrain.train.run_folder import METRICS_FILE, RunStart, start_run, trim_metrics
@@ -44,8 +44,6 @@ from loongtrain.train.schedule import lr_at
 from loongtrain.train.step import forward_backward
 
 __all__ = ["Run", "RunSpec", "StepOutput", "TrainResult", "build_run", "preflight", "train", "train_step"]
-
-PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 Beat = Callable[[int, str], None]  # the watchdog's progress(step, phase)
 
@@ -111,14 +109,13 @@ def build_run(device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat 
     state = init_parallel(
         spec.parallel, device=device, verify_inputs=cfg.parallel.verify_inputs, zero_scopes=(cfg.parallel.zero,)
     )  # only the mesh this run shards over
-    param_dtype = PARAM_DTYPES[cfg.parallel.param_dtype]
     model = build_model(spec.model)
     parallelize(
-        model, state, memory=cfg.memory.options(), zero=cfg.parallel.zero,
-        param_dtype=None if param_dtype == torch.float32 else param_dtype,
+        model, state, memory=spec.memory, zero=cfg.parallel.zero,
+        param_dtype=None if spec.param_dtype == torch.float32 else spec.param_dtype,
         reshard_after_forward=cfg.parallel.reshard_after_forward, compile=cfg.run.compile,
     )  # fmt: skip
-    init_weights(model, device, cfg.model, run_dir, seed=cfg.run.seed)  # random, or the init_from HF weights
+    init_weights(model, device, spec.init_from, run_dir, seed=cfg.run.seed)  # random, or the init_from HF weights
     optimizer = build_optimizer(model.parameters(), cfg.optim)
     loader = BatchLoader(
         make_source(cfg), cfg.data.global_batch, cfg.data.micro_batches, state.dp, state.coords.dp,
@@ -179,7 +176,7 @@ class StepOutput:
     grad_norm: float
 
 
-def grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     """Clip the global gradient norm to ``max_norm`` (0: no clipping); returns the norm before clipping."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
     if hasattr(norm, "full_tensor"):
@@ -196,7 +193,7 @@ def train_step(
     for group in optimizer.param_groups:
         group["lr"] = lr
     result = forward_backward(model, state, microbatches)
-    norm = grad_norm(model, grad_clip)
+    norm = clip_grad_norm(model, grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return StepOutput(loss=result.loss, accuracy=result.accuracy, grad_norm=norm)
@@ -251,7 +248,7 @@ def train(device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat | No
             reporter.say(describe(run))
         world = dist.get_world_size()
         tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
-        peak = r.peak_tflops or device_peak_tflops(device, PARAM_DTYPES[cfg.parallel.param_dtype])
+        peak = r.peak_tflops or device_peak_tflops(device, spec.param_dtype)
         losses: list[float] = []
         step_times: list[float] = []
         wall0 = time.perf_counter()

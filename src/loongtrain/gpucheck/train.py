@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from loongtrain.apply import MemoryOptions, materialize, parallelize
-from loongtrain.bench.common import median_time, sync
 from loongtrain.config import OptimSection
+from loongtrain.harness import median_time, sync
 from loongtrain.model import ModelConfig, build_model
 from loongtrain.parallel import ParallelConfig, ParallelState, init_parallel
 from loongtrain.planner import Candidate, ClusterSpec, PlanError, Workload, cluster_spec, estimate
@@ -121,7 +121,7 @@ def measure_training_step(
 ) -> dict:
     """Build, time ``steps`` training steps after ``warmup`` ones, and report throughput and memory.
 
-    The model and optimizer are freed when this returns; call :func:`~loongtrain.bench.common.release_memory` then."""
+    The model and optimizer are freed when this returns; call :func:`~loongtrain.harness.release_memory` then."""
     model = build_model(cfg)
     parallelize(
         model,

@@ -1,4 +1,6 @@
-"""Pieces shared by the demo and the benchmarks: named layouts and timed attention runs."""
+"""Running the distributed attention outside training, shared by the demo, the benchmarks,
+the calibration and the GPU check: named standard layouts, same-seed inputs, timed sharded
+runs, device synchronisation and releasing memory between measurements."""
 
 from __future__ import annotations
 

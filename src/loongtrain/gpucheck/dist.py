@@ -20,8 +20,8 @@ from torch.distributed.tensor import DTensor
 
 import loongtrain as lt
 from loongtrain.apply import MemoryOptions, materialize, parallelize
-from loongtrain.bench.common import NamedLayout, make_inputs, standard_layouts
-from loongtrain.bench.gpu_check_kernels import float64_attention, relative_error, tolerance, visibility
+from loongtrain.gpucheck.kernels import float64_attention, relative_error, tolerance, visibility
+from loongtrain.harness import NamedLayout, make_inputs, standard_layouts
 from loongtrain.model import ModelConfig, build_model
 from loongtrain.parallel import ParallelConfig
 from loongtrain.train.step import forward_backward, lm_loss_sum

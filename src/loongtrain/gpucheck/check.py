@@ -1,4 +1,4 @@
-"""``loongtrain bench gpu-check`` (``scripts/gpu_check.sh``): one command that runs every
+"""``loongtrain gpu-check`` (``scripts/gpu_check.sh``): one command that runs every
 device path of loongtrain and prints one table (also written as JSON).
 
 1. kernels: every installed block-attention backend (CUDA: PyTorch's SDPA flash and
@@ -36,10 +36,9 @@ from pathlib import Path
 import torch
 
 from loongtrain.bench.attention import decomposition_overhead
-from loongtrain.bench.common import release_memory
-from loongtrain.bench.gpu_check_dist import DistSizes, run_dist_checks
-from loongtrain.bench.gpu_check_kernels import check_case, installed_backends, kernel_grid, kernel_name, tolerance
-from loongtrain.bench.gpu_check_train import (
+from loongtrain.gpucheck.dist import DistSizes, run_dist_checks
+from loongtrain.gpucheck.kernels import check_case, installed_backends, kernel_grid, kernel_name, tolerance
+from loongtrain.gpucheck.train import (
     Peak,
     TrainCase,
     measure_training_step,
@@ -48,6 +47,7 @@ from loongtrain.bench.gpu_check_train import (
     predict_step,
     stated_peak,
 )
+from loongtrain.harness import release_memory
 from loongtrain.launch import launch, under_torchrun
 from loongtrain.model import ModelConfig, model_config
 from loongtrain.planner.report import format_length
@@ -438,7 +438,7 @@ def resolve_device(name: str) -> torch.device:
     """``auto``: CUDA if a GPU is visible, else CPU; ``cuda`` without one is an error."""
     if name == "cuda" and not torch.cuda.is_available():
         raise SystemExit(
-            "loongtrain bench gpu-check: error: --device cuda but no CUDA device is visible "
+            "loongtrain gpu-check: error: --device cuda but no CUDA device is visible "
             f"(torch {torch.__version__}); run with --device cpu for the CPU check at tiny sizes"
         )
     if name == "auto":
@@ -448,7 +448,7 @@ def resolve_device(name: str) -> torch.device:
 
 def main(args: argparse.Namespace) -> None:
     if under_torchrun():
-        raise SystemExit("loongtrain bench gpu-check: error: run it without torchrun; it starts its own ranks")
+        raise SystemExit("loongtrain gpu-check: error: run it without torchrun; it starts its own ranks")
     device = resolve_device(args.device)
     profile = PROFILES[device.type]
     if args.compile is None:

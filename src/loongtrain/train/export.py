@@ -30,10 +30,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from loongtrain.hf.families import hf_config_dict, require_transformers
 from loongtrain.hf.folder import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, HFFormatError
-from loongtrain.hf.run import SOURCE_DIR
 from loongtrain.hf.weights import inverse_order, parameter_map, rope_row_order
 from loongtrain.model.config import ModelConfig, RopeScaling
 from loongtrain.train.checkpoint import STATE_FILE
+from loongtrain.train.model_setup import SOURCE_DIR
 
 MODEL_PREFIX = "model."  # the checkpoint holds {"model": ..., "optim": ...}
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -1,6 +1,6 @@
-"""The two calls the trainer makes for ``[model]``: the run's ``ModelConfig`` (a preset,
-or a Hugging Face folder with ``init_from``, then the context-extension keys) and its
-initial weights (layout-independent random values, or the HF folder's weights).
+"""The run's model from ``[model]``: its ``ModelConfig`` (a preset, or a Hugging Face folder
+with ``init_from``, then the context-extension keys) and its initial weights
+(layout-independent random values, or the HF folder's weights).
 
 Importing this module needs neither transformers nor safetensors; only ``init_from`` does.
 """
@@ -24,9 +24,9 @@ def model_config_for(section: ModelSection) -> ModelConfig:
     """The run's model: ``section.init_from``'s config (checked with its weights' table) or the
     preset with its overrides, then the RoPE keys. Raises ConfigError; needs no process group."""
     if section.init_from:
-        from loongtrain.hf.load import inspect_folder
+        from loongtrain.hf.load import read_folder
 
-        base, _ = inspect_folder(section.init_from)
+        base = read_folder(section.init_from).model
         if section.sliding_window:
             base = dataclasses.replace(base, sliding_window=section.sliding_window)
     else:
@@ -43,18 +43,17 @@ def model_config_for(section: ModelSection) -> ModelConfig:
         raise ConfigError(str(e)) from None
 
 
-def init_weights(
-    model: torch.nn.Module, device: torch.device, section: ModelSection, run_dir: str | Path, seed: int
-) -> None:
-    """Materialise ``model`` (built on meta, possibly FSDP-sharded) on ``device``: from
-    ``section.init_from`` (each rank reads its own shards; rank 0 keeps the folder's
-    config and tokenizer files in ``<run_dir>/hf-source`` for export), else ``materialize``."""
-    if not section.init_from:
+def init_weights(model: torch.nn.Module, device: torch.device, init_from: str, run_dir: str | Path, seed: int) -> None:
+    """Materialise ``model`` (built on meta, possibly FSDP-sharded) on ``device``: from the
+    Hugging Face folder ``init_from`` (each rank reads its own shards; rank 0 keeps the
+    folder's config and tokenizer files in ``<run_dir>/hf-source`` for export), else random
+    layout-independent values (``materialize``)."""
+    if not init_from:
         materialize(model, device, seed=seed)
         return
-    from loongtrain.hf.load import keep_companion_files, load_weights
+    from loongtrain.hf.load import keep_companion_files, load_weights, read_folder
 
     model.to_empty(device=device)
-    load_weights(model, section.init_from)
+    load_weights(model, read_folder(init_from))
     if not dist.is_initialized() or dist.get_rank() == 0:
-        keep_companion_files(section.init_from, Path(run_dir) / SOURCE_DIR)
+        keep_companion_files(init_from, Path(run_dir) / SOURCE_DIR)

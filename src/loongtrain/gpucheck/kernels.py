@@ -21,7 +21,7 @@ from loongtrain.attention.blocks import band_mask
 from loongtrain.attention.kernels import BlockBackend, CpuFlashBackend, CudaSdpaBackend, FlashAttnBackend, backend_for
 from loongtrain.attention.mask_plan import BAND, Call
 from loongtrain.attention.merge import merge_into
-from loongtrain.bench.common import make_inputs
+from loongtrain.harness import make_inputs
 
 Tensor = torch.Tensor
 
