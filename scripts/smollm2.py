@@ -238,21 +238,22 @@ def check(folder: Path, question: str, max_new_tokens: int) -> None:
     print(f"  transformers, greedy: {question!r} -> {answer!r}")
 
     from loongtrain.hf.folder import HFFormatError
-    from loongtrain.hf.load import inspect_folder, load_weights
+    from loongtrain.hf.load import load_weights, read_folder
     from loongtrain.model import build_model
 
     try:
-        cfg, table = inspect_folder(folder)
+        hf = read_folder(folder)
+        cfg, table = hf.model, hf.table
     except HFFormatError as e:
         raise SystemExit(f"loongtrain's importer refuses {folder}: {e}") from None
     print(
-        f"  loongtrain inspect_folder: accepted ({len(table)} tensors; dim {cfg.dim}, {cfg.n_layers} layers, "
+        f"  loongtrain read_folder: accepted ({len(table)} tensors; dim {cfg.dim}, {cfg.n_layers} layers, "
         f"{cfg.n_heads}/{cfg.n_kv_heads} heads, vocab {cfg.vocab_size}, tied {cfg.tie_embeddings}, "
         f"rope theta {cfg.rope_theta:g}, max positions {cfg.max_positions})"
     )
     ours = build_model(cfg)
     ours.to_empty(device="cpu")
-    load_weights(ours, folder, table)
+    load_weights(ours, hf)
     with torch.no_grad():
         got = ours(tokens, torch.arange(tokens.shape[1])).double()
     want = _logits(model, tokens).double()

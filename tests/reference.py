@@ -64,3 +64,11 @@ def attention_with_grads(q, k, v, dout, causal: bool, scale: float, keep: torch.
     out = reference_attention(q, k, v, causal, scale, keep)
     out.backward(dout.double())
     return out.detach(), q.grad, k.grad, v.grad
+
+
+def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross entropy (float32) of full logits over labels != -100: the
+    reference the model's chunked loss is compared with."""
+    return torch.nn.functional.cross_entropy(
+        logits.flatten(0, -2).float(), labels.flatten(), ignore_index=-100, reduction="sum"
+    )

@@ -16,9 +16,10 @@ import torch
 from loongtrain.apply import MemoryOptions, materialize, parallelize
 from loongtrain.data.batch import Microbatch
 from loongtrain.model import build_model, model_config
-from loongtrain.train.step import lm_loss_sum, shard_microbatch
+from loongtrain.train.step import shard_microbatch
 
 from dist_pool import cached_state
+from reference import lm_loss_sum
 
 
 def _backward_counts(cfg: dict, mode: str, every: int) -> dict:

@@ -20,10 +20,10 @@ from loongtrain.apply import MemoryOptions, materialize, parallelize
 from loongtrain.attention import sequence_layout
 from loongtrain.data.batch import Microbatch
 from loongtrain.model import build_model, model_config
-from loongtrain.train.step import forward_backward, lm_loss_sum
+from loongtrain.train.step import forward_backward
 
 from dist_pool import cached_state
-from reference import visibility
+from reference import lm_loss_sum, visibility
 
 SEED = 5
 

@@ -97,10 +97,10 @@ def test_rebuild_is_strict(tmp_path):
 
 def test_loongtrain_importer_accepts_the_rebuilt_folder(tmp_path):
     smollm2 = _script("smollm2")
-    from loongtrain.hf.load import inspect_folder
+    from loongtrain.hf.load import read_folder
 
     out = smollm2.write_plain_folder(_tiny_llama(tie=True), None, tmp_path / "plain")
-    cfg, _ = inspect_folder(out)
+    cfg = read_folder(out).model
     assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.tie_embeddings) == (32, 2, 4, 2, True)
 
 

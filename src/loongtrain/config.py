@@ -134,12 +134,26 @@ class MemorySection:
         ACTIVATION_CHECKPOINT_MODES,
     )
     activation_checkpoint_every: int = _f(1, "activation-checkpoint every k-th layer")
+    loss_chunk: int = _f(
+        1024, "tokens of logits at a time in the loss (output layer + cross entropy); 0: the whole shard at once"
+    )
+    mlp_tile: int = _f(0, "run the MLP over sequence tiles of this many tokens, recomputed per tile (0: off)")
+    offload_activations: bool = _f(
+        False, "keep what activation checkpointing saves per layer in host memory between forward and backward"
+    )
+    offload_states: bool = _f(
+        False, "keep parameters, gradients and optimizer states in host memory (FSDP2 CPU offload; CPU optimizer)"
+    )
 
     def options(self) -> MemoryOptions:
         """These keys as the :class:`MemoryOptions` that ``parallelize`` takes."""
         return MemoryOptions(
             activation_checkpoint=self.activation_checkpoint,  # type: ignore[arg-type]  # checked by validate
             activation_checkpoint_every=self.activation_checkpoint_every,
+            loss_chunk=self.loss_chunk,
+            mlp_tile=self.mlp_tile,
+            offload_activations=self.offload_activations,
+            offload_states=self.offload_states,
         )
 
 
@@ -340,6 +354,7 @@ def validate(cfg: TrainConfig) -> None:
         ),  # fmt: skip
         "run": ("eval_every", "peak_tflops"),
         "parallel": ("dp",),
+        "memory": ("loss_chunk", "mlp_tile"),
         "optim": ("warmup_steps", "weight_decay", "grad_clip", "min_lr_ratio"),
         "checkpoint": ("every",),
     }
@@ -359,6 +374,17 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.parallel.cp % cfg.parallel.ring_window:
         raise ConfigError(
             f"parallel.cp={cfg.parallel.cp} is not divisible by parallel.ring_window={cfg.parallel.ring_window}"
+        )
+    if cfg.memory.offload_activations and cfg.memory.activation_checkpoint == "none":
+        raise ConfigError(
+            "memory.offload_activations=true moves what activation checkpointing keeps, but "
+            "memory.activation_checkpoint='none' keeps nothing; set memory.activation_checkpoint to full or sc++"
+        )
+    if cfg.run.compile and (cfg.memory.offload_activations or cfg.memory.mlp_tile):
+        on = "memory.offload_activations" if cfg.memory.offload_activations else "memory.mlp_tile"
+        raise ConfigError(
+            f"run.compile=true cannot compile blocks with {on} (host copies and per-tile recompute run outside "
+            f"a compiled graph); turn one of them off"
         )
     if cfg.data.source == "tokens" and not cfg.data.path:
         raise ConfigError("data.source='tokens' needs data.path (a token file from `loongtrain prepare`)")

@@ -52,10 +52,31 @@ class MemoryOptions:
             distributed attention included) or ``"sc++"`` (recompute the block but keep the
             attention's results: Selective Checkpoint++).
         activation_checkpoint_every: checkpoint layers ``0, k, 2k, ...``.
+        loss_chunk: the output layer and cross entropy run over chunks of this many tokens,
+            one chunk's logits alive at a time (0: all of the rank's tokens at once).
+        mlp_tile: the SwiGLU MLP runs over sequence tiles of this many tokens, recomputed per
+            tile in backward (0: off).
+        offload_activations: what activation checkpointing keeps per layer lives in host
+            memory between the layer's forward and its backward (needs ``full`` or ``sc++``).
+        offload_states: parameters, gradients and optimizer states live in host memory
+            (FSDP2's ``CPUOffloadPolicy``; the optimizer steps on the CPU).
     """
 
     activation_checkpoint: ActivationCheckpoint = "none"
     activation_checkpoint_every: int = 1
+    loss_chunk: int = 1024
+    mlp_tile: int = 0
+    offload_activations: bool = False
+    offload_states: bool = False
 
     def __post_init__(self) -> None:
         check_activation_checkpoint(self.activation_checkpoint, self.activation_checkpoint_every)
+        for name in ("loss_chunk", "mlp_tile"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"MemoryOptions: {name}={value!r} must be 0 (off) or a positive number of tokens")
+        if self.offload_activations and self.activation_checkpoint == "none":
+            raise ValueError(
+                "MemoryOptions: offload_activations moves what activation checkpointing keeps, and "
+                "activation_checkpoint='none' keeps nothing to move; use 'full' or 'sc++'"
+            )

@@ -1,9 +1,11 @@
 """Apply parallelism and memory options to a model, in one readable order:
 
 1. attention wiring (2D head-context attention on the ParallelState),
-2. activation checkpointing (none / full / sc++, every k-th layer),
+2. the memory options (chunked loss, tiled MLP) and activation checkpointing (none / full /
+   sc++, every k-th layer, what it keeps optionally offloaded to host memory),
 3. ``torch.compile`` of each block, when asked (the attention ops stay opaque),
-4. hybrid ZeRO (FSDP2 over the chosen scope, optional bf16 compute).
+4. hybrid ZeRO (FSDP2 over the chosen scope, optional bf16 compute, states optionally in
+   host memory).
 
 The model is built on the meta device first and materialised afterwards with
 :func:`materialize`, so no rank ever holds the full unsharded model. :func:`parallelize`
@@ -18,6 +20,7 @@ from loongtrain.apply.activation_checkpoint import apply_activation_checkpoint
 from loongtrain.apply.attention import apply_attention, check_model_fits
 from loongtrain.apply.compile import apply_compile
 from loongtrain.apply.init import materialize
+from loongtrain.apply.offload import ActivationOffload
 from loongtrain.apply.zero import apply_zero, zero_mesh
 from loongtrain.model.llama import Transformer
 from loongtrain.options import MemoryOptions, check_zero_scope
@@ -28,6 +31,7 @@ __all__ = [
     "apply_activation_checkpoint",
     "apply_attention",
     "apply_compile",
+    "apply_memory_options",
     "apply_zero",
     "check_model_fits",
     "materialize",
@@ -56,9 +60,23 @@ def parallelize(
         raise TypeError(f"parallelize: memory must be a loongtrain.MemoryOptions, got {type(memory).__name__}")
     check_zero_scope(zero)
     zero_mesh(state, zero)  # built by init_parallel for this scope
+    if compile and (memory.offload_activations or memory.mlp_tile):
+        raise ValueError("parallelize: compile=True cannot compile blocks with activation offload or a tiled MLP")
     apply_attention(model, state)  # checks that the heads split over hp, before anything else
-    apply_activation_checkpoint(model, memory.activation_checkpoint, memory.activation_checkpoint_every)
+    apply_memory_options(model, memory)
+    offload = ActivationOffload(state.device) if memory.offload_activations else None
+    apply_activation_checkpoint(model, memory.activation_checkpoint, memory.activation_checkpoint_every, offload)
     if compile:
         apply_compile(model)
-    apply_zero(model, state, zero, param_dtype=param_dtype, reshard_after_forward=reshard_after_forward)
+    apply_zero(
+        model, state, zero, param_dtype=param_dtype, reshard_after_forward=reshard_after_forward,
+        offload_states=memory.offload_states,
+    )  # fmt: skip
     return model
+
+
+def apply_memory_options(model: Transformer, memory: MemoryOptions) -> None:
+    """The model-side memory options: the chunked loss and the tiled MLP."""
+    model.loss_chunk = memory.loss_chunk
+    for layer in model.layers:
+        layer.feed_forward.tile = memory.mlp_tile

@@ -17,6 +17,7 @@ import types
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from loongtrain.apply.offload import ActivationOffload, LayerStash
 from loongtrain.attention.ops import ATTENTION_OPS
 from loongtrain.model.llama import Transformer
 from loongtrain.options import check_activation_checkpoint
@@ -48,23 +49,53 @@ def _sc_plus_plus_context():
     return create_selective_checkpoint_contexts(_keep_attention)
 
 
-def apply_activation_checkpoint(model: Transformer, mode: str, every: int = 1) -> None:
-    """Checkpoint layers ``0, every, 2*every, ...`` with ``mode``.
+def _sc_plus_plus_offloading(stash: LayerStash):
+    """The sc++ policy, handing every result it keeps to ``stash`` (moved to host memory)."""
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        decision = _keep_attention(ctx, op)
+        if decision is CheckpointPolicy.MUST_SAVE and not ctx.is_recompute:
+            outputs = ctx.op_output if isinstance(ctx.op_output, tuple | list) else (ctx.op_output,)
+            for t in outputs:
+                if isinstance(t, torch.Tensor):
+                    stash.keep(t)
+        return decision
+
+    return lambda: create_selective_checkpoint_contexts(policy)
+
+
+def apply_activation_checkpoint(
+    model: Transformer, mode: str, every: int = 1, offload: ActivationOffload | None = None
+) -> None:
+    """Checkpoint layers ``0, every, 2*every, ...`` with ``mode``; with ``offload``, what each
+    checkpointed layer keeps (its input; under sc++ also the attention results) lives in
+    host memory between its forward and its backward (:mod:`loongtrain.apply.offload`).
 
     The block's ``forward`` is wrapped in place (parameter names do not change, so
     checkpoints load across modes).
     """
     check_activation_checkpoint(mode, every)
     if mode == "none":
+        if offload is not None:
+            raise ValueError(
+                "activation offload moves what activation checkpointing keeps; with activation_checkpoint='none' "
+                "there is nothing to move: use 'full' or 'sc++'"
+            )
         return
-    context_fn = _sc_plus_plus_context if mode == "sc++" else None
     for index, layer in enumerate(model.layers):
         if index % every != 0:
             continue
         inner = layer.forward
 
-        def forward(self, *args, _inner=inner):
-            kwargs = {"context_fn": context_fn} if context_fn is not None else {}
-            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+        def forward(self, x, *args, _inner=inner, _first=index == 0):
+            if offload is None:
+                kwargs = {"context_fn": _sc_plus_plus_context} if mode == "sc++" else {}
+                return checkpoint(_inner, x, *args, use_reentrant=False, **kwargs)
+            stash = offload.new_stash(first_layer=_first)
+            kwargs = {"context_fn": _sc_plus_plus_offloading(stash)} if mode == "sc++" else {}
+            with offload.saving(stash, x):
+                out = checkpoint(_inner, x, *args, use_reentrant=False, **kwargs)
+            stash.forward_done()
+            return out
 
         layer.forward = types.MethodType(forward, layer)

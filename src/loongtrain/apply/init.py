@@ -29,13 +29,21 @@ def local_part(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return local
 
 
+def states_device(model: torch.nn.Module, device: torch.device) -> torch.device:
+    """Where ``model``'s (sharded) parameters live: the host when ``apply_zero`` offloaded the
+    model states, else ``device``."""
+    return torch.device("cpu") if getattr(model, "offload_states", False) else torch.device(device)
+
+
 @torch.no_grad()
 def materialize(model: Transformer, device: torch.device, seed: int = 0) -> None:
-    """Allocate ``model`` (possibly FSDP-sharded, on meta) on ``device`` and initialise it.
+    """Allocate ``model`` (possibly FSDP-sharded, on meta) on ``device`` (on the host when its
+    states are offloaded) and initialise it.
 
     Every parameter gets ``init_value(name, seed)``, a function of its name and the seed
     alone, so any parallel layout starts from the same weights as the unsharded model.
     """
+    device = states_device(model, device)
     model.to_empty(device=device)
     for name, param in model.named_parameters():
         full = init_value(model.config, name, param.shape, seed, device)

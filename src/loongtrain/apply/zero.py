@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from loongtrain.model.llama import Transformer
 from loongtrain.options import check_zero_scope
@@ -43,6 +43,7 @@ def apply_zero(
     *,
     param_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
+    offload_states: bool = False,
 ) -> None:
     """Shard ``model`` with FSDP2 (each block, then the root).
 
@@ -50,15 +51,22 @@ def apply_zero(
     sharded fp32 parameters stay the master copy; gradients are reduced in fp32.
     ``reshard_after_forward=False`` keeps gathered parameters from forward to backward
     (ZeRO-2-like: less communication, more memory); ``True`` is ZeRO-3.
+    ``offload_states`` keeps the sharded parameters and gradients (and so the optimizer
+    states, built from them) in host memory: FSDP2's ``CPUOffloadPolicy``, pinned where an
+    accelerator is present; the optimizer then steps on the CPU.
     """
     check_zero_scope(scope)
     mesh = zero_mesh(state, scope)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    extra = {}
+    if offload_states:
+        extra["offload_policy"] = CPUOffloadPolicy(pin_memory=state.device.type != "cpu")
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, **extra)
     # the root keeps its parameters (embeddings, final norm, output) gathered after
     # forward: backward needs them first
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, **extra)
+    model.offload_states = offload_states  # materialize and the loaders allocate the states on the host then
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

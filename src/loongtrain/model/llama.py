@@ -28,7 +28,9 @@ from torch import nn
 from loongtrain.attention.layout import SequenceLayout
 from loongtrain.attention.local import masked_attention
 from loongtrain.model.config import ModelConfig, RopeScaling
+from loongtrain.model.loss import lm_loss, token_scores
 from loongtrain.model.rope import rope_frequencies
+from loongtrain.model.tiled_mlp import tiled_swiglu
 
 Tensor = torch.Tensor
 AttentionFn = Callable[..., Tensor]
@@ -105,16 +107,17 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU: w2(silu(w1 x) * w3 x); over sequence tiles of ``tile`` tokens when set (0: off)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
         self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.tile = 0
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return tiled_swiglu(x, self.w1.weight, self.w3.weight, self.w2.weight, self.tile)
 
 
 class TransformerBlock(nn.Module):
@@ -135,7 +138,10 @@ class Transformer(nn.Module):
 
     ``layout``: the :class:`~loongtrain.attention.layout.SequenceLayout` of the whole
     sequence (its packed documents, and how the tokens were sharded when the model runs on
-    shards), or None for one causal sequence.
+    shards), or None for one causal sequence. With ``labels`` [B, S] the model returns the
+    loss instead of the logits, ``loss_chunk`` tokens of logits at a time
+    (:mod:`loongtrain.model.loss`): ``reduction="sum"`` gives ``(summed loss, correct
+    predictions)``, ``"none"`` per-token ``(loss, correct)`` without gradients (evaluation).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -145,8 +151,16 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.loss_chunk = 0  # tokens of logits at a time in the loss (0: all at once)
 
-    def forward(self, tokens: Tensor, positions: Tensor, layout: SequenceLayout | None = None) -> Tensor:
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        layout: SequenceLayout | None = None,
+        labels: Tensor | None = None,
+        reduction: str = "sum",
+    ) -> Tensor | tuple[Tensor, Tensor]:
         if positions.dim() == 1:
             positions = positions.unsqueeze(0)
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
@@ -155,7 +169,13 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin, layout)
         h = self.norm(h)
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return F.linear(h, weight)
+        if labels is None:
+            return F.linear(h, weight)
+        if reduction == "none":
+            return token_scores(h, weight, labels, self.loss_chunk)
+        if reduction != "sum":
+            raise ValueError(f"reduction={reduction!r}: use 'sum' (training) or 'none' (per-token scores)")
+        return lm_loss(h, weight, labels, self.loss_chunk)
 
 
 def _param_seed(seed: int, name: str) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from loongtrain.apply.init import materialize
+from loongtrain.apply.init import materialize, states_device
 from loongtrain.config import ConfigError, ModelSection
 from loongtrain.model.config import ModelConfig, extend_context, model_config
 
@@ -53,7 +53,7 @@ def init_weights(model: torch.nn.Module, device: torch.device, init_from: str, r
         return
     from loongtrain.hf.load import keep_companion_files, load_weights, read_folder
 
-    model.to_empty(device=device)
+    model.to_empty(device=states_device(model, device))
     load_weights(model, read_folder(init_from))
     if not dist.is_initialized() or dist.get_rank() == 0:
         keep_companion_files(init_from, Path(run_dir) / SOURCE_DIR)

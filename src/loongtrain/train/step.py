@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from loongtrain.attention.comm import all_gather_flat
 from loongtrain.attention.layout import SequenceLayout, sequence_layout, shard_sequence
@@ -41,11 +40,6 @@ def shard_microbatch(batch: Microbatch, state: ParallelState) -> ShardedBatch:
         return shard_sequence(x, state, layout=layout)
 
     return ShardedBatch(shard(batch.tokens), shard(batch.labels), shard(batch.positions()), layout)
-
-
-def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross entropy (float32) over labels != IGNORE_INDEX."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def batch_signature(batches: list[Microbatch]) -> int:
@@ -126,14 +120,12 @@ def forward_backward(
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, correct predictions
     with torch.set_grad_enabled(backward):
         for sb in shards:
-            logits = model(sb.tokens, sb.positions, sb.layout)
-            labels = sb.labels
-            loss = lm_loss_sum(logits, labels) / total_targets
+            loss_sum, correct = model(sb.tokens, sb.positions, sb.layout, labels=sb.labels)  # no full logits
+            loss = loss_sum / total_targets
             if backward:
                 loss.backward()
-            scored = labels != IGNORE_INDEX
             sums[0] += loss.detach()
-            sums[1] += ((logits.detach().argmax(dim=-1) == labels) & scored).sum()  # no boolean indexing: no sync
+            sums[1] += correct
     dist.all_reduce(sums)
     loss_sum, correct = sums.tolist()
     return StepResult(loss=loss_sum, accuracy=correct / total_targets, targets=int(total_targets))

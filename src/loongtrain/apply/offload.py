@@ -1,0 +1,175 @@
+"""Activation offload: what activation checkpointing keeps per layer goes to host memory
+after the layer's forward and comes back just before its backward needs it.
+
+What a checkpointed layer keeps between forward and backward is its input (saved by
+``torch.utils.checkpoint`` through :func:`torch.autograd.graph.saved_tensors_hooks`, so
+a pack hook here moves it) and, under Selective Checkpoint++, the attention ops' results
+(kept by PyTorch's selective-checkpoint cache: the sc++ policy hands them to
+:meth:`LayerStash.keep`, and their storage is moved out and back in place, so the cache
+entries stay valid). InternEvo's ``selective_checkpoint_offload`` offloads the same
+attention results.
+
+On an accelerator the copies run on a side stream into pinned host buffers, overlapped
+with compute: device -> host as soon as the layer's forward has produced the tensor,
+host -> device for layer ``i - 1`` as soon as the backward reaches layer ``i`` (one layer
+of prefetch), so the device holds about two layers' kept tensors instead of all of them.
+On the CPU the same code runs and the "host" copy is a second CPU buffer (tested here;
+it saves no memory on a CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+
+import torch
+
+Tensor = torch.Tensor
+
+
+class _Copies:
+    """The side stream and pinned allocation of one device (nothing on the CPU)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.accelerated = device.type != "cpu"
+        self.stream = torch.Stream(device=device) if self.accelerated else None
+
+    def to_host(self, t: Tensor) -> tuple[Tensor, object]:
+        """Start copying ``t`` to host memory; returns the host buffer and the copy's event."""
+        if not self.accelerated:
+            return t.detach().clone(), None
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+        self.stream.wait_stream(torch.accelerator.current_stream(self.device))
+        with self.stream:
+            host.copy_(t, non_blocking=True)
+            event = self.stream.record_event()
+        t.record_stream(self.stream)  # the allocator keeps t's memory until the copy has read it
+        return host, event
+
+    def to_device(self, host: Tensor, done_offload: object) -> tuple[Tensor, object]:
+        """Start copying ``host`` back; returns the device tensor and the copy's event."""
+        if not self.accelerated:
+            return host.clone(), None
+        dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        with self.stream:
+            self.stream.wait_event(done_offload)
+            dev.copy_(host, non_blocking=True)
+            event = self.stream.record_event()
+        return dev, event
+
+    def wait(self, t: Tensor, event: object) -> Tensor:
+        """``t`` ready for the current stream."""
+        if self.accelerated and event is not None:
+            current = torch.accelerator.current_stream(self.device)
+            current.wait_event(event)
+            t.record_stream(current)
+        return t
+
+
+class _Entry:
+    """One offloaded tensor: its host copy, and (once prefetched) its device copy."""
+
+    def __init__(self, copies: _Copies, t: Tensor) -> None:
+        self.host, self.offloaded = copies.to_host(t)
+        self.device_copy: Tensor | None = None
+        self.reloaded: object = None
+
+    def prefetch(self, copies: _Copies) -> None:
+        if self.device_copy is None:
+            self.device_copy, self.reloaded = copies.to_device(self.host, self.offloaded)
+
+    def take(self, copies: _Copies) -> Tensor:
+        self.prefetch(copies)
+        t = copies.wait(self.device_copy, self.reloaded)
+        self.device_copy = None
+        return t
+
+
+class LayerStash:
+    """What one checkpointed layer keeps, offloaded; made per layer and forward call."""
+
+    def __init__(self, store: ActivationOffload) -> None:
+        self.store = store
+        self.inputs: list[_Entry] = []
+        self.kept: list[tuple[Tensor, int]] = []  # selective-checkpoint cache tensors, moved in place
+        self.kept_entries: list[_Entry] = []
+        self.restored = False
+
+    # -- forward ---------------------------------------------------------------------
+    def keep(self, t: Tensor) -> None:
+        """Offload ``t`` in place once the layer's forward is done (a tensor the sc++ cache keeps)."""
+        self.kept.append((t, t.untyped_storage().nbytes()))
+
+    def pack_input(self, t: Tensor) -> _Entry:
+        entry = _Entry(self.store.copies, t)
+        self.inputs.append(entry)
+        return entry
+
+    def forward_done(self) -> None:
+        """Move the kept cache tensors' storage to the host (the forward no longer reads them)."""
+        for t, _ in self.kept:
+            self.kept_entries.append(_Entry(self.store.copies, t))
+            t.untyped_storage().resize_(0)
+
+    # -- backward --------------------------------------------------------------------
+    def prefetch(self) -> None:
+        for entry in (*self.inputs, *self.kept_entries):
+            entry.prefetch(self.store.copies)
+
+    def restore(self) -> None:
+        """Bring the kept cache tensors back before the layer's recompute reads them; start
+        fetching the previous layer's."""
+        if self.restored:
+            return
+        self.restored = True
+        self.store.reached(self)
+        for (t, nbytes), entry in zip(self.kept, self.kept_entries):
+            data = entry.take(self.store.copies)
+            storage = t.untyped_storage()
+            storage.resize_(nbytes)
+            storage.copy_(data.untyped_storage())  # a storage copy: the cached tensor's version is unchanged
+        self.kept, self.kept_entries = [], []
+
+
+class ActivationOffload:
+    """The offload of one model's checkpointed layers (see the module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.copies = _Copies(device)
+        self._order: list[weakref.ref[LayerStash]] = []  # this forward's stashes, in layer order
+
+    def new_stash(self, first_layer: bool) -> LayerStash:
+        if first_layer:  # a new forward: stashes of a forward that had no backward are not ours to fetch
+            self._order.clear()
+        stash = LayerStash(self)
+        self._order.append(weakref.ref(stash))
+        return stash
+
+    def reached(self, stash: LayerStash) -> None:
+        """The backward reached ``stash``'s layer: prefetch the layer before it."""
+        for i, ref in enumerate(self._order):
+            if ref() is stash:
+                previous = self._order[i - 1]() if i > 0 else None
+                if previous is not None:
+                    previous.prefetch()
+                del self._order[i:]
+                return
+
+    @contextlib.contextmanager
+    def saving(self, stash: LayerStash, block_input: Tensor) -> Iterator[None]:
+        """Offload ``block_input`` when the checkpoint saves it (the hooks see every tensor
+        saved in this scope; all others are kept as they are)."""
+
+        def pack(t: Tensor):
+            return stash.pack_input(t) if t is block_input else t
+
+        def unpack(saved):
+            if isinstance(saved, _Entry):
+                stash.restore()  # the layer's recompute starts: its cache tensors too
+                return saved.take(self.copies)
+            return saved
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
