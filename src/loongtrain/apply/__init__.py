@@ -65,6 +65,7 @@ def parallelize(
     apply_attention(model, state)  # checks that the heads split over hp, before anything else
     apply_memory_options(model, memory)
     offload = ActivationOffload(state.device) if memory.offload_activations else None
+    model.activation_offload = offload  # what it holds on the host: model.activation_offload.host_bytes()
     apply_activation_checkpoint(model, memory.activation_checkpoint, memory.activation_checkpoint_every, offload)
     if compile:
         apply_compile(model)

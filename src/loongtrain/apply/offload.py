@@ -77,13 +77,13 @@ class _Entry:
         self.reloaded: object = None
 
     def prefetch(self, copies: _Copies) -> None:
-        if self.device_copy is None:
+        if self.device_copy is None and self.host is not None:
             self.device_copy, self.reloaded = copies.to_device(self.host, self.offloaded)
 
     def take(self, copies: _Copies) -> Tensor:
         self.prefetch(copies)
         t = copies.wait(self.device_copy, self.reloaded)
-        self.device_copy = None
+        self.device_copy, self.host = None, None  # the host copy is freed once its data is back
         return t
 
 
@@ -146,6 +146,16 @@ class ActivationOffload:
         stash = LayerStash(self)
         self._order.append(weakref.ref(stash))
         return stash
+
+    def host_bytes(self) -> int:
+        """Bytes of host copies the stashes of the current forward hold (0 once their backward ran)."""
+        total = 0
+        for ref in self._order:
+            stash = ref()
+            if stash is not None:
+                entries = [*stash.inputs, *stash.kept_entries]
+                total += sum(e.host.numel() * e.host.element_size() for e in entries if e.host is not None)
+        return total
 
     def reached(self, stash: LayerStash) -> None:
         """The backward reached ``stash``'s layer: prefetch the layer before it."""

@@ -1,0 +1,208 @@
+"""The memory options change where and when tensors live, never what is computed.
+
+- the chunked loss equals ``F.cross_entropy`` of the full logits (loss, gradients,
+  ignore-index, accuracy), and its per-token scores equal the per-token cross entropy;
+- the tiled MLP equals the plain SwiGLU, forward and backward;
+- activation offload really moves what checkpointing keeps out of the compute tensors;
+- at world 4, 2D head-context attention with a double ring and packed documents, training
+  with every option on (sc++, offload of activations and states, tiled MLP, chunked loss)
+  equals training with every option off, step after step and after a resume from a
+  checkpoint.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from loongtrain.config import ConfigError, load_config
+from loongtrain.model.loss import lm_loss, token_scores
+from loongtrain.model.tiled_mlp import swiglu, tiled_swiglu
+from loongtrain.options import MemoryOptions
+
+from dist_pool import cached_state
+
+ALL_ON = dict(
+    activation_checkpoint="sc++", loss_chunk=24, mlp_tile=8, offload_activations=True, offload_states=True
+)  # fmt: skip
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16, 40, 1000])
+def test_chunked_loss_equals_full_cross_entropy(chunk):
+    gen = torch.Generator().manual_seed(chunk)
+    h = torch.randn(2, 20, 12, generator=gen, requires_grad=True)
+    w = torch.randn(37, 12, generator=gen, requires_grad=True)
+    labels = torch.randint(0, 37, (2, 20), generator=gen)
+    labels[0, ::3] = -100
+    logits = F.linear(h, w)
+    ref = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+    ref_grads = torch.autograd.grad(2.5 * ref, (h, w))
+    loss, correct = lm_loss(h, w, labels, chunk)
+    grads = torch.autograd.grad(2.5 * loss, (h, w))
+    assert abs(loss.item() - ref.item()) <= 1e-6 * abs(ref.item())
+    for got, want in zip(grads, ref_grads):
+        assert _rel(got, want) <= 1e-6
+    scored = labels != -100
+    assert correct.item() == int(((logits.argmax(-1) == labels) & scored).sum())
+    per_token, hits = token_scores(h, w, labels, chunk)
+    want = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
+    assert torch.allclose(per_token.flatten(), want.detach(), atol=1e-5)
+    assert torch.equal(hits, (logits.argmax(-1) == labels) & scored)
+
+
+def test_chunked_loss_without_targets_is_zero_and_has_zero_gradients():
+    h = torch.randn(6, 4, requires_grad=True)
+    w = torch.randn(9, 4, requires_grad=True)
+    loss, correct = lm_loss(h, w, torch.full((6,), -100), chunk=4)
+    loss.backward()
+    assert loss.item() == 0.0 and correct.item() == 0
+    assert h.grad.abs().max() == 0 and w.grad.abs().max() == 0
+
+
+@pytest.mark.parametrize("tile", [1, 3, 8, 64])
+def test_tiled_mlp_equals_the_plain_mlp(tile):
+    gen = torch.Generator().manual_seed(tile)
+    x = torch.randn(2, 13, 8, generator=gen, requires_grad=True)
+    weights = [torch.randn(s, generator=gen, requires_grad=True) for s in ((24, 8), (24, 8), (8, 24))]
+    dout = torch.randn(2, 13, 8, generator=gen)
+    want = swiglu(x, *weights)
+    want_grads = torch.autograd.grad(want, (x, *weights), dout)
+    got = tiled_swiglu(x, *weights, tile)
+    got_grads = torch.autograd.grad(got, (x, *weights), dout)
+    assert _rel(got, want) <= 1e-6
+    for g, w in zip(got_grads, want_grads):
+        assert _rel(g, w) <= 1e-6
+
+
+def test_memory_options_refuse_what_cannot_apply():
+    with pytest.raises(ValueError, match="activation_checkpoint='none' keeps nothing to move"):
+        MemoryOptions(offload_activations=True)
+    with pytest.raises(ValueError, match="mlp_tile=-1 must be 0"):
+        MemoryOptions(mlp_tile=-1)
+    with pytest.raises(ConfigError, match="memory.activation_checkpoint='none' keeps nothing"):
+        load_config(None, ["memory.offload_activations=true", "memory.activation_checkpoint=none"])
+    with pytest.raises(ConfigError, match="run.compile=true cannot compile blocks with memory.mlp_tile"):
+        load_config(None, ["run.compile=true", "memory.mlp_tile=64"])
+    with pytest.raises(ConfigError, match="memory.loss_chunk=-5 must not be negative"):
+        load_config(None, ["memory.loss_chunk=-5"])
+
+
+def _packed_batches(steps: int, micro: int, seq: int, vocab: int, dp: int, dp_rank: int) -> list:
+    from loongtrain.data.batch import Microbatch
+
+    out = []
+    for step in range(steps):
+        batch = []
+        for m in range(micro):
+            rng = random.Random(1000 * step + 10 * m + dp_rank)
+            cu = [0]
+            while cu[-1] < seq:
+                cu.append(min(seq, cu[-1] + rng.choice([3, 9, 17, 40])))
+            gen = torch.Generator().manual_seed(1000 * step + 10 * m + dp_rank)
+            tokens = torch.randint(0, vocab, (1, seq), generator=gen)
+            labels = torch.randint(0, vocab, (1, seq), generator=gen)
+            labels[0, [b - 1 for b in cu[1:]]] = -100
+            batch.append(Microbatch(tokens, labels, torch.tensor(cu)))
+        out.append(batch)
+    return out
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {
+        n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+        for n, p in model.named_parameters()
+    }
+
+
+def _options_on_vs_off(cfg: dict, run_dir: str) -> dict:
+    """Two steps with every option off and on from the same weights; the 'on' model is
+    checkpointed after step 1 and a fresh 'on' model resumes from it for step 2."""
+    from loongtrain.apply import materialize, parallelize
+    from loongtrain.model import build_model, model_config
+    from loongtrain.train.checkpoint import CheckpointManager
+    from loongtrain.train.step import forward_backward
+
+    state = cached_state(**cfg)
+    mcfg = model_config("debug", vocab_size=200)
+    seq = 32 * state.sp
+    batches = _packed_batches(2, 2, seq, mcfg.vocab_size, state.dp, state.coords.dp)
+
+    def build(options: dict):
+        model = parallelize(build_model(mcfg), state, memory=MemoryOptions(**options), zero="dp_sp")
+        materialize(model, torch.device("cpu"), 7)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+
+    def step(model, opt, batch):
+        result = forward_backward(model, state, batch)
+        grads = _grads(model)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return result.loss, grads
+
+    off, off_opt = build(dict(loss_chunk=0))
+    on, on_opt = build(ALL_ON)
+    assert all(p.device.type == "cpu" for p in on.parameters())
+    report = {"loss": [], "grad": []}
+    loss_off, grads_off = step(off, off_opt, batches[0])
+    loss_on, grads_on = step(on, on_opt, batches[0])
+    report["loss"].append(abs(loss_on - loss_off) / abs(loss_off))
+    report["grad"].append(max(_rel(grads_on[n], grads_off[n]) for n in grads_off))
+    manager = CheckpointManager(Path(run_dir), keep=1)
+    manager.save(1, on, on_opt, {"model_shape": {}})
+    resumed, resumed_opt = build(ALL_ON)
+    manager.load(manager.folder / "step-1", resumed, resumed_opt, {})
+    loss_off, grads_off = step(off, off_opt, batches[1])
+    loss_on, grads_on = step(resumed, resumed_opt, batches[1])
+    report["loss"].append(abs(loss_on - loss_off) / abs(loss_off))
+    report["grad"].append(max(_rel(grads_on[n], grads_off[n]) for n in grads_off))
+    report["docs"] = len(batches[0][0].cu_seqlens) - 1
+    return report
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "cfg",
+    [{"hp": 2, "cp": 2, "ring_window": 2, "balance": "documents"}, {"cp": 4, "ring_window": 2}],
+    ids=["2d-hp2-cp2", "double-ring-cp4-w2"],
+)
+def test_every_option_on_trains_like_every_option_off(dist_pool, tmp_path, cfg):
+    for report in dist_pool(4).run(_options_on_vs_off, cfg, str(tmp_path / "ckpt")):
+        assert report["docs"] >= 4
+        assert max(report["loss"]) <= 1e-5, report
+        assert max(report["grad"]) <= 1e-5, report
+
+
+def _offloaded_bytes(cfg: dict) -> dict:
+    """Host bytes the offload holds after a forward (before its backward) and after the backward."""
+    from loongtrain.apply import materialize, parallelize
+    from loongtrain.model import build_model, model_config
+    from loongtrain.train.step import shard_microbatch
+
+    state = cached_state(**cfg)
+    mcfg = model_config("debug", n_layers=3)
+    model = parallelize(build_model(mcfg), state, memory=MemoryOptions(**ALL_ON), zero="dp_sp")
+    materialize(model, torch.device("cpu"), 7)
+    (batch,) = _packed_batches(1, 1, 16 * state.sp, mcfg.vocab_size, state.dp, state.coords.dp)[0]
+    shard = shard_microbatch(batch, state)
+    loss, _ = model(shard.tokens, shard.positions, shard.layout, labels=shard.labels)
+    held = model.activation_offload.host_bytes()
+    loss.backward()
+    tokens = shard.tokens.numel()
+    return {"held": held, "after": model.activation_offload.host_bytes(), "per_layer_input": tokens * mcfg.dim * 4}
+
+
+@pytest.mark.dist
+def test_offload_holds_the_kept_tensors_on_the_host_until_backward(dist_pool):
+    for r in dist_pool(4).run(_offloaded_bytes, {"hp": 2, "cp": 2, "ring_window": 2}):
+        # three checkpointed layers: each block input, plus sc++'s kept attention results
+        assert r["held"] > 3 * r["per_layer_input"], r
+        assert r["after"] == 0, r
