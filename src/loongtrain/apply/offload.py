@@ -13,8 +13,9 @@ On an accelerator the copies run on a side stream into pinned host buffers, over
 with compute: device -> host as soon as the layer's forward has produced the tensor,
 host -> device for layer ``i - 1`` as soon as the backward reaches layer ``i`` (one layer
 of prefetch), so the device holds about two layers' kept tensors instead of all of them.
-On the CPU the same code runs and the "host" copy is a second CPU buffer (tested here;
-it saves no memory on a CPU).
+On the CPU the same code runs and the "host" copy is a second CPU buffer, kept outside
+torch's tensor allocator (tested here; it saves no memory on a CPU, but allocation
+tracking sees the compute side's tensors alone, as it would on a GPU).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import contextlib
 import weakref
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 Tensor = torch.Tensor
@@ -39,7 +41,12 @@ class _Copies:
     def to_host(self, t: Tensor) -> tuple[Tensor, object]:
         """Start copying ``t`` to host memory; returns the host buffer and the copy's event."""
         if not self.accelerated:
-            return t.detach().clone(), None
+            # the CPU is both device and host here: keep the copy outside torch's CPU tensor
+            # allocator (numpy-owned bytes), as pinned host memory is outside a GPU's, so
+            # allocation tracking tells the two apart
+            raw = torch.from_numpy(np.empty(t.untyped_storage().nbytes(), dtype=np.uint8))
+            host = raw[: t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            return host.copy_(t), None
         host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
         self.stream.wait_stream(torch.accelerator.current_stream(self.device))
         with self.stream:
@@ -100,7 +107,9 @@ class LayerStash:
     # -- forward ---------------------------------------------------------------------
     def keep(self, t: Tensor) -> None:
         """Offload ``t`` in place once the layer's forward is done (a tensor the sc++ cache keeps)."""
-        self.kept.append((t, t.untyped_storage().nbytes()))
+        storage = t.untyped_storage()
+        if storage.nbytes() and all(storage.data_ptr() != k.untyped_storage().data_ptr() for k, _ in self.kept):
+            self.kept.append((t, storage.nbytes()))
 
     def pack_input(self, t: Tensor) -> _Entry:
         entry = _Entry(self.store.copies, t)
@@ -110,8 +119,10 @@ class LayerStash:
     def forward_done(self) -> None:
         """Move the kept cache tensors' storage to the host (the forward no longer reads them)."""
         for t, _ in self.kept:
-            self.kept_entries.append(_Entry(self.store.copies, t))
-            t.untyped_storage().resize_(0)
+            storage = t.untyped_storage()
+            whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)  # every byte, views included
+            self.kept_entries.append(_Entry(self.store.copies, whole))
+            storage.resize_(0)
 
     # -- backward --------------------------------------------------------------------
     def prefetch(self) -> None:

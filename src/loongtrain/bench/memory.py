@@ -1,113 +1,331 @@
-"""``loongtrain bench memory``: peak memory per rank of a training step on CPU processes,
-by sequence-parallel degree, activation checkpoint mode and ZeRO scope.
+"""``loongtrain bench memory``: each rank's peak *tensor* memory, measured by allocation
+tracking on the real code, beside the planner's prediction; and the bytes per token that
+the memory options save.
 
-Per rank it reports the model states (parameters, gradients and AdamW moments of the
-local shards, fp32, counted exactly) and the step peak: the process's peak resident
-memory during forward+backward above what was resident before it (activations,
-gradients, communication buffers). On CUDA the step peak is the allocator's peak above
-what was allocated before the step. On CPU, resident memory tracks tensors closely because
-large allocations are mmapped (``MALLOC_MMAP_THRESHOLD_``) and freed memory is trimmed
-before measuring; the peak is reset through ``/proc/self/clear_refs`` (Linux).
+Measuring: on an accelerator, the allocator's peak (``max_memory_allocated``); on the CPU,
+every allocation and free of torch's CPU allocator recorded by the profiler
+(``profile_memory``) during the step, on top of the tensors alive when it starts (found by
+a scan of live tensors). Process RSS is never used. Two things a CPU run cannot show and
+this table says so: the activation offload's host copies are kept outside torch's
+allocator (as pinned host memory is outside a GPU's), so they appear in the ``host``
+column, not the device one; and offloaded model states are CPU tensors either way, so
+their bytes (counted exactly from the shards) are subtracted from the device column of
+the rows that offload them.
+
+Parts:
+
+1. **grid**: a small model on ``--nproc`` processes (hp=2 x cp=2, ring window 2), one
+   training step (forward, backward, AdamW) after a warm-up step, for each memory option
+   on/off and two sequence lengths: measured device peak vs the planner's prediction for
+   the same configuration (fp32 here), and the relative error.
+2. **headline**: a model with Llama-3's vocabulary (128256), dim 1024, 4 layers: peak bytes
+   per token of sequence per rank (the slope between two lengths, so fixed costs drop
+   out) for the old defaults (sc++, whole-shard loss), the new defaults (sc++, chunked
+   loss) and every option on; a forward and backward each (optimizer states are fixed).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import gc
+import json
+import statistics
 
 import torch
 import torch.distributed as dist
 
-from loongtrain.apply import MemoryOptions, materialize, parallelize
+from loongtrain.apply import materialize, parallelize
+from loongtrain.data.batch import Microbatch
 from loongtrain.harness import release_memory
 from loongtrain.launch import launch
 from loongtrain.model import build_model, model_config
+from loongtrain.model.config import ModelConfig
+from loongtrain.options import MemoryOptions
 from loongtrain.parallel import ParallelConfig, init_parallel
-from loongtrain.train.metrics import current_memory_bytes, peak_memory_bytes, reset_peak_memory
-from loongtrain.train.step import forward_backward
+from loongtrain.train.step import agree_and_count, shard_microbatch
 
 MiB = 2**20
 
+#: (name, options) of the grid; the loss chunk and tile are small enough to act at the grid's lengths
+GRID_OPTIONS: list[tuple[str, dict]] = [
+    ("none", dict(activation_checkpoint="none", loss_chunk=0)),
+    ("full", dict(activation_checkpoint="full", loss_chunk=0)),
+    ("sc++", dict(activation_checkpoint="sc++", loss_chunk=0)),
+    ("sc++ +loss chunk", dict(activation_checkpoint="sc++", loss_chunk=128)),
+    ("sc++ +mlp tile", dict(activation_checkpoint="sc++", loss_chunk=128, mlp_tile=128)),
+    ("full +offload", dict(activation_checkpoint="full", loss_chunk=128, offload_activations=True)),
+    ("sc++ +offload", dict(activation_checkpoint="sc++", loss_chunk=128, offload_activations=True)),
+    ("all on", dict(activation_checkpoint="sc++", loss_chunk=128, mlp_tile=128, offload_activations=True,
+                    offload_states=True)),
+]  # fmt: skip
 
-def measure_step(layout: ParallelConfig, mode: str, zero: str, args: argparse.Namespace, device) -> dict:
-    """One forward+backward of the scaled-up debug model; memory numbers of this rank."""
-    state = init_parallel(layout, verify_inputs=False)
-    mcfg = model_config(
-        "debug",
-        dim=args.dim,
-        n_layers=args.layers,
-        n_heads=args.heads,
-        n_kv_heads=args.kv_heads,
-        ffn_dim=args.ffn_dim,
-        vocab_size=args.vocab,
-    )
-    model = parallelize(build_model(mcfg), state, memory=MemoryOptions(activation_checkpoint=mode), zero=zero)
+#: the headline's three configurations
+HEADLINE_OPTIONS: list[tuple[str, dict]] = [
+    ("before (sc++, whole-shard loss)", dict(activation_checkpoint="sc++", loss_chunk=0)),
+    ("new defaults (sc++, loss chunk 1024)", dict(activation_checkpoint="sc++", loss_chunk=1024)),
+    ("every option on", dict(activation_checkpoint="sc++", loss_chunk=1024, mlp_tile=256, offload_activations=True,
+                             offload_states=True)),
+]  # fmt: skip
+
+
+# -- measuring --------------------------------------------------------------------------
+def live_tensor_bytes() -> int:
+    """Bytes of the distinct storages of every live tensor (the CPU's "allocated" figure)."""
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+            try:
+                storage = obj.untyped_storage()
+                if storage.device.type == "cpu" and storage.nbytes():
+                    seen[storage.data_ptr()] = storage.nbytes()
+            except (RuntimeError, NotImplementedError):  # wrapper subclasses (DTensor), freed storages
+                continue
+    return sum(seen.values())
+
+
+def _mark(name: str) -> None:
+    with torch.profiler.record_function(f"{PHASE}{name}"):
+        pass
+
+
+PHASE = "loongtrain-phase:"
+
+
+class TensorPeak:
+    """``with TensorPeak(device, model) as peak: ...`` then ``peak.bytes``: the most tensor
+    bytes allocated at once during the block (allocation tracking, see the module docstring),
+    and on the CPU ``peak.phases``: the peak of each phase of the step (the embedding, each
+    layer's forward, the loss, each layer's backward), marked by hooks on ``model``."""
+
+    def __init__(self, device: torch.device, model: torch.nn.Module | None = None) -> None:
+        self.device, self.model = device, model
+        self.bytes = 0
+        self.phases: dict[str, int] = {}
+        self._hooks: list = []
+
+    def _install(self, model: torch.nn.Module) -> None:
+        self._hooks.append(model.register_forward_pre_hook(lambda m, a: _mark("embedding")))
+        self._hooks.append(model.norm.register_forward_hook(lambda m, a, out: _mark("loss")))
+        for i, layer in enumerate(model.layers):
+
+            def start(m, args, i=i):
+                _mark(f"forward {i}")
+
+            def done(m, args, out, i=i):
+                if out.requires_grad:
+                    out.register_hook(lambda g, i=i: _mark(f"backward {i}"))  # its backward (recompute included)
+
+            self._hooks.append(layer.register_forward_pre_hook(start))
+            self._hooks.append(layer.register_forward_hook(done))
+
+    def __enter__(self) -> TensorPeak:
+        gc.collect()
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize(self.device)
+            torch.accelerator.reset_peak_memory_stats(self.device)
+            return self
+        if self.model is not None:
+            self._install(self.model)
+        self.base = live_tensor_bytes()
+        self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize(self.device)
+            self.bytes = torch.accelerator.max_memory_allocated(self.device)
+            return
+        self._prof.__exit__(*exc)
+        events = [e for e in self._prof.profiler.kineto_results.events() if e.name() == "[memory]"
+                  or e.name().startswith(PHASE)]  # fmt: skip
+        running = peak = 0
+        phase = "start"
+        for e in sorted(events, key=lambda e: e.start_ns()):
+            if e.name().startswith(PHASE):
+                phase = e.name()[len(PHASE) :]
+                self.phases[phase] = max(self.phases.get(phase, 0), self.base + running)
+                continue
+            if e.device_type() == torch.profiler.DeviceType.CPU:
+                running += e.nbytes()
+                peak = max(peak, running)
+                self.phases[phase] = max(self.phases.get(phase, 0), self.base + running)
+        self.bytes = self.base + peak
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    """Exact bytes of this rank's parameter and gradient shards and optimizer states."""
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+        if p.grad is not None:
+            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            total += g.numel() * g.element_size()
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for v in state.values():
+                if torch.is_tensor(v):
+                    local = v.to_local() if hasattr(v, "to_local") else v
+                    total += local.numel() * local.element_size()
+    return total
+
+
+def _batch(seq: int, vocab: int, seed: int) -> Microbatch:
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, vocab, (1, seq + 1), generator=gen)
+    return Microbatch(data[:, :-1], data[:, 1:])
+
+
+def measure(
+    mcfg: ModelConfig, state, options: MemoryOptions, seq: int, device: torch.device, train_step: bool
+) -> dict:
+    """One forward+backward (and, with ``train_step``, an AdamW step after a warm-up step) of
+    ``mcfg`` on this rank; its peak tensor bytes (whole step and per phase), host-store bytes
+    and state bytes. The model is freed before this returns."""
+    result = _measure(mcfg, state, options, seq, device, train_step)
+    release_memory(device)
+    return result
+
+
+def _measure(mcfg: ModelConfig, state, options: MemoryOptions, seq: int, device: torch.device, train: bool) -> dict:
+    model = parallelize(build_model(mcfg), state, memory=options, zero="dp_sp")
     materialize(model, device, seed=0)
-    local_params = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
-    gen = torch.Generator().manual_seed(state.coords.dp)
-    data = torch.randint(0, mcfg.vocab_size, (1, args.seq + 1), generator=gen).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4) if train else None
+    batch = _batch(seq, mcfg.vocab_size, seed=state.coords.dp).to(device)
+
+    def step() -> int:
+        shard = shard_microbatch(batch, state)
+        total = agree_and_count([batch], [shard], state)
+        loss, _ = model(shard.tokens, shard.positions, shard.layout, labels=shard.labels)
+        host = model.activation_offload.host_bytes() if model.activation_offload is not None else 0
+        (loss / total).backward()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return host
+
+    if train:
+        step()  # warm-up: optimizer states exist, lazy initialisation done
     release_memory(device)
-    before = current_memory_bytes(device)
-    reset_peak_memory(device)
-    forward_backward(model, state, [(data[:, :-1], data[:, 1:])])
-    peak_bytes = peak_memory_bytes(device) - before
-    del model
-    release_memory(device)
-    return {
-        "states_mib": local_params * 4 * 4 / MiB,  # fp32 param + grad + 2 AdamW moments
-        "step_peak_mib": peak_bytes / MiB,
-        "tokens_per_rank": args.seq // layout.sp,
-    }
+    with TensorPeak(device, model) as peak:
+        host = step()
+    states = state_bytes(model, optimizer)
+    offloaded = states if options.offload_states and device.type == "cpu" else 0  # host-resident on a GPU
+    host_bytes = host + (states if options.offload_states else 0)
+    phases = {name: value - offloaded for name, value in peak.phases.items()}
+    return {"device": peak.bytes - offloaded, "host": host_bytes, "states": states, "phases": phases}
 
 
-def _configs(world: int) -> list[tuple[str, ParallelConfig, str, str]]:
-    layouts = [("sp=1", ParallelConfig())]
-    if world % 2 == 0:
-        layouts.append(("sp=2 (cp=2)", ParallelConfig(cp=2)))
-    if world % 4 == 0:
-        layouts.append(("sp=4 (hp=2, cp=2)", ParallelConfig(hp=2, cp=2)))
-    out = [(name, cfg, mode, "dp_sp") for name, cfg in layouts for mode in ("none", "full", "sc++")]
-    if world % 4 == 0:
-        out += [("sp=2 (cp=2)", ParallelConfig(cp=2), "full", scope) for scope in ("none", "dp", "sp")]
-    return out
+def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+# -- the planner's side -------------------------------------------------------------------
+def predicted_bytes(mcfg: ModelConfig, seq: int, config: ParallelConfig, options: MemoryOptions, train: bool) -> float:
+    """The planner's peak for the same step (fp32 compute, one sequence per replica)."""
+    from loongtrain.planner.cost import Candidate, Workload
+    from loongtrain.planner.memory import memory_bytes
+
+    workload = Workload(mcfg, seq, batch=config.dp or 1, micro_batch=1, dtype_bytes=4)
+    candidate = Candidate(parallel=config, zero="dp_sp", memory=options)
+    breakdown = memory_bytes(workload, candidate)
+    return breakdown.total if train else breakdown.total - breakdown.states_optimizer
+
+
+# -- the two parts ----------------------------------------------------------------------
+def _grid(device: torch.device, args: argparse.Namespace, rows: list) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = ParallelConfig(hp=2, cp=2, ring_window=2) if world % 4 == 0 else ParallelConfig(cp=world)
+    state = init_parallel(config, verify_inputs=False)
+    mcfg = model_config("debug", vocab_size=args.grid_vocab, dim=256, n_layers=4, n_heads=8, n_kv_heads=4,
+                        ffn_dim=704)  # fmt: skip
+    if rank == 0:
+        print(f"[1] grid: dim 256, 4 layers, vocab {args.grid_vocab}, fp32, {world} processes "
+              f"(hp={config.hp} cp={config.cp} ring_window={config.ring_window}); one AdamW step after a warm-up; "
+              "MiB per rank (max over ranks)")  # fmt: skip
+        print(f"{'options':18s} {'S':>6s} {'device':>9s} {'predicted':>9s} {'error':>7s} {'host':>8s}")
+    for name, opts in GRID_OPTIONS:
+        options = MemoryOptions(**opts)
+        for seq in args.grid_seqs:
+            r = measure(mcfg, state, options, seq, device, train_step=True)
+            device_b, host_b = _max_over_ranks([r["device"], r["host"]], device)
+            predicted = predicted_bytes(mcfg, seq, state.config, options, train=True)
+            error = (predicted - device_b) / device_b
+            if rank == 0:
+                print(f"{name:18s} {seq:6d} {device_b / MiB:9.1f} {predicted / MiB:9.1f} {error:7.1%} "
+                      f"{host_b / MiB:8.1f}", flush=True)  # fmt: skip
+                rows.append({"part": "grid", "options": name, "seq": seq, "device": device_b,
+                             "predicted": predicted, "host": host_b, "error": error})  # fmt: skip
+    if rank == 0:
+        errors = sorted(abs(r["error"]) for r in rows if r["part"] == "grid")
+        print(f"|predicted - measured| / measured: median {statistics.median(errors):.1%}, worst {errors[-1]:.1%}")
+
+
+def _per_token(short: dict, long: dict, tokens: int) -> tuple[float, str]:
+    """Bytes per token of the worst phase: the largest growth of a phase's peak between the
+    two lengths, over the tokens added (fixed costs, the same at both lengths, drop out)."""
+    slopes = {name: (long["phases"][name] - short["phases"][name]) / tokens for name in short["phases"]}
+    worst = max(slopes, key=slopes.get)
+    return slopes[worst], worst
+
+
+def _headline(device: torch.device, args: argparse.Namespace, rows: list) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = ParallelConfig(hp=2, cp=2, ring_window=2) if world % 4 == 0 else ParallelConfig(cp=world)
+    state = init_parallel(config, verify_inputs=False)
+    mcfg = model_config("debug", vocab_size=128256, dim=1024, n_layers=4, n_heads=16, n_kv_heads=8, ffn_dim=3584)
+    short, long = args.headline_seqs
+    if rank == 0:
+        print(f"\n[2] bytes per token of sequence per rank: vocabulary 128256, dim 1024, 4 layers, fp32, "
+              f"{world} processes, forward+backward at S={short} and S={long}: per phase of the step (each "
+              f"layer's forward and backward, the loss), the growth of its peak over the {long - short} tokens "
+              "added; the worst phase's (fixed costs, the same at both lengths, drop out)")  # fmt: skip
+        print(f"{'options':40s} {'peak S1 MiB':>11s} {'peak S2 MiB':>11s} {'bytes/token':>11s} {'vs before':>9s} "
+              "worst phase")  # fmt: skip
+    base = None
+    for name, opts in HEADLINE_OPTIONS:
+        options = MemoryOptions(**opts)
+        runs = [measure(mcfg, state, options, s, device, False) for s in (short, long)]
+        slope, phase = _per_token(runs[0], runs[1], long - short)
+        slope, peak1, peak2 = _max_over_ranks([slope, runs[0]["device"], runs[1]["device"]], device)
+        base = base or slope
+        if rank == 0:
+            print(f"{name:40s} {peak1 / MiB:11.1f} {peak2 / MiB:11.1f} {slope:11.0f} {base / slope:8.1f}x {phase}",
+                  flush=True)  # fmt: skip
+            rows.append({"part": "headline", "options": name, "peaks": [peak1, peak2], "seqs": [short, long],
+                         "bytes_per_token": slope, "worst_phase": phase, "reduction": base / slope})  # fmt: skip
 
 
 def _bench_rank(device: torch.device, args: argparse.Namespace) -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if rank == 0:
-        d = args.dim // args.heads
-        attn_out = args.seq * args.heads * d * 4 / MiB
-        print(
-            f"memory per rank, {world} CPU processes: debug model scaled to dim={args.dim}, layers={args.layers}, "
-            f"heads={args.heads}/{args.kv_heads}, ffn={args.ffn_dim}, vocab={args.vocab}; one sequence of "
-            f"{args.seq} tokens per replica, fp32\n"
-            f"(one attention output per layer = {attn_out:.1f} MiB / sp; states = params+grads+AdamW, fp32)"
-        )
-        print(f"{'layout':18s} {'ckpt':5s} {'zero':6s} {'tokens/rank':>11s} {'states MiB':>10s} {'step peak MiB':>13s}")
-    for name, layout, mode, zero in _configs(world):
-        r = measure_step(layout, mode, zero, args, device)
-        values = torch.tensor([r["states_mib"], r["step_peak_mib"]], dtype=torch.float64)
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
-        if rank == 0:
-            print(
-                f"{name:18s} {mode:5s} {zero:6s} {r['tokens_per_rank']:11d} {values[0].item():10.1f} "
-                f"{values[1].item():13.1f}",
-                flush=True,
-            )
+    rows: list = []
+    if "grid" in args.parts:
+        _grid(device, args, rows)
+    if "headline" in args.parts:
+        _headline(device, args, rows)
+    if dist.get_rank() == 0 and args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def _lengths(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=4096, help="tokens per sequence (one per replica)")
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--ffn-dim", type=int, default=704)
-    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--parts", nargs="+", default=["grid", "headline"], choices=["grid", "headline"])
+    parser.add_argument("--grid-seqs", type=_lengths, default=[2048, 4096], help="grid sequence lengths (2048,4096)")
+    parser.add_argument("--grid-vocab", type=int, default=8192, help="grid vocabulary (8192)")
+    parser.add_argument("--headline-seqs", type=_lengths, default=[4096, 8192], help="the two lengths (4096,8192)")
+    parser.add_argument("--json", default=None, help="also write the rows to this file")
 
 
 def main(args: argparse.Namespace) -> None:
-    # keep large tensors mmapped so freeing them returns memory (resident size tracks tensors)
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    if len(args.headline_seqs) != 2 or args.headline_seqs[0] >= args.headline_seqs[1]:
+        raise SystemExit("loongtrain bench memory: --headline-seqs takes two increasing lengths, e.g. 1024,2048")
     launch(_bench_rank, args.nproc, args)
