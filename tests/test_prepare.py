@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import struct
+import sys
 import threading
 import time
 import tracemalloc
@@ -276,6 +277,44 @@ def test_text_files_in_pieces_tokenize_as_a_whole(tmp_path, monkeypatch):
     f = TokenFile(tmp_path / "o.tok")
     assert np.asarray(f.tokens).tolist() == tok.encode(corpus).ids + [tok.token_to_id("</s>")]
     assert np.flatnonzero(np.asarray(f.flags) & DOC_START).tolist() == [0]
+
+
+def test_pieces_without_line_breaks_cut_between_characters(tmp_path, monkeypatch):
+    text = "é€x" * 500 + "\n" + "ab\n" * 40  # no clean break in the first 3000 bytes
+    (tmp_path / "a.txt").write_text(text)
+    monkeypatch.setattr(inputs_module, "TEXT_PIECE", 16)
+    monkeypatch.setattr(inputs_module, "TEXT_PIECE_MAX", 64)
+    pieces = list(inputs_module.text_tasks(inputs_module.Input(tmp_path / "a.txt", "text", len(text))))
+    assert len(pieces) > 20 and b"".join(p.data for p in pieces) == text.encode()
+    assert [p.first for p in pieces].count(True) == 1 and pieces[-1].last
+    assert all(p.offset == sum(len(q.data) for q in pieces[:i]) for i, p in enumerate(pieces))
+    prepare([str(tmp_path / "a.txt")], str(tmp_path / "o.tok"))
+    assert np.asarray(TokenFile(tmp_path / "o.tok").tokens).tolist() == list(text.encode()) + [256]
+
+
+def test_folders_are_searched_for_every_input_kind(tmp_path, monkeypatch):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    (tmp_path / "d" / "b.md").write_text("bee")
+    write_jsonl(tmp_path / "d" / "sub" / "a.jsonl", [{"text": "ay"}])
+    pq.write_table(pa.table({"text": ["sea"]}), tmp_path / "d" / "c.parquet")
+    (tmp_path / "d" / "image.png").write_bytes(b"\x89PNG\0")
+    (tmp_path / "d" / "ds").mkdir()  # looks like a datasets folder: read as one, not as its .json files
+    (tmp_path / "d" / "ds" / "state.json").write_text("{}")
+    (tmp_path / "d" / "ds" / "dataset_info.json").write_text("{}")
+    found = inputs_module.discover([str(tmp_path / "d")])
+    assert [(i.path.relative_to(tmp_path / "d").as_posix(), i.kind) for i in found] == [
+        ("b.md", "text"), ("c.parquet", "parquet"), ("ds", "dataset"), ("sub/a.jsonl", "jsonl"),
+    ]  # fmt: skip
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
+    with pytest.raises(PrepareError, match=r"ds is a Hugging Face datasets folder; reading it needs the `datasets`"):
+        prepare([str(tmp_path / "d")], str(tmp_path / "o.tok"))
+    (tmp_path / "d" / "ds" / "state.json").unlink()
+    (tmp_path / "d" / "ds" / "dataset_info.json").unlink()
+    prepare([str(tmp_path / "d")], str(tmp_path / "o.tok"))
+    assert [ids for ids, _ in documents(tmp_path / "o.tok")] == [[*s.encode(), 256] for s in ("bee", "sea", "ay")]
 
 
 # --- bad inputs: one line, exit status 2, nothing left behind -----------------------------
