@@ -549,3 +549,13 @@ def test_document_encoder_needs_no_template_for_text():
     enc = DocumentEncoder(ByteTokenizer())
     ids, targets = enc.prompt_completion("ab", "c")
     assert ids.tolist() == [97, 98, 99, 256] and targets.tolist() == [False, False, True, True]
+
+
+def test_default_workers_follow_cores_and_input_size():
+    import os
+
+    most = max(1, min(4, len(os.sched_getaffinity(0))))
+    assert prepare_module.default_workers() == most
+    assert prepare_module.default_workers(0) == 1  # small inputs: no processes to start
+    assert prepare_module.default_workers(2 * prepare_module.WORKER_BYTES) == min(most, 2)
+    assert prepare_module.default_workers(1 << 40) == most

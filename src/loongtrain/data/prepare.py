@@ -244,8 +244,14 @@ class Progress:
             self.stream.flush()
 
 
-def default_workers() -> int:
-    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+WORKER_BYTES = 8 << 20  # input per worker that pays for its start-up (~3 s to import and load a tokenizer)
+
+
+def default_workers(total_bytes: int | None = None) -> int:
+    """min(4, cores), and no more than one worker per ``WORKER_BYTES`` of input."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = max(1, min(4, cores))
+    return workers if total_bytes is None else max(1, min(workers, total_bytes // WORKER_BYTES))
 
 
 def prepare(
@@ -255,23 +261,26 @@ def prepare(
     *,
     field: str | None = None,
     errors: str = "strict",
-    workers: int = 1,
+    workers: int | None = 1,
     seq_len: int | None = None,
     progress: bool = False,
 ) -> dict:
     """Tokenize ``inputs`` into the token file ``output``; returns a summary. Raises
     :class:`PrepareError` (one line naming the file and line or row) on bad input and leaves
     no file behind. ``field``: the records' field (``text``, ``messages``, ``prompt+completion``,
-    another name; None: detected); ``errors="replace"`` reads non-UTF-8 and binary input."""
+    another name; None: detected); ``errors="replace"`` reads non-UTF-8 and binary input;
+    ``workers``: tokenizer processes (1: this one; None: :func:`default_workers` for the input size)."""
     if errors not in ERRORS:
         raise ValueError(f"errors={errors!r}: use one of {', '.join(ERRORS)}")
-    if workers < 1:
+    if workers is not None and workers < 1:
         raise ValueError(f"--workers {workers}: need at least 1")
     if seq_len is not None and seq_len < 1:
         raise ValueError(f"--seq-len {seq_len}: need at least 1")
     tok = make_tokenizer(tokenizer)
     encoder = DocumentEncoder(tok)
     found = discover(inputs)
+    if workers is None:
+        workers = default_workers(sum(i.size for i in found))
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -363,8 +372,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workers",
         type=int,
-        default=default_workers(),
-        help="tokenizer processes (default: min(4, cores)); the output is the same for any number",
+        default=None,
+        help=f"tokenizer processes (default: min(4, cores) = {default_workers()}, at most one per "
+        f"{WORKER_BYTES >> 20} MB of input); the output is the same for any number",
     )
     parser.add_argument(
         "--seq-len", type=int, default=None, help="report how many documents are longer than this training length"
