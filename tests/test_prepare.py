@@ -5,6 +5,7 @@ exit status 2, nothing left behind), determinism over workers, bounded memory.""
 from __future__ import annotations
 
 import json
+import os
 import random
 import struct
 import sys
@@ -552,8 +553,6 @@ def test_document_encoder_needs_no_template_for_text():
 
 
 def test_default_workers_follow_cores_and_input_size():
-    import os
-
     most = max(1, min(4, len(os.sched_getaffinity(0))))
     assert prepare_module.default_workers() == most
     assert prepare_module.default_workers(0) == 1  # small inputs: no processes to start
