@@ -96,7 +96,7 @@ def _encode_in_worker(task: Task) -> Result:
 def ordered_map(fn: Callable, items: Iterable, executor: Executor, depth: int) -> Iterator:
     """``fn`` over ``items`` on ``executor``, results in input order, at most ``depth`` in
     flight (bounded memory). An error while producing items surfaces after the results (and
-    errors) of the items before it, as it would in order."""
+    errors) of the items before it, as it would in order; Ctrl-C stops at once."""
     pending: deque = deque()
     items = iter(items)
     while True:
@@ -104,7 +104,7 @@ def ordered_map(fn: Callable, items: Iterable, executor: Executor, depth: int) -
             item = next(items)
         except StopIteration:
             break
-        except BaseException:
+        except Exception:
             while pending:
                 yield pending.popleft().result()
             raise
