@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 import torch
@@ -191,3 +193,122 @@ def test_old_token_files_have_no_eos_and_packing_asks_for_one(tmp_path):
 def test_microbatch_rejects_packed_batches_of_several_rows():
     with pytest.raises(ValueError, match="one row"):
         Microbatch(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long), torch.tensor([0, 8]))
+
+
+# --- format version 2: flags and the tokenizer fingerprint; version 1 still reads -------------
+
+
+def test_token_file_v2_byte_layout(tmp_path):
+    rng = np.random.default_rng(7)
+    ids, flags = rng.integers(0, 70_000, 300), rng.integers(0, 4, 300).astype(np.uint8)
+    write_tokens(tmp_path / "t.tok", ids, 70_000, eos=5, flags=flags, fingerprint=0xFEDCBA9876543210)
+    raw = (tmp_path / "t.tok").read_bytes()
+    assert len(raw) == 64 + 300 * 4 + 300
+    magic, version, width, count, vocab, eos1, fp, features = struct.unpack_from("<8sIIQQQQI", raw)
+    assert (magic, version, width, count, vocab, eos1, fp, features) == (
+        b"LOONGTOK", 2, 4, 300, 70_000, 6, 0xFEDCBA9876543210, 3,
+    )  # fmt: skip
+    assert raw[52:64] == b"\0" * 12
+    assert np.frombuffer(raw[64 : 64 + 1200], "<u4").tolist() == ids.tolist()
+    assert list(raw[64 + 1200 :]) == flags.tolist()
+    f = TokenFile(tmp_path / "t.tok")
+    assert (f.version, f.count, f.eos, f.tokenizer_fingerprint) == (2, 300, 5, 0xFEDCBA9876543210)
+    assert np.array_equal(f.tokens, ids) and np.array_equal(f.flags, flags)
+    (tmp_path / "short.tok").write_bytes(raw[:-1])
+    with pytest.raises(TokenFileError, match=r"truncated: header says 300 tokens x 4 bytes \+ 1 flag byte = 1564"):
+        TokenFile(tmp_path / "short.tok")
+    write_tokens(tmp_path / "plain.tok", ids, 70_000)  # no flags, no fingerprint
+    plain = TokenFile(tmp_path / "plain.tok")
+    assert plain.flags is None and plain.tokenizer_fingerprint is None and plain.eos is None
+    assert struct.unpack_from("<I", (tmp_path / "plain.tok").read_bytes(), 48)[0] == 0
+    with pytest.raises(ValueError, match="flags .* must match the ids"):
+        write_tokens(tmp_path / "bad.tok", ids, 70_000, flags=flags[:-1])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain.tok", "short.tok", "t.tok"]
+
+
+def _v1_file(path, tokens, vocab, eos):
+    """A token file as loongtrain wrote it before version 2 (written here by hand)."""
+    header = struct.pack("<8sIIQQQ", b"LOONGTOK", 1, 2, len(tokens), vocab, eos + 1).ljust(64, b"\0")
+    path.write_bytes(header + np.asarray(tokens, "<u2").tobytes())
+
+
+def test_version_1_files_still_read_and_pack_at_eos(tmp_path):
+    eos = 9
+    stream = [1, 2, eos, 3, 4, 5, eos, 6, eos, 7, 8, 1, 2, 3, eos, 4, 5]
+    _v1_file(tmp_path / "v1.tok", stream, 10, eos)
+    f = TokenFile(tmp_path / "v1.tok")
+    assert (f.version, f.eos, f.flags, f.tokenizer_fingerprint) == (1, eos, None, None)
+    assert np.asarray(f.tokens).tolist() == stream
+    tokens, labels, cu = TokenFileSource(f, seq_len=8, eos=f.eos)._window(0)
+    assert cu.tolist() == [0, 3, 7, 8]
+    assert labels.tolist() == [2, eos, -100, 4, 5, eos, -100, eos]
+    tokens, labels = TokenFileSource(f, seq_len=8)._window(0)  # not packed: every label counts
+    assert labels.tolist() == stream[1:9]
+    assert f.document_starts().tolist() == [0, 3, 7, 9, 15]
+
+
+def _reference_windows(tokens, flags, eos, seq_len, pack, drop):
+    """Windows by brute force over a Python list: documents, the kept stream, labels, cu_seqlens."""
+    n = len(tokens)
+    if flags is not None:
+        starts = sorted({0} | {i for i in range(n) if flags[i] & 2})
+    else:
+        starts = [0] + [i + 1 for i in range(n - 1) if tokens[i] == eos]
+    docs = list(zip(starts, starts[1:] + [n]))
+    kept = [(a, b) for a, b in docs if not drop or b - a <= seq_len]
+    stream = [i for a, b in kept for i in range(a, b)]
+    first = {a for a, _ in docs}
+    out = []
+    for w in range((len(stream) - 1) // seq_len):
+        pos = stream[w * seq_len : w * seq_len + seq_len + 1]
+        labels = []
+        for j in range(seq_len):
+            nxt = pos[j + 1]
+            target = flags is None or bool(flags[nxt] & 1)
+            labels.append(tokens[nxt] if target and not (pack and nxt in first) else -100)
+        cu = [0] + [j for j in range(1, seq_len) if pos[j] in first] + [seq_len]
+        out.append(([tokens[p] for p in pos[:-1]], labels, cu if pack else None))
+    dropped = [(a, b) for a, b in docs if b - a > seq_len] if drop else []
+    return out, len(dropped), sum(b - a for a, b in dropped)
+
+
+@pytest.mark.parametrize("with_flags", [True, False], ids=["flags", "eos"])
+@pytest.mark.parametrize("pack", [True, False], ids=["pack", "nopack"])
+@pytest.mark.parametrize("policy", ["split", "drop"])
+def test_loader_labels_documents_and_long_document_policy(tmp_path, with_flags, pack, policy):
+    rng = np.random.default_rng(8)
+    eos, seq_len, parts, flags = 50, 16, [], []
+    for _ in range(120):
+        length = int(rng.choice([rng.integers(1, 12), rng.integers(12, 40)]))
+        doc = rng.integers(0, eos, length)
+        doc[-1] = eos
+        parts.append(doc)
+        f = rng.integers(0, 2, length).astype(np.uint8)  # random targets
+        f[0] |= 2
+        flags.append(f)
+    tokens, flags = np.concatenate(parts), np.concatenate(flags)
+    write_tokens(tmp_path / "t.tok", tokens, 64, eos=eos, flags=flags if with_flags else None)
+    file = TokenFile(tmp_path / "t.tok")
+    source = TokenFileSource(file, seq_len, eos=eos if pack else None, long_documents=policy)
+    expected, dropped_docs, dropped_tokens = _reference_windows(
+        tokens.tolist(), flags.tolist() if with_flags else None, eos, seq_len, pack, policy == "drop"
+    )
+    assert source.train_windows + source.eval_windows == len(expected)
+    assert (source.dropped_documents, source.dropped_tokens) == (dropped_docs, dropped_tokens)
+    if policy == "drop":
+        assert dropped_docs > 10
+    for w, (inputs, labels, cu) in enumerate(expected):
+        got = source._window(w)
+        assert got[0].tolist() == inputs and got[1].tolist() == labels, w
+        assert (got[2].tolist() if pack else None) == cu and len(got) == (3 if pack else 2)
+
+
+def test_drop_needs_documents_and_counts_them_in_the_error(tmp_path):
+    write_tokens(tmp_path / "t.tok", np.arange(100) % 7, 7)
+    with pytest.raises(TokenFileError, match="no document boundaries .* set data.eos_id"):
+        TokenFileSource(TokenFile(tmp_path / "t.tok"), seq_len=8, long_documents="drop")
+    write_tokens(tmp_path / "e.tok", np.r_[np.ones(30), 0, np.ones(5), 0], 7, eos=0)
+    with pytest.raises(TokenFileError, match="6 tokens after dropping 1 document.* make 0 sequence"):
+        TokenFileSource(TokenFile(tmp_path / "e.tok"), seq_len=8, long_documents="drop")
+    with pytest.raises(ValueError, match="long_documents='keep'"):
+        TokenFileSource(TokenFile(tmp_path / "e.tok"), seq_len=8, long_documents="keep")

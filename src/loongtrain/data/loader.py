@@ -16,11 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from loongtrain.data.batch import Microbatch, pack_rows
 from loongtrain.data.recall import IGNORE_INDEX, RecallTask, sample_seed
-from loongtrain.data.tokens import TokenFile, TokenFileError
+from loongtrain.data.tokens import DOC_START, TARGET, TokenFile, TokenFileError
 
 Sample = tuple[torch.Tensor, ...]  # (tokens [S], labels [S]) or, packed, (tokens, labels, cu_seqlens)
 
@@ -41,35 +42,125 @@ def document_boundaries(inputs: torch.Tensor, labels: torch.Tensor, eos: int) ->
     return torch.cat([torch.zeros(1, dtype=torch.int64), inner, torch.tensor([inputs.shape[0]])])
 
 
+def flag_labels(flags: np.ndarray, labels: torch.Tensor, pack: bool) -> torch.Tensor | None:
+    """For a window of ``S + 1`` token flags: sets to IGNORE_INDEX (in place) the labels
+    [S] of tokens that are not targets and, when packing, the labels that would predict the
+    first token of a document (across a boundary). Returns the window's ``cu_seqlens``
+    [D+1] (documents start at flagged tokens) when packing, else None."""
+    following = flags[1:]
+    ignore = (following & TARGET) == 0
+    if pack:
+        ignore |= (following & DOC_START) != 0
+    labels[torch.from_numpy(ignore)] = IGNORE_INDEX
+    if not pack:
+        return None
+    inner = np.flatnonzero(flags[1:-1] & DOC_START) + 1
+    seq = flags.shape[0] - 1
+    return torch.from_numpy(np.concatenate([[0], inner, [seq]]).astype(np.int64))
+
+
+LONG_DOCUMENTS = ("split", "drop")
+
+
 class TokenFileSource:
     """Non-overlapping windows of ``seq_len + 1`` tokens (stride ``seq_len``), in a seeded
     order per epoch; the last ``eval_fraction`` of windows is held out for evaluation.
 
-    With ``eos`` set (packing), each window also yields its document boundaries: documents
-    end after each ``eos`` token, no target crosses a boundary, and the attention and RoPE
-    positions of each document start afresh. A window's first document may be the tail of
-    one that began in the previous window.
+    Files with per-token flags: labels of tokens that are not targets (a chat's prompts) are
+    IGNORE_INDEX. With ``pack`` each window also yields its document boundaries (from the
+    flags, else after each ``eos`` token; default: the file's): no target crosses a boundary,
+    and the attention and RoPE positions of each document start afresh. A window's first
+    document may be the tail of one that began in the previous window. ``pack`` defaults to
+    ``eos is not None``.
+
+    ``long_documents``: ``"split"`` cuts the windows from the whole file (a document longer
+    than ``seq_len`` continues in the next window); ``"drop"`` cuts them from the file without
+    the documents longer than ``seq_len`` (an index of the kept ranges is built once;
+    ``dropped_documents`` and ``dropped_tokens`` count what was left out).
     """
 
     def __init__(
-        self, file: TokenFile, seq_len: int, seed: int = 0, eval_fraction: float = 0.01, eos: int | None = None
+        self,
+        file: TokenFile,
+        seq_len: int,
+        seed: int = 0,
+        eval_fraction: float = 0.01,
+        eos: int | None = None,
+        pack: bool | None = None,
+        long_documents: str = "split",
     ) -> None:
-        self.file, self.seq_len, self.seed, self.eos = file, seq_len, seed, eos
-        windows = (file.count - 1) // seq_len
-        if windows < 2:
+        if long_documents not in LONG_DOCUMENTS:
+            raise ValueError(f"long_documents={long_documents!r}: use one of {', '.join(LONG_DOCUMENTS)}")
+        self.file, self.seq_len, self.seed = file, seq_len, seed
+        self.pack = eos is not None if pack is None else pack
+        self.eos = eos if eos is not None else file.eos
+        if self.pack and file.flags is None and self.eos is None:
             raise TokenFileError(
-                f"{file.path}: {file.count} tokens make {windows} sequence(s) of {seq_len}+1 tokens; need at "
+                f"{file.path}: packing needs document boundaries, but the file has neither flags nor an "
+                f"end-of-document token; set data.eos_id or re-create it with `loongtrain prepare`"
+            )
+        self.long_documents = long_documents
+        self.dropped_documents = self.dropped_tokens = 0
+        self._runs: tuple[np.ndarray, np.ndarray] | None = None  # (file start, virtual start) of kept ranges
+        length = file.count
+        if long_documents == "drop":
+            length = self._keep_short_documents()
+        self.stream_tokens = length  # tokens the windows are cut from
+        windows = (length - 1) // seq_len
+        if windows < 2:
+            dropped = (
+                f" after dropping {self.dropped_documents} document(s) longer than {seq_len}"
+                if self.dropped_documents
+                else ""
+            )
+            raise TokenFileError(
+                f"{file.path}: {length} tokens{dropped} make {windows} sequence(s) of {seq_len}+1 tokens; need at "
                 f"least 2 (one to train, one to evaluate): use more text or a smaller data.seq_len"
             )
         self.eval_windows = max(1, int(windows * eval_fraction))
         self.train_windows = windows - self.eval_windows
         self._perm: tuple[int, torch.Tensor] | None = None
 
+    def _keep_short_documents(self) -> int:
+        """Index the maximal runs of consecutive documents of at most ``seq_len`` tokens;
+        returns their total length."""
+        starts = self.file.document_starts(self.eos)
+        lengths = np.diff(np.append(starts, self.file.count))
+        keep = lengths <= self.seq_len
+        self.dropped_documents = int((~keep).sum())
+        self.dropped_tokens = int(lengths[~keep].sum())
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], keep.astype(np.int8), [0]])))
+        first, last = edges[0::2], edges[1::2]  # kept runs: documents first[r] .. last[r] - 1
+        run_start = starts[first]
+        run_len = np.append(starts, self.file.count)[last] - run_start
+        self._runs = (run_start, np.concatenate([[0], np.cumsum(run_len)]))
+        return int(self._runs[1][-1])
+
+    def _slice(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Tokens [start, stop) of the stream (and their flags): memory-mapped slices of the
+        file, gathered from the kept ranges when documents were dropped."""
+        flags = self.file.flags
+        if self._runs is None:
+            return self.file.tokens[start:stop], None if flags is None else flags[start:stop]
+        run_start, cum = self._runs
+        first = int(np.searchsorted(cum, start, side="right")) - 1
+        last = int(np.searchsorted(cum, stop, side="left"))
+        spans = []
+        for r in range(first, last):
+            lo = run_start[r] + max(start, cum[r]) - cum[r]
+            spans.append((lo, run_start[r] + min(stop, cum[r + 1]) - cum[r]))
+        tokens = np.concatenate([self.file.tokens[a:b] for a, b in spans])
+        return tokens, None if flags is None else np.concatenate([flags[a:b] for a, b in spans])
+
     def _window(self, w: int) -> Sample:
         start = w * self.seq_len
-        chunk = torch.from_numpy(self.file.tokens[start : start + self.seq_len + 1].astype("int64"))
+        tokens, flags = self._slice(start, start + self.seq_len + 1)
+        chunk = torch.from_numpy(tokens.astype("int64"))
         inputs, labels = chunk[:-1].clone(), chunk[1:].clone()
-        if self.eos is None:
+        if flags is not None:
+            cu = flag_labels(flags, labels, self.pack)
+            return (inputs, labels) if cu is None else (inputs, labels, cu)
+        if not self.pack:
             return inputs, labels
         return inputs, labels, document_boundaries(inputs, labels, self.eos)
 
