@@ -1,9 +1,10 @@
 """A pool of long-lived gloo worker processes shared by many test bodies.
 
 Spawning a process group costs seconds per world size, so each world size is spawned
-once per test session and every test sends it a body to run on all ranks: a
-module-level function called as ``fn(*args, **kwargs)`` on every rank, whose return values come
-back as a list indexed by rank. A failure (exception on any rank, or a timeout) kills
+once per test module (the ``dist_pool`` fixture of ``conftest.py``: pools end with their
+module, since idle gloo groups keep threads that wake up) and every test sends it a body
+to run on all ranks: a module-level function called as ``fn(*args, **kwargs)`` on every
+rank, whose return values come back as a list indexed by rank. A failure (exception on any rank, or a timeout) kills
 the pool, which is respawned for the next test, and fails the test with each rank's
 traceback.
 """
