@@ -34,6 +34,29 @@ def _chunk_rows(h: Tensor, weight: Tensor, labels: Tensor) -> tuple[Tensor, Tens
     return logits, lse, scored, targets
 
 
+def _chunk(
+    h_c: Tensor, weight: Tensor, y_c: Tensor, grad_h_c: Tensor | None, grad_w: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """Loss and correct count of one chunk; with ``grad_h_c``/``grad_w`` also its gradients
+    (written into ``grad_h_c``, added to ``grad_w``). Its ``[chunk, vocab]`` temporaries are
+    freed when it returns, before the next chunk allocates its own."""
+    logits, lse, scored, targets = _chunk_rows(h_c, weight, y_c)
+    picked = logits.gather(1, targets.unsqueeze(1)).squeeze(1)
+    loss = torch.where(scored, lse - picked, 0.0).sum()
+    correct = ((logits.argmax(dim=-1) == y_c) & scored).sum()
+    if grad_w is not None:
+        # d(sum of losses)/d(logits) = softmax - one_hot(target), zero on ignored rows
+        grad = logits.sub_(lse.unsqueeze(1)).exp_()
+        grad.scatter_add_(1, targets.unsqueeze(1), torch.full_like(lse, -1.0).unsqueeze(1))
+        grad = grad.mul_(scored.unsqueeze(1)).to(h_c.dtype)
+        torch.mm(grad, weight, out=grad_h_c)
+        if grad.dtype == torch.float32:
+            grad_w.addmm_(grad.t(), h_c)
+        else:  # one [vocab, dim] product in the compute dtype, summed in float32
+            grad_w += grad.t() @ h_c
+    return loss, correct
+
+
 class _ChunkedLoss(torch.autograd.Function):
     """Summed cross entropy of ``F.linear(h, weight)`` and the count of correct argmaxes,
     gradients computed in forward chunk by chunk."""
@@ -46,23 +69,10 @@ class _ChunkedLoss(torch.autograd.Function):
         grad_h = torch.empty_like(h) if want_grads else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_grads else None
         for start in range(0, h.shape[0], chunk):
-            h_c, y_c = h[start : start + chunk], labels[start : start + chunk]
-            logits, lse, scored, targets = _chunk_rows(h_c, weight, y_c)
-            picked = logits.gather(1, targets.unsqueeze(1)).squeeze(1)
-            loss += torch.where(scored, lse - picked, 0.0).sum()
-            correct += ((logits.argmax(dim=-1) == y_c) & scored).sum()
-            if want_grads:
-                # d(sum of losses)/d(logits) = softmax - one_hot(target), zero on ignored rows
-                grad = logits.sub_(lse.unsqueeze(1)).exp_()
-                grad.scatter_add_(1, targets.unsqueeze(1), torch.full_like(lse, -1.0).unsqueeze(1))
-                grad.mul_(scored.unsqueeze(1))
-                grad = grad.to(h.dtype)
-                grad_h[start : start + chunk] = grad @ weight
-                if grad.dtype == torch.float32:
-                    grad_w.addmm_(grad.t(), h_c)
-                else:  # one [vocab, dim] product in the compute dtype, summed in float32
-                    grad_w += grad.t() @ h_c
-            del logits
+            rows = slice(start, start + chunk)
+            loss_c, correct_c = _chunk(h[rows], weight, labels[rows], grad_h[rows] if want_grads else None, grad_w)
+            loss += loss_c
+            correct += correct_c
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         ctx.mark_non_differentiable(correct)
@@ -101,11 +111,15 @@ def token_scores(h: Tensor, weight: Tensor, labels: Tensor, chunk: int = 0) -> t
     shape = labels.shape
     h, labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
     step = chunk if chunk > 0 else max(1, h.shape[0])
-    losses, hits = [], []
-    for start in range(0, h.shape[0], step):
-        y_c = labels[start : start + step]
-        logits, lse, scored, targets = _chunk_rows(h[start : start + step], weight, y_c)
-        picked = logits.gather(1, targets.unsqueeze(1)).squeeze(1)
-        losses.append(torch.where(scored, lse - picked, 0.0))
-        hits.append((logits.argmax(dim=-1) == y_c) & scored)
-    return torch.cat(losses).view(shape), torch.cat(hits).view(shape)
+    scores = [
+        _chunk_scores(h[start : start + step], weight, labels[start : start + step])
+        for start in range(0, h.shape[0], step)
+    ]
+    return torch.cat([s for s, _ in scores]).view(shape), torch.cat([c for _, c in scores]).view(shape)
+
+
+def _chunk_scores(h_c: Tensor, weight: Tensor, y_c: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-token loss and correctness of one chunk (its logits freed on return)."""
+    logits, lse, scored, targets = _chunk_rows(h_c, weight, y_c)
+    picked = logits.gather(1, targets.unsqueeze(1)).squeeze(1)
+    return torch.where(scored, lse - picked, 0.0), (logits.argmax(dim=-1) == y_c) & scored
