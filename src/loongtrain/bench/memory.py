@@ -278,10 +278,11 @@ def _headline(device: torch.device, args: argparse.Namespace, rows: list) -> Non
     rank, world = dist.get_rank(), dist.get_world_size()
     config = ParallelConfig(hp=2, cp=2, ring_window=2) if world % 4 == 0 else ParallelConfig(cp=world)
     state = init_parallel(config, verify_inputs=False)
-    mcfg = model_config("debug", vocab_size=128256, dim=1024, n_layers=4, n_heads=16, n_kv_heads=8, ffn_dim=3584)
+    mcfg = model_config("debug", vocab_size=args.headline_vocab, dim=1024, n_layers=4, n_heads=16, n_kv_heads=8,
+                        ffn_dim=3584)  # fmt: skip
     short, long = args.headline_seqs
     if rank == 0:
-        print(f"\n[2] bytes per token of sequence per rank: vocabulary 128256, dim 1024, 4 layers, fp32, "
+        print(f"\n[2] bytes per token of sequence per rank: vocabulary {mcfg.vocab_size}, dim 1024, 4 layers, fp32, "
               f"{world} processes, forward+backward at S={short} and S={long}: per phase of the step (each "
               f"layer's forward and backward, the loss), the growth of its peak over the {long - short} tokens "
               "added; the worst phase's (fixed costs, the same at both lengths, drop out)")  # fmt: skip
@@ -322,6 +323,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grid-seqs", type=_lengths, default=[2048, 4096], help="grid sequence lengths (2048,4096)")
     parser.add_argument("--grid-vocab", type=int, default=8192, help="grid vocabulary (8192)")
     parser.add_argument("--headline-seqs", type=_lengths, default=[4096, 8192], help="the two lengths (4096,8192)")
+    parser.add_argument("--headline-vocab", type=int, default=128256, help="headline vocabulary (Llama-3's 128256)")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
 
 

@@ -1,7 +1,10 @@
-"""``loongtrain bench train``: the trainer's step, eager vs compiled, and where its time goes.
+"""``loongtrain bench train``: the trainer's step, eager vs compiled vs the whole-shard loss,
+and where its time goes.
 
 For each case (``main``: the main job's config as it is; ``large``: the same layout with a
-dim-512, 8-layer model on 8K-token sequences) and each mode (eager, ``run.compile``), every
+dim-512, 8-layer model on 8K-token sequences) and each mode (``whole-loss``: eager with
+``memory.loss_chunk = 0``, the loss over all of a rank's tokens at once as before the
+chunked loss; ``eager``: the defaults; ``compiled``: ``run.compile``), every
 rank builds the run exactly as ``loongtrain train`` does (:func:`~loongtrain.train.build_run`
 in a scratch folder, no checkpoints), warms up, times ``--steps`` calls of
 :func:`~loongtrain.train.train_step`, then profiles one more step and splits its wall time
@@ -42,16 +45,17 @@ CASES: dict[str, list[str]] = {
         "data.seq_len=8192", "data.global_batch=1",
     ],
 }  # fmt: skip
-MODES = ("eager", "compiled")
+#: mode -> its overrides; speed-ups are relative to the first mode run
+MODES: dict[str, list[str]] = {"whole-loss": ["memory.loss_chunk=0"], "eager": [], "compiled": ["run.compile=true"]}
 STEP_RANGE = "loongtrain::bench_step"
-WARMUP = {"eager": 2, "compiled": 3}  # the compiled blocks are built in the first step(s)
+WARMUP = {"whole-loss": 2, "eager": 2, "compiled": 3}  # the compiled blocks are built in the first step(s)
 STEPS = {"main": 20, "large": 4}  # timed steps per case unless --steps says otherwise
 
 
 def case_config(case: str, mode: str, config: Path, folder: Path) -> TrainConfig:
     """The config of one case and mode: its overrides, no checkpoints, a scratch run folder."""
     overrides = [
-        *CASES[case], f"run.compile={'true' if mode == 'compiled' else 'false'}", f"run.output_dir={folder}",
+        *CASES[case], *MODES[mode], f"run.output_dir={folder}",
         "checkpoint.every=0", "checkpoint.save_final=false", "checkpoint.resume=false", "run.progress=off",
     ]  # fmt: skip
     return load_config(config, overrides)
@@ -93,10 +97,10 @@ def _bench_rank(device: torch.device, args: argparse.Namespace, folder: Path) ->
     if rank == 0:
         counts = ", ".join(f"{case} {args.steps or STEPS[case]}" for case in args.cases)
         print(f"{world} processes on {device.type}; median step of the slowest rank over {counts} steps after warm-up")
-        head = f"{'case':6s} {'mode':9s} {'step s':>7s} {'tok/s/dev':>9s} {'speedup':>7s}  breakdown of one step"
+        head = f"{'case':6s} {'mode':10s} {'step s':>7s} {'tok/s/dev':>9s} {'speedup':>7s}  breakdown of one step"
         print(head, flush=True)
     for case in args.cases:
-        eager_s = None
+        first_s = None
         for mode in args.modes:
             cfg = case_config(case, mode, args.config, folder / f"{case}-{mode}")
             spec = preflight(cfg, world)
@@ -115,17 +119,17 @@ def _bench_rank(device: torch.device, args: argparse.Namespace, folder: Path) ->
                 tokens = cfg.data.global_batch * cfg.data.seq_len
                 mean = {k: statistics.fmean(g[k] for g in gathered) for k in ("wall_s", *PARTS)}
                 share = {k: mean[k] / mean["wall_s"] for k in PARTS}
-                eager_s = step_s if mode == "eager" else eager_s
-                speedup = eager_s / step_s if eager_s else float("nan")
+                first_s = first_s or step_s
+                speedup = first_s / step_s
                 text = "  ".join(f"{k} {share[k]:5.1%}" for k in PARTS)
                 print(
-                    f"{case:6s} {mode:9s} {step_s:7.3f} {tokens / step_s / world:9.0f} {speedup:7.2f}  {text} "
+                    f"{case:6s} {mode:10s} {step_s:7.3f} {tokens / step_s / world:9.0f} {speedup:7.2f}  {text} "
                     f"(profiled step {mean['wall_s']:.3f} s; warm-up {warmup_s:.1f} s)",
                     flush=True,
                 )
                 rows.append({
                     "case": case, "mode": mode, "world": world, "tokens_per_step": tokens, "step_s": step_s,
-                    "tokens_per_s_per_device": tokens / step_s / world, "speedup_vs_eager": speedup,
+                    "tokens_per_s_per_device": tokens / step_s / world, f"speedup_vs_{args.modes[0]}": speedup,
                     "warmup_s": warmup_s, "profiled_step_s": mean["wall_s"], "share": share,
                     "per_rank": gathered,
                 })  # fmt: skip
@@ -160,6 +164,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--config", type=Path, default=MAIN_CONFIG, help="the main job's config (the cases start from it)"
     )
     parser.add_argument("--cases", nargs="+", default=list(CASES), help=f"cases to run, of {list(CASES)}")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), help=f"modes to run, of {list(MODES)}")
+    parser.add_argument(
+        "--modes", nargs="+", default=list(MODES), help=f"modes to run, of {list(MODES)} (speed-ups vs the first)"
+    )
     parser.add_argument("--steps", type=int, default=0, help=f"timed steps per case and mode (0: {STEPS})")
     parser.add_argument("--json", default=None, help="also write the rows as JSON to this file")
