@@ -134,12 +134,22 @@ class MemorySection:
         ACTIVATION_CHECKPOINT_MODES,
     )
     activation_checkpoint_every: int = _f(1, "activation-checkpoint every k-th layer")
+    loss_chunk: int = _f(
+        1024, "loss over chunks of this many tokens of a rank's shard, one chunk's logits at a time (0: all at once)"
+    )
+    mlp_tile: int = _f(0, "run the SwiGLU MLP over sequence tiles of this many tokens, recomputed in backward (0: off)")
+    offload_activations: bool = _f(False, "move what activation checkpointing keeps to pinned host memory (full/sc++)")
+    offload_states: bool = _f(False, "keep sharded parameters, gradients and optimizer states on the host (CPU AdamW)")
 
     def options(self) -> MemoryOptions:
         """These keys as the :class:`MemoryOptions` that ``parallelize`` takes."""
         return MemoryOptions(
             activation_checkpoint=self.activation_checkpoint,  # type: ignore[arg-type]  # checked by validate
             activation_checkpoint_every=self.activation_checkpoint_every,
+            loss_chunk=self.loss_chunk,
+            mlp_tile=self.mlp_tile,
+            offload_activations=self.offload_activations,
+            offload_states=self.offload_states,
         )
 
 
@@ -340,6 +350,7 @@ def validate(cfg: TrainConfig) -> None:
         ),  # fmt: skip
         "run": ("eval_every", "peak_tflops"),
         "parallel": ("dp",),
+        "memory": ("loss_chunk", "mlp_tile"),
         "optim": ("warmup_steps", "weight_decay", "grad_clip", "min_lr_ratio"),
         "checkpoint": ("every",),
     }
@@ -356,6 +367,10 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must be at most 1 (the final lr is this fraction of lr)"
         )
+    try:
+        cfg.memory.options()
+    except ValueError as exc:
+        raise ConfigError(f"[memory] {exc}") from None
     if cfg.parallel.cp % cfg.parallel.ring_window:
         raise ConfigError(
             f"parallel.cp={cfg.parallel.cp} is not divisible by parallel.ring_window={cfg.parallel.ring_window}"

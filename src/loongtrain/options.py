@@ -42,6 +42,11 @@ def check_zero_scope(scope: str) -> None:
         raise ValueError(f"unknown ZeRO scope {scope!r}; choose one of {list(ZERO_SCOPES)}")
 
 
+def _check_non_negative_int(name: str, value: object, meaning: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"MemoryOptions: {name}={value!r} must be a non-negative integer ({meaning})")
+
+
 @dataclass(frozen=True)
 class MemoryOptions:
     """How a run trades recomputation and host transfers for device memory (the ``[memory]``
@@ -52,10 +57,35 @@ class MemoryOptions:
             distributed attention included) or ``"sc++"`` (recompute the block but keep the
             attention's results: Selective Checkpoint++).
         activation_checkpoint_every: checkpoint layers ``0, k, 2k, ...``.
+        loss_chunk: compute the loss (final norm output x output layer + cross entropy) over
+            chunks of this many tokens of the rank's shard, gradients included in the forward,
+            so one chunk's logits exist at a time (0: the whole shard at once).
+        mlp_tile: run each SwiGLU MLP over sequence tiles of this many tokens, saving only its
+            input and recomputing each tile in backward (0: off).
+        offload_activations: move what activation checkpointing keeps per layer to pinned
+            host memory after the forward and prefetch it one layer ahead in backward
+            (needs ``activation_checkpoint`` ``full`` or ``sc++``).
+        offload_states: keep sharded parameters, gradients and optimizer states on the host
+            (FSDP2's ``CPUOffloadPolicy``; the optimizer step runs on the CPU).
     """
 
     activation_checkpoint: ActivationCheckpoint = "none"
     activation_checkpoint_every: int = 1
+    loss_chunk: int = 1024
+    mlp_tile: int = 0
+    offload_activations: bool = False
+    offload_states: bool = False
 
     def __post_init__(self) -> None:
         check_activation_checkpoint(self.activation_checkpoint, self.activation_checkpoint_every)
+        _check_non_negative_int("loss_chunk", self.loss_chunk, "tokens per loss chunk; 0: the whole shard at once")
+        _check_non_negative_int("mlp_tile", self.mlp_tile, "tokens per MLP tile; 0: no tiling")
+        for name in ("offload_activations", "offload_states"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"MemoryOptions: {name}={getattr(self, name)!r} must be true or false")
+        if self.offload_activations and self.activation_checkpoint == "none":
+            raise ValueError(
+                "MemoryOptions: offload_activations moves what activation checkpointing keeps, but "
+                "activation_checkpoint='none' keeps everything on the device; set activation_checkpoint "
+                "to 'full' or 'sc++'"
+            )
