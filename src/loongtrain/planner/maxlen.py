@@ -16,7 +16,14 @@ from dataclasses import dataclass
 from loongtrain.model.config import ModelConfig
 from loongtrain.planner.cost import Workload
 from loongtrain.planner.estimate import Estimate
-from loongtrain.planner.search import SearchResult, evaluate_layouts, search_layouts, too_big_message
+from loongtrain.planner.search import (
+    SearchResult,
+    check_devices,
+    evaluate_layouts,
+    fits_somewhere,
+    search_layouts,
+    too_big_message,
+)
 from loongtrain.planner.specs import ClusterSpec, PlanError
 
 #: lengths beyond this many units are not searched (2^30 tokens at the smallest unit)
@@ -57,8 +64,9 @@ def max_seq_len(c: ClusterSpec, model: ModelConfig, devices: int, micro_batch: i
     def fits(units: int) -> bool:
         nonlocal tried
         tried += 1
-        return bool(evaluate_layouts(c, workload(units), devices)[1])
+        return fits_somewhere(c, workload(units), devices)
 
+    check_devices(c, devices)
     if not fits(1):
         reason = too_big_message(c, workload(1), devices, evaluate_layouts(c, workload(1), devices)[2])
         raise PlanError(f"--max-seq-len: even the shortest length {unit} does not fit: {reason}")

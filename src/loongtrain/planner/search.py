@@ -157,6 +157,42 @@ def leanest(c: ClusterSpec, w: Workload, base: Candidate) -> Candidate:
     return min((lean, unchunked), key=lambda x: memory_bytes(w, x).total)
 
 
+def _plain(w: Workload, base: Candidate) -> Candidate:
+    """``base`` with the chunked or the whole-shard loss, whichever needs less memory."""
+    return min((base, base.with_(loss_chunk=0)), key=lambda x: memory_bytes(w, x).total)
+
+
+def memory_fits(c: ClusterSpec, w: Workload, layout: Candidate) -> bool:
+    """``layout`` fits device and host memory on ``c`` (what ``Estimate.fits`` says, without the times)."""
+    mem = layout.memory
+    if mem.offload_activations and mem.activation_checkpoint != "none" and c.offload_gap("activations"):
+        return False
+    if mem.offload_states and c.offload_gap("states"):
+        return False
+    need = memory_bytes(w, layout)
+    host = need.host * min(layout.devices, c.devices_per_node)
+    return need.total <= c.usable_memory_bytes and host <= c.host_memory_bytes
+
+
+def fits_somewhere(c: ClusterSpec, w: Workload, devices: int) -> bool:
+    """Some layout of ``devices`` fits with the memory options :func:`choose_memory_options`
+    would try (memory only: the ring window and placement do not change memory)."""
+    seen = set()
+    for base in enumerate_layouts(w.model, w, devices):
+        p = base.parallel
+        key = (p.dp, p.hp, p.cp > 1, base.zero, base.checkpoint)
+        if key in seen:
+            continue
+        seen.add(key)
+        plain = _plain(w, base)
+        if memory_fits(c, w, plain):
+            return True
+        for group in _option_sets(c, w, plain):
+            if any(memory_fits(c, w, plain.with_(**options)) for options in group):
+                return True
+    return False
+
+
 def choose_memory_options(c: ClusterSpec, w: Workload, base: Candidate) -> Estimate:
     """The estimate of ``base`` with the memory options that make it fastest while fitting.
 
@@ -164,8 +200,7 @@ def choose_memory_options(c: ClusterSpec, w: Workload, base: Candidate) -> Estim
     that does not fit: the fastest fitting combination of MLP tiling and activation offload;
     only if none fits: the same with model-state offload. Nothing fits: the leanest.
     """
-    chunked, whole = base, base.with_(loss_chunk=0)
-    plain = min((chunked, whole), key=lambda x: memory_bytes(w, x).total)
+    plain = _plain(w, base)
     first = estimate(c, w, plain)
     if first.fits:
         return first
