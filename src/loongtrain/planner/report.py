@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import asdict, fields
+from pathlib import Path
 
+from loongtrain.model.config import PRESETS
 from loongtrain.planner.cost import Candidate, Workload
 from loongtrain.planner.estimate import Estimate
 from loongtrain.planner.explain import explain
@@ -94,11 +96,10 @@ def _toml(value) -> str:
 
 def train_config(e: Estimate, w: Workload, model: str) -> str:
     """The ``loongtrain train`` config of the plan ``e`` (``[model]``, ``[parallel]``, ``[memory]``,
-    ``[data]``), as TOML to paste. ``model`` is a preset name or a Hugging Face folder."""
+    ``[data]``), as TOML to paste. ``model`` is a preset name or a Hugging Face folder (``init_from``)."""
     x, p, m = e.candidate, e.candidate.parallel, e.candidate.memory
-    from_folder = "/" in model or model.startswith(".")
     sections = {
-        "model": {"init_from": model} if from_folder else {"preset": model},
+        "model": {"preset": model} if model in PRESETS else {"init_from": str(Path(model).resolve())},
         "parallel": {
             "hp": p.hp,
             "cp": p.cp,
