@@ -67,6 +67,14 @@ def test_split_overrides():
         ("", ["optim.min_lr_ratio=2"], "optim.min_lr_ratio=2.0 must be at most 1"),
         ("", ["run.timeout_s=0"], "run.timeout_s=0.0 must be positive"),
         ("", ["checkpoint.on_damaged=ignore"], "checkpoint.on_damaged='ignore'; choose one of ['fallback', 'stop']"),
+        ("", ["memory.loss_chunk=-1"], "memory.loss_chunk=-1 must not be negative"),
+        ("", ["memory.mlp_tile=-8"], "memory.mlp_tile=-8 must not be negative"),
+        ("[memory]\noffload_states = 1\n", [], "expected bool, got int 1"),
+        (
+            "",
+            ["memory.activation_checkpoint=none", "memory.offload_activations=true"],
+            "offload_activations moves what activation checkpointing keeps",
+        ),
     ],
 )
 def test_bad_config_names_the_problem(tmp_path, text, overrides, message):
@@ -75,6 +83,24 @@ def test_bad_config_names_the_problem(tmp_path, text, overrides, message):
     with pytest.raises(ConfigError) as info:
         load_config(path, overrides)
     assert message in str(info.value)
+
+
+def test_memory_keys_reach_memory_options(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text(
+        "[memory]\nactivation_checkpoint = 'full'\nloss_chunk = 0\nmlp_tile = 4096\n"
+        "offload_activations = true\noffload_states = true\n"
+    )
+    options = load_config(path).memory.options()
+    assert (options.loss_chunk, options.mlp_tile) == (0, 4096)
+    assert options.offload_activations and options.offload_states
+    defaults = load_config(None).memory.options()
+    assert (defaults.loss_chunk, defaults.mlp_tile, defaults.offload_activations, defaults.offload_states) == (
+        1024,
+        0,
+        False,
+        False,
+    )
 
 
 def test_missing_config_file():

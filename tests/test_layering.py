@@ -24,7 +24,7 @@ LAYERS: list[set[str]] = [
     {"eval"},  # long-context evaluation
     {"harness"},  # shared by the tools below
     {"bench", "calibrate", "gpucheck", "demo"},  # benchmarks, the planner's measuring side, the GPU check, demo
-    {"cli", "__main__", "__init__"},  # the command and the package's lazy exports
+    {"plan_cli", "cli", "__main__", "__init__"},  # the commands and the package's lazy exports
 ]
 
 

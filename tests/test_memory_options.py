@@ -88,7 +88,7 @@ def test_memory_options_refuse_what_cannot_apply():
         MemoryOptions(offload_activations=True)
     with pytest.raises(ValueError, match="mlp_tile=-1 must be 0"):
         MemoryOptions(mlp_tile=-1)
-    with pytest.raises(ConfigError, match="memory.activation_checkpoint='none' keeps nothing"):
+    with pytest.raises(ConfigError, match=r"\[memory\] .*activation_checkpoint='none' keeps nothing to move"):
         load_config(None, ["memory.offload_activations=true", "memory.activation_checkpoint=none"])
     with pytest.raises(ConfigError, match="run.compile=true cannot compile blocks with memory.mlp_tile"):
         load_config(None, ["run.compile=true", "memory.mlp_tile=64"])

@@ -92,5 +92,5 @@ def test_trainer_and_planner_count_the_same_model_flops():
     assert flops_per_token(cfg, seq) == cfg.flops_per_token(seq)
     assert flops_per_token(cfg, seq, causal=False) == cfg.flops_per_token(seq, causal=False)
     # every rank of an sp group of 8 counts 1/8 of the micro-batch's 2 x 8192 tokens
-    per_rank = model_flops_per_microbatch(Workload(cfg, seq, batch=2, micro_batch=2), Candidate(1, 2, 4))
+    per_rank = model_flops_per_microbatch(Workload(cfg, seq, batch=2, micro_batch=2), Candidate.of(hp=2, cp=4))
     assert 8 * per_rank == pytest.approx(2 * seq * flops_per_token(cfg, seq), rel=1e-12)

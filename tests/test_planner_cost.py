@@ -26,7 +26,7 @@ from loongtrain.planner.cost import (
     shared_outer_step_seconds,
 )
 from loongtrain.planner.fit import fit_line, fit_two
-from loongtrain.planner.memory import layer_activation_bytes, memory_bytes
+from loongtrain.planner.memory import layer_bytes, memory_bytes
 from loongtrain.planner.specs import CLUSTER_PRESETS
 from loongtrain.planner.topology import HeadTraffic, RingTraffic, Topology
 from loongtrain.planner.zero import collective_seconds, group_shape, shard_degree
@@ -173,35 +173,37 @@ def test_zero_collectives_and_shard_degree():
     strided = group_shape((0, 8), 8)
     assert strided == (2, 2, 1)
     assert collective_seconds(A100, strided, 2e9, "ag") == pytest.approx(1 / 11.25 + 15e-6)
-    degrees = {zero: shard_degree(Candidate(2, 2, 2, zero=zero)) for zero in ("none", "dp", "sp", "dp_sp")}
+    degrees = {zero: shard_degree(Candidate.of(dp=2, hp=2, cp=2, zero=zero)) for zero in ("none", "dp", "sp", "dp_sp")}
     assert degrees == {"none": 1, "dp": 2, "sp": 4, "dp_sp": 8}
 
 
 def test_memory_states_by_zero_scope():
-    w = Workload(PRESETS["7b-gqa"], seq_len=8192)
+    w = Workload(PRESETS["7b-gqa"], seq_len=8192, batch=2)
     params = PRESETS["7b-gqa"].num_params()
     for zero, degree in (("none", 1), ("dp", 2), ("sp", 4), ("dp_sp", 8)):
-        assert memory_bytes(w, Candidate(2, 2, 2, zero=zero)).states == 16 * params / degree
+        terms = dict(memory_bytes(w, Candidate.of(dp=2, hp=2, cp=2, zero=zero)).terms)
+        assert terms["params"] == 4 * params / degree  # fp32 parameters
+        assert terms["optimizer"] == 8 * params / degree  # two fp32 AdamW moments
 
 
-def test_activation_bytes_by_checkpoint_mode_by_hand():
+def test_kept_bytes_by_checkpoint_mode_by_hand():
     # bf16; D=64, H=4, G=2, d=16, F=128
-    assert layer_activation_bytes(M, 1, "full", 2) == 2 * 64
+    assert layer_bytes(M, 1, 1, 2, "full", False).kept == 2 * 64
     # sc++ keeps the block input, the ring output and its fp32 lse
-    assert layer_activation_bytes(M, 1, "sc++", 2) == 128 + 2 * 4 * 16 + 4 * 4
+    assert layer_bytes(M, 1, 1, 2, "sc++", False).kept == 128 + 2 * 4 * 16 + 4 * 4
     # ... and with hp > 1 also the head-scattered q, kv (G=2 -> 2 heads) and the gathered output
-    assert layer_activation_bytes(M, 2, "sc++", 2) == 272 + 2 * (4 + 2 * 2) * 16 + 2 * 4 * 16
+    assert layer_bytes(M, 2, 1, 2, "sc++", False).kept == 272 + 2 * (4 + 2 * 2) * 16 + 2 * 4 * 16
     # none: fp32 + bf16 norms, two projection inputs, q/kv/out/lse, four SwiGLU tensors
-    assert layer_activation_bytes(M, 1, "none", 2) == 2 * 6 * 64 + 2 * 2 * 64 + 400 + 4 * 2 * 128
+    assert layer_bytes(M, 1, 1, 2, "none", False).kept == 2 * 6 * 64 + 2 * 2 * 64 + 400 + 4 * 2 * 128
     for name in ("7b-mha", "7b-gqa"):
         m = PRESETS[name]
-        none, sc, full = (layer_activation_bytes(m, 4, mode, 2) for mode in ("none", "sc++", "full"))
+        none, sc, full = (layer_bytes(m, 4, 1, 2, mode, False).kept for mode in ("none", "sc++", "full"))
         assert none > sc > full
 
 
 def test_memory_shrinks_with_more_sequence_parallelism():
     w = Workload(PRESETS["7b-mha"], seq_len=256 * 1024)
-    totals = [memory_bytes(w, Candidate(1, 1, cp, checkpoint="full")).total for cp in (8, 16, 32)]
+    totals = [memory_bytes(w, Candidate.of(cp=cp, activation_checkpoint="full")).total for cp in (8, 16, 32)]
     assert totals[0] > totals[1] > totals[2]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from loongtrain.bench.groups import check_groups
+from loongtrain.calibrate.groups import check_groups
 from loongtrain.model.config import PRESETS
 from loongtrain.planner.cost import Candidate, Workload
 from loongtrain.planner.search import search_layouts
@@ -31,5 +31,6 @@ def test_planned_layout_groups_are_built(model, seq, devices, batch):
 
 
 def test_double_ring_context_first_groups_at_1024():
-    lines = check_groups(Candidate(2, 8, 64, 8, "context_first"), 8, ranks=[0, 511, 777, 1023])
+    layout = Candidate.of(dp=2, hp=8, cp=64, ring_window=8, placement="context_first")
+    lines = check_groups(layout, 8, ranks=[0, 511, 777, 1023])
     assert any("other node" in line for line in lines)

@@ -1,12 +1,14 @@
 """The planner's pure side imports no torch (``loongtrain plan`` starts in a fraction of a
-second), the measuring side is imported only when asked for, and the top-level package
-exposes the attention and training entry points lazily. Each check runs in a fresh
-interpreter, whose ``sys.modules`` says what was imported."""
+second), imports nothing above itself, the measuring side is imported only when asked for,
+and the top-level package exposes the attention and training entry points lazily. Each
+import check runs in a fresh interpreter, whose ``sys.modules`` says what was imported."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 PURE_MODULES = [
     "loongtrain",
@@ -32,7 +34,20 @@ PURE_MODULES = [
     "loongtrain.planner.fit",
     "loongtrain.planner.validation",
     "loongtrain.planner.anchors",
+    "loongtrain.planner.maxlen",
+    "loongtrain.plan_cli",
+    "loongtrain.calibrate",
 ]
+#: what the planner may import from the rest of loongtrain (it is below everything else)
+PLANNER_MAY_IMPORT = (
+    "loongtrain.options",
+    "loongtrain.parallel.config",
+    "loongtrain.parallel.layout",
+    "loongtrain.parallel.zero_grid",
+    "loongtrain.model.config",
+    "loongtrain.attention.schedule",
+    "loongtrain.planner",
+)
 
 
 def _python(code: str) -> str:
@@ -54,9 +69,25 @@ def test_loongtrain_plan_runs_without_torch():
         "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
         "    main(['plan', '--model', '7b-gqa', '--seq-len', '128K', '--devices', '64', '--json'])\n"
         "assert '\"ranked\"' in out.getvalue()\n"
-        "print('torch' in sys.modules, 'loongtrain.bench' in sys.modules)\n"
+        "measuring = ('loongtrain.bench', 'loongtrain.calibrate.groups')\n"
+        "print('torch' in sys.modules, *(name in sys.modules for name in measuring))\n"
     )
-    assert _python(code).split() == ["False", "False"]
+    assert _python(code).split() == ["False", "False", "False"]
+
+
+def test_planner_imports_nothing_above_itself():
+    planner = Path(__file__).resolve().parents[1] / "src" / "loongtrain" / "planner"
+    for path in sorted(planner.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for name in names:
+                if name.split(".")[0] == "loongtrain":
+                    allowed = any(name == ok or name.startswith(ok + ".") for ok in PLANNER_MAY_IMPORT)
+                    assert allowed, f"{path.name} imports {name}"
 
 
 def test_top_level_exports_are_lazy_and_complete():

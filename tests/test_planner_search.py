@@ -16,7 +16,8 @@ from loongtrain.planner import cli
 from loongtrain.planner.cost import Candidate, Workload
 from loongtrain.planner.estimate import estimate
 from loongtrain.planner.explain import explain
-from loongtrain.planner.search import BASELINES, check_candidate, enumerate_layouts, search_layouts
+from loongtrain.planner.memory import memory_bytes
+from loongtrain.planner.search import BASELINES, check_candidate, enumerate_layouts, leanest, search_layouts
 from loongtrain.planner.specs import (
     CLUSTER_FIELDS,
     CLUSTER_PRESETS,
@@ -119,22 +120,29 @@ def test_enumeration_count_1024_devices():
 
 def test_feasibility_rules():
     w = Workload(PRESETS["7b-gqa"], 64 * 1024)
-    check_candidate(w, Candidate(1, 8, 8, 4, "context_first"), 64)
+    check_candidate(w, Candidate.of(hp=8, cp=8, ring_window=4, placement="context_first"), 64)
     bad = [
-        (Candidate(1, 8, 4), "dp\\*hp\\*cp"),
-        (Candidate(1, 8, 8, 3), "not divisible by ring_window=3"),
-        (Candidate(1, 8, 8, 1, "diagonal"), "placement"),
-        (Candidate(1, 8, 8, 1, zero="all"), "zero="),
-        (Candidate(1, 8, 8, 1, checkpoint="some"), "ckpt="),
-        (Candidate(2, 4, 8), "batch=1"),
+        (Candidate.of(hp=8, cp=4), "dp\\*hp\\*cp"),
+        (Candidate.of(hp=8, cp=8, zero="all"), "zero="),
+        (Candidate.of(dp=2, hp=4, cp=8), "batch=1"),
+        (Candidate.of(hp=8, cp=8, mlp_tile=2048), "mlp_tile=2048 is larger than a rank's shard of 1024 tokens"),
     ]
     for layout, message in bad:
         with pytest.raises(PlanError, match=message):
             check_candidate(w, layout, 64)
     with pytest.raises(PlanError, match="hp=3 does not fit the model's heads"):
-        check_candidate(w, Candidate(1, 3, 8), 24)
+        check_candidate(w, Candidate.of(hp=3, cp=8), 24)
     with pytest.raises(PlanError, match="2\\*sp"):
-        check_candidate(Workload(PRESETS["7b-gqa"], 1000), Candidate(1, 8, 8), 64)
+        check_candidate(Workload(PRESETS["7b-gqa"], 1000), Candidate.of(hp=8, cp=8), 64)
+    # the holders' own checks, through --layout: one line naming the value
+    for text, message in (
+        ("hp=8,cp=8,w=3", "not divisible by ring_window=3"),
+        ("hp=8,cp=8,placement=diagonal", "placement"),
+        ("hp=8,cp=8,ckpt=some", "activation checkpoint mode 'some'"),
+        ("hp=8,cp=8,ckpt=none,offload=activations", "offload_activations moves what activation checkpointing"),
+    ):
+        with pytest.raises(PlanError, match=message):
+            cli.parse_candidate(text, 64)
 
 
 # -- search: cases with a known optimum -------------------------------------------------
@@ -161,8 +169,12 @@ def test_compute_bound_cluster_keeps_every_activation():
 
 def test_memory_limit_picks_selective_checkpoint():
     w = Workload(H8, 256 * 1024)
-    result = search_layouts(replace(NODE8, device_memory_gib=1e4), w, 8)
-    need_none = min(e.memory.total for e in result.ranked if e.candidate.checkpoint == "none")
+    big = replace(NODE8, device_memory_gib=1e4)
+    result = search_layouts(big, w, 8)
+    # without checkpointing, even the leanest options (MLP tiles) keep every layer's activations
+    need_none = min(
+        memory_bytes(w, leanest(big, w, e.candidate)).total for e in result.ranked if e.candidate.checkpoint == "none"
+    )
     need_sc = min(e.memory.total for e in result.ranked if e.candidate.checkpoint == "sc++")
     assert need_sc < need_none
     limit_gib = (need_sc + need_none) / 2 / 2**30 / NODE8.usable_memory_fraction
@@ -173,9 +185,9 @@ def test_memory_limit_picks_selective_checkpoint():
 def test_slow_all_to_all_picks_the_ring_and_slow_p2p_picks_ulysses():
     w = Workload(H8, 64 * 1024)
     slow_a2a = search_layouts(replace(NODE8, a2a_bw_gbs=1e-3), w, 8).best
-    assert slow_a2a.candidate.hp == 1
+    assert slow_a2a.candidate.parallel.hp == 1
     slow_p2p = search_layouts(replace(NODE8, intra_bw_gbs=1e-3, intra_node_bw_gbs=8e-3), w, 8).best
-    assert slow_p2p.candidate.cp == 1 and slow_p2p.candidate.hp == 8
+    assert slow_p2p.candidate.parallel.cp == 1 and slow_p2p.candidate.parallel.hp == 8
 
 
 def test_double_ring_wins_when_the_ring_crosses_nodes():
@@ -183,8 +195,8 @@ def test_double_ring_wins_when_the_ring_crosses_nodes():
     one_head = ModelConfig(vocab_size=1000, dim=1024, n_layers=4, n_heads=1, n_kv_heads=1, ffn_dim=2048)
     result = search_layouts(replace(A100, nic_bw_gbs=5.0), Workload(one_head, 64 * 1024), 16)
     best = result.best
-    assert 1 < best.candidate.ring_window < 16  # inner ring on NVLink, outer hop hidden behind window blocks
-    plain = min((e for e in result.ranked if e.candidate.ring_window == 1), key=lambda e: e.step_s)
+    assert 1 < best.candidate.parallel.ring_window < 16  # inner ring on NVLink, outer hop hidden behind window blocks
+    plain = min((e for e in result.ranked if e.candidate.parallel.ring_window == 1), key=lambda e: e.step_s)
     assert plain.ring_s > 1.5 * best.ring_s and plain.step_s > 1.5 * best.step_s
     assert any("double ring" in line for line in explain(result))
 
@@ -199,12 +211,12 @@ def test_double_ring_windows_larger_than_a_node_are_not_slower_than_one_ring():
     w = Workload(PRESETS["7b-mha"], 128 * 1024)
     for name, slack in (("h100", 1.05), ("a100", 1.10)):
         c = CLUSTER_PRESETS[name]
-        plain = estimate(c, w, Candidate(1, 1, 64, 1, checkpoint="sc++")).step_s
+        plain = estimate(c, w, Candidate.of(cp=64, activation_checkpoint="sc++")).step_s
         for window in (16, 32):
-            double = estimate(c, w, Candidate(1, 1, 64, window, checkpoint="sc++")).step_s
+            double = estimate(c, w, Candidate.of(cp=64, ring_window=window, activation_checkpoint="sc++")).step_s
             assert double <= slack * plain, f"{name} window {window}: {double:.2f} s vs ring {plain:.2f} s"
         # windows of one node keep the inner ring on NVLink: much faster than the NIC-bound ring
-        assert estimate(c, w, Candidate(1, 1, 64, 8, checkpoint="sc++")).step_s < 0.5 * plain
+        assert estimate(c, w, Candidate.of(cp=64, ring_window=8, activation_checkpoint="sc++")).step_s < 0.5 * plain
 
 
 def test_global_batch_in_tokens_sets_the_sequences_and_is_reported(capsys):
@@ -230,17 +242,17 @@ def test_baselines_are_their_families_and_never_beat_loongtrain():
             assert BASELINES[name](base.candidate)
             assert base.candidate.checkpoint != "sc++"
             assert result.best.step_s <= base.step_s
-    megatron = result.baselines["Megatron-CP"].candidate
+    megatron = result.baselines["Megatron-CP"].candidate.parallel
     assert (megatron.hp, megatron.ring_window) == (1, 1)
     gqa = search_layouts(A100, Workload(PRESETS["7b-gqa"], 128 * 1024), 32)
-    assert gqa.baselines["DeepSpeed-Ulysses"].candidate.cp == 1
+    assert gqa.baselines["DeepSpeed-Ulysses"].candidate.parallel.cp == 1
 
 
 def test_estimate_reports_consistent_numbers():
     w = Workload(PRESETS["7b-gqa"], 128 * 1024, batch=4)
-    e = estimate(A100, w, Candidate(2, 4, 4, 2, "head_first", "dp_sp", "sc++"))
+    e = estimate(A100, w, Candidate.of(dp=2, hp=4, cp=4, ring_window=2, activation_checkpoint="sc++"))
     assert e.microbatches == 2
-    assert e.step_s == pytest.approx(e.compute_s + e.a2a_s + e.ring_s + e.zero_s)
+    assert e.step_s == pytest.approx(e.compute_s + e.a2a_s + e.ring_s + e.zero_s + e.offload_s)
     assert e.tokens_per_s_per_device == pytest.approx(4 * 128 * 1024 / (e.step_s * 32))
     assert 0 < e.mfu < 1
 
@@ -332,7 +344,7 @@ def test_cli_table_and_json(capsys):
     _cli(["--model", "7b-gqa", "--seq-len", "256K", "--devices", "32", "--json", "--layout", "hp=8,cp=4,ckpt=full"])
     data = json.loads(capsys.readouterr().out)
     assert data["candidates"] > 0 and len(data["ranked"]) == 10
-    assert data["layout"]["hp"] == 8 and data["layout"]["checkpoint"] == "full"
+    assert data["layout"]["hp"] == 8 and data["layout"]["activation_checkpoint"] == "full"
     assert set(data["baselines"]) == set(BASELINES)
 
 

@@ -21,14 +21,14 @@ from loongtrain.planner.timeline import draw_timelines
 A100 = CLUSTER_PRESETS["a100"]
 
 LAYOUTS = [
-    Candidate(1, 1, 16),  # plain ring across two nodes
-    Candidate(1, 1, 16, 2),
-    Candidate(1, 1, 16, 8),  # windows = nodes
-    Candidate(1, 1, 16, 16),  # the same ring as window 1
-    Candidate(1, 8, 8, 1, "head_first"),
-    Candidate(1, 8, 8, 2, "head_first"),
-    Candidate(1, 4, 8, 4, "context_first"),
-    Candidate(1, 32, 1),  # Ulysses
+    Candidate.of(cp=16),  # plain ring across two nodes
+    Candidate.of(cp=16, ring_window=2),
+    Candidate.of(cp=16, ring_window=8),  # windows = nodes
+    Candidate.of(cp=16, ring_window=16),  # the same ring as window 1
+    Candidate.of(hp=8, cp=8, placement="head_first"),
+    Candidate.of(hp=8, cp=8, ring_window=2, placement="head_first"),
+    Candidate.of(hp=4, cp=8, ring_window=4, placement="context_first"),
+    Candidate.of(hp=32, cp=1),  # Ulysses
 ]
 
 
@@ -48,26 +48,26 @@ def test_simulator_agrees_with_closed_form(model, seq, layout):
 def test_simulated_transfers_match_the_schedule(layout):
     w = Workload(PRESETS["7b-gqa"], 64 * 1024)
     fwd, bwd = simulate_layer(A100, w, layout)
-    vol = comm_volume(w, layout.parallel_config())
-    for rank in (0, layout.cp - 1):
+    vol = comm_volume(w, layout.parallel)
+    for rank in (0, layout.parallel.cp - 1):
         kv_fwd = sum(fwd.count(lane, "kv", rank) for lane in ("inner link", "outer link"))
         kv_bwd = sum(bwd.count(lane, "kv", rank) for lane in ("inner link", "outer link"))
         dkv = sum(bwd.count(lane, "dkv", rank) for lane in ("inner link", "outer link"))
-        assert kv_fwd == kv_bwd == vol.count("fwd.ring_kv") == max(0, layout.cp - 1)
-        assert dkv == vol.count("bwd.ring_dkv") == dkv_hops(layout.parallel_config())
-        assert fwd.count("compute", "fwd", rank) == bwd.count("compute", "bwd", rank) == layout.cp
+        assert kv_fwd == kv_bwd == vol.count("fwd.ring_kv") == max(0, layout.parallel.cp - 1)
+        assert dkv == vol.count("bwd.ring_dkv") == dkv_hops(layout.parallel)
+        assert fwd.count("compute", "fwd", rank) == bwd.count("compute", "bwd", rank) == layout.parallel.cp
         assert fwd.count("compute", "fwd diagonal", rank) == 1  # the causal block of its own chunks
 
 
 def test_double_ring_hides_what_the_plain_ring_exposes():
     w = Workload(PRESETS["7b-mha"], 1024 * 1024)
-    plain, _ = simulate_layer(A100, w, Candidate(1, 1, 64))
-    double, _ = simulate_layer(A100, w, Candidate(1, 1, 64, 4))
+    plain, _ = simulate_layer(A100, w, Candidate.of(cp=64))
+    double, _ = simulate_layer(A100, w, Candidate.of(cp=64, ring_window=4))
     assert plain.exposed(0) > 10 * double.exposed(0)
 
 
 def test_timeline_png(tmp_path):
-    layout = Candidate(1, 2, 8, 4, "context_first")
+    layout = Candidate.of(hp=2, cp=8, ring_window=4, placement="context_first")
     fwd, bwd = simulate_layer(A100, Workload(PRESETS["7b-gqa"], 256 * 1024), layout)
     path = draw_timelines(fwd, bwd, tmp_path / "sub" / "timeline.png", layout.label(), ranks=(0, 1))
     data = path.read_bytes()
@@ -80,9 +80,9 @@ def test_simulated_nics_are_shared_by_both_rings():
     # transfer slows the inner hops it overlaps: this double ring is slower than one ring,
     # in the simulation of the links and in the closed form.
     w = Workload(PRESETS["7b-mha"], 128 * 1024)
-    layout = Candidate(1, 8, 8, 2, "head_first")
+    layout = Candidate.of(hp=8, cp=8, ring_window=2, placement="head_first")
     fwd, _ = simulate_layer(A100, w, layout)
-    plain, _ = simulate_layer(A100, w, Candidate(1, 8, 8, 1, "head_first"))
+    plain, _ = simulate_layer(A100, w, Candidate.of(hp=8, cp=8, placement="head_first"))
     assert fwd.makespan > 1.15 * plain.makespan
     closed = attention_seconds(A100, w, layout, candidate_topology(A100, layout))
     assert fwd.makespan == pytest.approx(closed.fwd, rel=0.05)
@@ -94,7 +94,7 @@ def test_windows_larger_than_a_node_agree_with_the_link_simulation(window):
     # stays within 10% of the event-driven simulation of every NIC (the gap: send and receive
     # NICs of a hop are paced separately in the simulation)
     w = Workload(PRESETS["7b-mha"], 128 * 1024)
-    layout = Candidate(1, 1, 64, window)
+    layout = Candidate.of(cp=64, ring_window=window)
     fwd, bwd = simulate_layer(A100, w, layout)
     closed = attention_seconds(A100, w, layout, candidate_topology(A100, layout))
     assert fwd.makespan == pytest.approx(closed.fwd, rel=0.10)

@@ -39,7 +39,7 @@ _EXPORTS: dict[str, str] = {
     "forward_backward": "loongtrain.train.step",
 }
 # subpackages reachable as attributes
-_SUBPACKAGES = ("apply", "attention", "bench", "data", "model", "parallel", "planner", "train")
+_SUBPACKAGES = ("apply", "attention", "bench", "calibrate", "data", "model", "parallel", "planner", "train")
 
 __all__ = [
     "MemoryOptions",

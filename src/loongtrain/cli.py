@@ -15,7 +15,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str, bool]] = {
     "train": ("loongtrain.train.cli", "train a model from a TOML config (torchrun or --nproc)", True),
     "export": ("loongtrain.train.export", "write a training checkpoint as a Hugging Face model folder", False),
-    "plan": ("loongtrain.planner.cli", "rank layouts for a cluster, model and length (cost model)", False),
+    "plan": ("loongtrain.plan_cli", "rank layouts for a cluster, model and length (cost model)", False),
     "prepare": ("loongtrain.data.prepare", "turn text files into a token file", False),
     "demo": ("loongtrain.demo", "distributed attention on local processes vs full attention", False),
     "gpu-check": ("loongtrain.gpucheck.check", "every device path vs float64, overhead, MFU: one table", False),

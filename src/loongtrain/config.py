@@ -371,14 +371,13 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must be at most 1 (the final lr is this fraction of lr)"
         )
+    try:
+        cfg.memory.options()
+    except ValueError as exc:
+        raise ConfigError(f"[memory] {exc}") from None
     if cfg.parallel.cp % cfg.parallel.ring_window:
         raise ConfigError(
             f"parallel.cp={cfg.parallel.cp} is not divisible by parallel.ring_window={cfg.parallel.ring_window}"
-        )
-    if cfg.memory.offload_activations and cfg.memory.activation_checkpoint == "none":
-        raise ConfigError(
-            "memory.offload_activations=true moves what activation checkpointing keeps, but "
-            "memory.activation_checkpoint='none' keeps nothing; set memory.activation_checkpoint to full or sc++"
         )
     if cfg.run.compile and (cfg.memory.offload_activations or cfg.memory.mlp_tile):
         on = "memory.offload_activations" if cfg.memory.offload_activations else "memory.mlp_tile"

@@ -75,6 +75,9 @@ class MemoryOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"MemoryOptions: {name}={value!r} must be 0 (off) or a positive number of tokens")
+        for name in ("offload_activations", "offload_states"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"MemoryOptions: {name}={getattr(self, name)!r} must be true or false")
         if self.offload_activations and self.activation_checkpoint == "none":
             raise ValueError(
                 "MemoryOptions: offload_activations moves what activation checkpointing keeps, and "

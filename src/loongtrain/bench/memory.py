@@ -179,9 +179,7 @@ def _batch(seq: int, vocab: int, seed: int) -> Microbatch:
     return Microbatch(data[:, :-1], data[:, 1:])
 
 
-def measure(
-    mcfg: ModelConfig, state, options: MemoryOptions, seq: int, device: torch.device, train_step: bool
-) -> dict:
+def measure(mcfg: ModelConfig, state, options: MemoryOptions, seq: int, device: torch.device, train_step: bool) -> dict:
     """One forward+backward (and, with ``train_step``, an AdamW step after a warm-up step) of
     ``mcfg`` on this rank; its peak tensor bytes (whole step and per phase), host-store bytes
     and state bytes. The model is freed before this returns."""

@@ -95,7 +95,8 @@ def predict_step(cluster: ClusterSpec, cfg: ModelConfig, case: TrainCase, dtype:
     """The planner's estimate of ``case`` on one device of ``cluster``."""
     dtype_bytes = dtype.itemsize
     workload = Workload(cfg, case.seq, batch=1, micro_batch=1, dtype_bytes=dtype_bytes)
-    est = estimate(cluster, workload, Candidate(dp=1, hp=1, cp=1, zero=ZERO, checkpoint=case.checkpoint))
+    layout = Candidate(ParallelConfig(dp=1), ZERO, MemoryOptions(activation_checkpoint=case.checkpoint))
+    est = estimate(cluster, workload, layout)
     return {
         "step_s": est.step_s,
         "mfu": est.mfu,

@@ -1,14 +1,15 @@
-"""``loongtrain plan``: rank the layouts of a model on a cluster, draw a schedule, calibrate
-the local machine, or validate the cost model against measured runs.
+"""The planning side of ``loongtrain plan``: rank the layouts of a model on a cluster, price
+one layout, draw a schedule, or find the longest sequence that trains. Pure (no torch).
 
     loongtrain plan --cluster a100 --model 7b-gqa --seq-len 1M --devices 64
-    loongtrain plan ... --timeline plan.png --check-groups
     loongtrain plan ... --layout hp=8,cp=8,ring_window=4,placement=context_first,zero=dp_sp,ckpt=sc++
-    loongtrain plan --calibrate            # writes clusters/local.toml
-    loongtrain plan --validate             # measured vs predicted on local processes
+    loongtrain plan ... --layout hp=1,cp=8,ckpt=full,loss_chunk=1024,mlp_tile=8192,offload=activations
+    loongtrain plan --cluster h100 --model llama3-8b --devices 8 --max-seq-len
+    loongtrain plan --model /path/to/hf/folder ...     # a Hugging Face model folder (config.json)
 
-Planning imports no torch; ``--calibrate``, ``--validate`` and ``--check-groups`` import
-their measuring code (``loongtrain.bench``) when asked for.
+The measuring side (``--calibrate``, ``--validate``, ``--check-groups``) is
+``loongtrain.calibrate``; the command that joins both is ``loongtrain.plan_cli``, which
+passes the group check in (:func:`run`), so nothing here imports above the planner.
 """
 
 from __future__ import annotations
@@ -16,8 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 
 from loongtrain.planner.specs import PlanError
+
+#: ``check_groups(candidate, devices_per_node) -> lines``: builds the layout's process groups
+#: (the measuring side; passed in by ``loongtrain.plan_cli``)
+GroupCheck = Callable[..., list[str]]
 
 _SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30}
 
@@ -50,9 +56,31 @@ def _ints_arg(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer or a comma-separated list of them") from None
 
 
-_LAYOUT_KEYS = {"dp": "dp", "hp": "hp", "cp": "cp", "ring_window": "ring_window", "w": "ring_window"}
-_LAYOUT_KEYS["placement"] = "placement"
-_LAYOUT_KEYS.update({"zero": "zero", "ckpt": "checkpoint", "checkpoint": "checkpoint"})
+#: ``--layout`` keys -> the option they set (``w`` is short for ``ring_window``)
+_LAYOUT_KEYS = {
+    "dp": "dp",
+    "hp": "hp",
+    "cp": "cp",
+    "ring_window": "ring_window",
+    "w": "ring_window",
+    "placement": "placement",
+    "zero": "zero",
+    "ckpt": "activation_checkpoint",
+    "activation_checkpoint": "activation_checkpoint",
+    "every": "activation_checkpoint_every",
+    "loss_chunk": "loss_chunk",
+    "mlp_tile": "mlp_tile",
+    "offload": "offload",
+}
+_INT_KEYS = ("dp", "hp", "cp", "ring_window", "activation_checkpoint_every", "loss_chunk", "mlp_tile")
+_OFFLOADS = {
+    "none": (False, False),
+    "activations": (True, False),
+    "states": (False, True),
+    "both": (True, True),
+}
+#: old keys refused with their new name (one name per idea)
+_RENAMED = {"window": "ring_window (the Double-Ring-Attention inner ring size)"}
 
 
 DEFAULT_GLOBAL_BATCH = 4 * 2**20  # tokens per optimizer step (LLaMA-2's 4M-token batch)
@@ -65,37 +93,60 @@ def _tokens_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def parse_candidate(text: str, devices: int):
-    """``"hp=8,cp=8,ring_window=4,placement=head_first,zero=dp_sp,ckpt=sc++"`` -> ``Candidate`` (dp derived)."""
+def parse_candidate(text: str, devices: int, default_checkpoint: str = "full"):
+    """``"hp=8,cp=8,ring_window=4,placement=head_first,zero=dp_sp,ckpt=sc++,offload=activations"``
+    -> ``Candidate`` (dp derived from ``devices``; memory options the library's defaults)."""
+    from loongtrain.options import MemoryOptions
+    from loongtrain.parallel.config import ParallelConfig
     from loongtrain.planner.cost import Candidate
 
     values: dict = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
-        key, sep, value = part.partition("=")
-        if not sep or key.strip() not in _LAYOUT_KEYS:
+        key, sep, value = (x.strip() for x in part.partition("="))
+        if key in _RENAMED:
+            raise PlanError(f"--layout: {key}= was renamed; use {_RENAMED[key]}")
+        if not sep or key not in _LAYOUT_KEYS:
             raise PlanError(f"--layout: cannot read {part!r}; use key=value with keys {sorted(_LAYOUT_KEYS)}")
-        name = _LAYOUT_KEYS[key.strip()]
-        value = value.strip()
-        if name in ("dp", "hp", "cp", "ring_window"):
+        name = _LAYOUT_KEYS[key]
+        if name in _INT_KEYS:
             if not value.isdigit():
-                raise PlanError(f"--layout: {key}={value!r} must be a positive integer")
+                raise PlanError(f"--layout: {key}={value!r} must be a non-negative integer")
             values[name] = int(value)
+        elif name == "offload":
+            if value not in _OFFLOADS:
+                raise PlanError(f"--layout: offload={value!r}; use one of {list(_OFFLOADS)}")
+            values["offload_activations"], values["offload_states"] = _OFFLOADS[value]
         else:
             values[name] = value
-    hp, cp = values.setdefault("hp", 1), values.setdefault("cp", 1)
+    hp, cp = values.pop("hp", 1), values.pop("cp", 1)
     if hp < 1 or cp < 1:
         raise PlanError("--layout: hp and cp must be positive")
     if "dp" not in values and devices % (hp * cp) != 0:
         raise PlanError(f"--layout: hp*cp = {hp}*{cp} = {hp * cp} does not divide devices={devices}")
-    values.setdefault("dp", max(1, devices // (hp * cp)))
-    return Candidate(**values)
+    dp = values.pop("dp", max(1, devices // (hp * cp)))
+    zero = values.pop("zero", "dp_sp")
+    parallel_keys = {k: values.pop(k) for k in ("ring_window", "placement") if k in values}
+    values.setdefault("activation_checkpoint", default_checkpoint)
+    try:
+        parallel = ParallelConfig(hp=hp, cp=cp, dp=dp, **parallel_keys)
+    except ValueError as exc:
+        raise PlanError(f"--layout: {exc}") from None
+    try:
+        memory = MemoryOptions(**values)
+    except ValueError as exc:
+        raise PlanError(f"--layout: {exc}") from None
+    return Candidate(parallel, zero, memory)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register ``loongtrain plan``'s options on ``parser``."""
+    """Register the planning options of ``loongtrain plan`` on ``parser``."""
     what = parser.add_argument_group("what to plan")
     what.add_argument("--cluster", default=None, help="preset a100|h100|h800|h200, 'local', or a TOML file (a100)")
-    what.add_argument("--model", default="7b-gqa", help="model preset: 7b-mha, 7b-gqa, 13b, llama3-8b, debug")
+    what.add_argument(
+        "--model",
+        default="7b-gqa",
+        help="model preset (7b-mha, 7b-gqa, 13b, llama3-8b, debug) or a Hugging Face model folder (config.json)",
+    )
     what.add_argument(
         "--seq-len", type=_lengths_arg, default=None, help="tokens per sequence, e.g. 128K, 1M (a list: a sweep)"
     )
@@ -103,33 +154,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument(
         "--global-batch",
         type=_tokens_arg,
-        default=DEFAULT_GLOBAL_BATCH,
+        default=None,
         metavar="TOKENS",
         help="tokens per optimizer step over all replicas, a multiple of the sequence length (4M)",
     )
     what.add_argument("--micro-batch", type=int, default=1, help="sequences per forward/backward (1)")
+    what.add_argument(
+        "--max-seq-len",
+        action="store_true",
+        help="find the longest sequence that trains on --devices (one sequence per step), with its layout",
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=int, default=10, help="rows of the table (10)")
     out.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    out.add_argument("--layout", default=None, help="also price this layout, e.g. hp=8,cp=8,ring_window=4,ckpt=sc++")
+    out.add_argument(
+        "--layout",
+        default=None,
+        help="also price this layout: keys hp, cp, ring_window (w), placement, dp, zero, ckpt, every, loss_chunk, "
+        "mlp_tile, offload=none|activations|states|both; e.g. hp=8,cp=8,ring_window=4,ckpt=sc++",
+    )
     out.add_argument("--timeline", default=None, metavar="PNG", help="simulate one layer of the winner (or --layout)")
-    out.add_argument("--check-groups", action="store_true", help="build the winner's groups on the fake backend")
-    mode = parser.add_argument_group("measure this machine")
-    mode.add_argument("--calibrate", action="store_true", help="measure gloo and CPU kernels, write the local cluster")
-    mode.add_argument("--validate", action="store_true", help="time the attention over layouts vs the prediction")
-    mode.add_argument("--nproc", type=int, default=4, help="processes to spawn for --calibrate/--validate (4)")
-    mode.add_argument("--out", default=None, help="cluster file to write with --calibrate (clusters/local.toml)")
-    mode.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement")
-    mode.add_argument("--rounds", type=int, default=3, help="--validate: sweeps over the layouts (3)")
-    mode.add_argument("--heads", type=int, default=8, help="--validate/--calibrate: query heads (8)")
-    mode.add_argument("--kv-heads", type=int, default=8, help="--validate: key/value heads (8)")
-    mode.add_argument("--head-dim", type=int, default=64, help="--validate/--calibrate: head dim (64)")
 
 
 def _workload(args: argparse.Namespace, model, seq_len: int):
     from loongtrain.planner.cost import Workload
 
-    return Workload.from_tokens(model, seq_len, args.global_batch, micro_batch=args.micro_batch)
+    tokens = args.global_batch if args.global_batch is not None else DEFAULT_GLOBAL_BATCH
+    return Workload.from_tokens(model, seq_len, tokens, micro_batch=args.micro_batch)
 
 
 def _timeline(cluster, workload, layout, path: str) -> dict:
@@ -157,7 +208,7 @@ def _sweep(args: argparse.Namespace, cluster, model) -> None:
     from loongtrain.planner.report import SWEEP_HEADER, format_length, json_report, sweep_row
     from loongtrain.planner.search import search_layouts
 
-    if args.layout or args.timeline or args.check_groups:
+    if args.layout or args.timeline or getattr(args, "check_groups", False):
         raise PlanError("--layout, --timeline and --check-groups take one --seq-len and one --devices")
     rows, lines = [], []
     for seq in args.seq_len:
@@ -173,9 +224,10 @@ def _sweep(args: argparse.Namespace, cluster, model) -> None:
     if args.json:
         print(json.dumps(rows, indent=1))
         return
+    batch = args.global_batch if args.global_batch is not None else DEFAULT_GLOBAL_BATCH
     print(
         f"loongtrain plan sweep: {args.model} on '{cluster.name}', global batch "
-        f"{format_length(args.global_batch)} tokens per step (sequences per step = global batch / length)"
+        f"{format_length(batch)} tokens per step (sequences per step = global batch / length)"
     )
     print("best layout per case (hf/cf: head_first/context_first; a2a, ring: exposed seconds per step);")
     print("right: the best MFU of each baseline family under the same model ('-': no valid layout fits)")
@@ -183,36 +235,68 @@ def _sweep(args: argparse.Namespace, cluster, model) -> None:
     print("\n".join(lines))
 
 
-def _plan(args: argparse.Namespace) -> None:
+def _check_request(args: argparse.Namespace) -> None:
+    """Bad input, in one line, before anything runs."""
+    if args.top < 1:
+        raise PlanError(f"--top={args.top} must be at least 1")
+    if isinstance(args.micro_batch, bool) or args.micro_batch < 1:
+        raise PlanError(f"--micro-batch={args.micro_batch} must be a positive integer")
+    if args.max_seq_len:
+        if args.devices is None:
+            raise PlanError("--max-seq-len needs --devices (the devices to fill)")
+        if args.seq_len is not None:
+            raise PlanError("--max-seq-len finds the length itself; drop --seq-len")
+        if args.global_batch is not None:
+            raise PlanError("--max-seq-len plans one sequence per optimizer step; drop --global-batch")
+        if args.layout or args.timeline or getattr(args, "check_groups", False):
+            raise PlanError("--layout, --timeline and --check-groups take --seq-len, not --max-seq-len")
+        return
+    if args.seq_len is None or args.devices is None:
+        raise PlanError("--seq-len and --devices are required to plan (or --max-seq-len, --calibrate, --validate)")
+
+
+def _max_seq_len(args: argparse.Namespace, cluster, model) -> None:
+    from loongtrain.planner.maxlen import max_seq_len
+    from loongtrain.planner.report import max_seq_len_json, max_seq_len_text
+
+    answers = [max_seq_len(cluster, model, devices, args.micro_batch) for devices in args.devices]
+    if args.json:
+        out = [max_seq_len_json(a, args.model) for a in answers]
+        print(json.dumps(out[0] if len(out) == 1 else out, indent=1))
+        return
+    print("\n\n".join(max_seq_len_text(a, args.model) for a in answers))
+
+
+def _plan(args: argparse.Namespace, check_groups: GroupCheck | None) -> None:
     from loongtrain.planner.estimate import estimate
     from loongtrain.planner.report import HEADER, json_report, row_dict, row_text, text_report
     from loongtrain.planner.search import check_candidate, search_layouts
     from loongtrain.planner.specs import cluster_spec, model_spec
 
-    if args.seq_len is None or args.devices is None:
-        raise PlanError("--seq-len and --devices are required to plan (or use --calibrate / --validate)")
-    if args.top < 1:
-        raise PlanError(f"--top={args.top} must be at least 1")
+    _check_request(args)
     cluster = cluster_spec(args.cluster or "a100")
     model = model_spec(args.model)
+    if args.max_seq_len:
+        _max_seq_len(args, cluster, model)
+        return
     if len(args.seq_len) > 1 or len(args.devices) > 1:
         _sweep(args, cluster, model)
         return
     devices = args.devices[0]
     workload = _workload(args, model, args.seq_len[0])
-    result = search_layouts(cluster, workload, devices)
-    chosen = None
-    if args.layout:
+    candidate = None
+    if args.layout:  # a bad --layout is refused before the search runs
         candidate = parse_candidate(args.layout, devices)
-        check_candidate(workload, candidate, devices)
-        chosen = estimate(cluster, workload, candidate)
+        check_candidate(workload, candidate, devices, cluster)
+    if getattr(args, "check_groups", False) and check_groups is None:
+        raise PlanError("--check-groups builds process groups: run it through `loongtrain plan`")
+    result = search_layouts(cluster, workload, devices)
+    chosen = estimate(cluster, workload, candidate) if candidate is not None else None
     target = chosen if chosen is not None else result.best
     extra: dict = {}
     if args.timeline:
         extra["timeline"] = _timeline(cluster, workload, target.candidate, args.timeline)
-    if args.check_groups:
-        from loongtrain.bench.groups import check_groups  # builds process groups: imports torch
-
+    if getattr(args, "check_groups", False):
         extra["group_check"] = check_groups(target.candidate, cluster.devices_per_node)
     if args.json:
         out = json_report(result, args.model, args.top)
@@ -239,40 +323,16 @@ def _plan(args: argparse.Namespace) -> None:
         print("\n".join(f"  {line}" for line in extra["group_check"]))
 
 
-def _run(args: argparse.Namespace) -> None:
-    if args.calibrate and args.validate:
-        raise PlanError("--calibrate and --validate are separate runs; calibrate first, then validate")
-    if args.calibrate or args.validate:
-        if args.nproc < 2:
-            raise PlanError(f"--nproc={args.nproc}: calibration and validation need at least 2 processes")
-    if args.calibrate:
-        from loongtrain.bench import calibrate  # spawns processes: imports torch
-
-        args.reps = args.reps or 7
-        args.calib_heads, args.calib_head_dim = args.heads, args.head_dim
-        calibrate.run(args)
-        return
-    if args.validate:
-        from loongtrain.bench import validate  # spawns processes: imports torch
-        from loongtrain.planner.specs import cluster_spec
-
-        cluster = cluster_spec(args.cluster or "local")
-        args.dtype = "float32"  # the dtype --calibrate measures
-        args.reps = args.reps or 3  # odd: run_sharded_attention takes sorted(times)[reps // 2]
-        if args.seq_len and len(args.seq_len) > 1:
-            raise PlanError("--validate takes one --seq-len")
-        args.seq = args.seq_len[0] if args.seq_len else 8192
-        if args.seq % (2 * args.nproc) != 0:
-            raise PlanError(f"--seq-len={args.seq} must be a multiple of 2*nproc = {2 * args.nproc}")
-        validate.run(args, cluster)
-        return
-    _plan(args)
+def run(args: argparse.Namespace, check_groups: GroupCheck | None = None) -> None:
+    """Plan as ``args`` ask (a table, a sweep, a layout, a timeline, the longest sequence);
+    ``check_groups`` builds the chosen layout's groups for ``--check-groups``."""
+    _plan(args, check_groups)
 
 
 def main(args: argparse.Namespace) -> None:
-    """Run ``loongtrain plan``; user errors print one message and exit with status 2."""
+    """Run the planning side alone; user errors print one message and exit with status 2."""
     try:
-        _run(args)
+        run(args)
     except PlanError as exc:
         print(f"loongtrain plan: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

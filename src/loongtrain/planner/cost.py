@@ -14,9 +14,10 @@ counts (the packed all-to-all buffer, own chunk included; one ring block per hop
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 from loongtrain.model.config import ModelConfig
+from loongtrain.options import MemoryOptions
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.planner.specs import ClusterSpec, PlanError
 from loongtrain.planner.topology import HeadTraffic, RingTraffic, Topology, analyze
@@ -24,40 +25,85 @@ from loongtrain.planner.topology import HeadTraffic, RingTraffic, Topology, anal
 BWD_FLOP_RATIO = 2.5
 
 
+_PARALLEL_KEYS = ("hp", "cp", "ring_window", "placement", "dp")
+_MEMORY_KEYS = tuple(f.name for f in fields(MemoryOptions))
+
+
 @dataclass(frozen=True)
 class Candidate:
-    """One layout the planner prices: the parallel degrees and placement (what
-    :class:`ParallelConfig` holds) plus the memory options (ZeRO scope, checkpointing)."""
+    """One layout the planner prices: the library's own option holders, nothing re-declared.
 
-    dp: int
-    hp: int
-    cp: int
-    ring_window: int = 1
-    placement: str = "head_first"
+    ``parallel`` holds the degrees, ring window and placement (``dp`` set: the planner
+    always knows the device count); everything derived from them (``sp``,
+    ``n_ring_windows``, the groups) comes from it. ``zero`` is the ZeRO scope of the model
+    states and ``memory`` the :class:`MemoryOptions` (activation checkpointing, chunked
+    loss, tiled MLP, offload) that ``parallelize`` takes.
+    """
+
+    parallel: ParallelConfig
     zero: str = "dp_sp"
-    checkpoint: str = "full"
+    memory: MemoryOptions = MemoryOptions()
 
-    @property
-    def sp(self) -> int:
-        return self.hp * self.cp
+    def __post_init__(self) -> None:
+        if not isinstance(self.parallel, ParallelConfig) or self.parallel.dp is None:
+            raise PlanError(f"Candidate: parallel must be a ParallelConfig with dp set, got {self.parallel!r}")
+        if not isinstance(self.memory, MemoryOptions):
+            raise PlanError(f"Candidate: memory must be a MemoryOptions, got {self.memory!r}")
+
+    @classmethod
+    def of(cls, *, zero: str = "dp_sp", dp: int = 1, **options) -> Candidate:
+        """A candidate from flat keyword options: ``hp``, ``cp``, ``ring_window``, ``placement``,
+        ``dp`` go to :class:`ParallelConfig`, the :class:`MemoryOptions` fields to ``memory``."""
+        unknown = sorted(set(options) - set(_PARALLEL_KEYS) - set(_MEMORY_KEYS))
+        if unknown:
+            raise PlanError(f"Candidate.of: unknown option(s) {unknown}")
+        parallel = ParallelConfig(dp=dp, **{k: v for k, v in options.items() if k in _PARALLEL_KEYS})
+        return cls(parallel, zero, MemoryOptions(**{k: v for k, v in options.items() if k in _MEMORY_KEYS}))
+
+    def with_(self, **changes) -> Candidate:
+        """A copy with flat options changed (routed to ``parallel``, ``memory`` or ``zero``)."""
+        unknown = sorted(set(changes) - set(_PARALLEL_KEYS) - set(_MEMORY_KEYS) - {"zero"})
+        if unknown:
+            raise PlanError(f"Candidate.with_: unknown option(s) {unknown}")
+        parallel = {k: v for k, v in changes.items() if k in _PARALLEL_KEYS}
+        memory = {k: v for k, v in changes.items() if k in _MEMORY_KEYS}
+        return Candidate(
+            replace(self.parallel, **parallel) if parallel else self.parallel,
+            changes.get("zero", self.zero),
+            replace(self.memory, **memory) if memory else self.memory,
+        )
 
     @property
     def devices(self) -> int:
-        return self.dp * self.sp
+        """Ranks of the layout: ``dp * hp * cp``."""
+        return self.parallel.dp * self.parallel.sp
 
     @property
-    def n_ring_windows(self) -> int:
-        return self.parallel_config().n_ring_windows
+    def checkpoint(self) -> str:
+        """The activation checkpoint mode (``memory.activation_checkpoint``)."""
+        return self.memory.activation_checkpoint
 
-    def parallel_config(self) -> ParallelConfig:
-        """The :class:`ParallelConfig` that ``init_parallel`` takes for this layout (validated)."""
-        return ParallelConfig(
-            hp=self.hp, cp=self.cp, ring_window=self.ring_window, placement=self.placement, dp=self.dp
-        )
+    def options_label(self) -> str:
+        """The memory options beyond checkpointing, short: ``"ch1024 tile8192 off:act+states"``
+        (``logits``: the whole shard's loss at once)."""
+        m = self.memory
+        parts = [f"ch{m.loss_chunk}" if m.loss_chunk else "logits"]
+        if m.mlp_tile:
+            parts.append(f"tile{m.mlp_tile}")
+        offload = [name for name, on in (("act", m.offload_activations), ("states", m.offload_states)) if on]
+        if offload:
+            parts.append("off:" + "+".join(offload))
+        if m.activation_checkpoint_every > 1:
+            parts.append(f"every{m.activation_checkpoint_every}")
+        return " ".join(parts)
 
     def label(self) -> str:
-        ring = "-" if self.cp == 1 else (f"w{self.ring_window}" if 1 < self.ring_window < self.cp else "ring")
-        return f"dp{self.dp} hp{self.hp} cp{self.cp} {ring} {self.placement} zero={self.zero} ckpt={self.checkpoint}"
+        p = self.parallel
+        ring = "-" if p.cp == 1 else (f"w{p.ring_window}" if 1 < p.ring_window < p.cp else "ring")
+        return (
+            f"dp{p.dp} hp{p.hp} cp{p.cp} {ring} {p.placement} zero={self.zero} ckpt={self.checkpoint} "
+            f"{self.options_label()}"
+        )
 
 
 @dataclass(frozen=True)
@@ -100,8 +146,7 @@ class Workload:
 
 def candidate_topology(c: ClusterSpec, candidate: Candidate) -> Topology:
     """Where ``candidate``'s transfers go on ``c``'s nodes and NICs."""
-    x = candidate
-    return analyze(x.parallel_config(), c.devices_per_node, c.nics_per_node)
+    return analyze(candidate.parallel, c.devices_per_node, c.nics_per_node)
 
 
 # -- FLOPs ------------------------------------------------------------------------------
@@ -122,6 +167,11 @@ def linear_flops_fwd(w: Workload, sp: int) -> float:
     return 2.0 * w.micro_batch * (w.seq_len / sp) * w.model.layer_matmul_params()
 
 
+def mlp_flops_fwd(w: Workload, sp: int) -> float:
+    """Forward FLOPs of one layer's SwiGLU MLP on one rank (what a tiled MLP recomputes)."""
+    return 2.0 * w.micro_batch * (w.seq_len / sp) * 3 * w.model.dim * w.model.ffn_dim
+
+
 def head_flops_fwd(w: Workload, sp: int) -> float:
     """Forward FLOPs of the output layer on one rank."""
     return 2.0 * w.micro_batch * (w.seq_len / sp) * w.model.dim * w.model.vocab_size
@@ -129,7 +179,7 @@ def head_flops_fwd(w: Workload, sp: int) -> float:
 
 def model_flops_per_microbatch(w: Workload, candidate: Candidate) -> float:
     """Model FLOPs of one rank per micro-batch: its tokens x :meth:`ModelConfig.flops_per_token`."""
-    tokens = w.micro_batch * w.seq_len / candidate.sp
+    tokens = w.micro_batch * w.seq_len / candidate.parallel.sp
     return tokens * w.model.flops_per_token(w.seq_len, causal=w.causal)
 
 
@@ -450,12 +500,12 @@ class AttentionTimes:
 
 def attention_seconds(c: ClusterSpec, w: Workload, candidate: Candidate, topo: Topology) -> AttentionTimes:
     """All-to-alls and the double ring of one layer, forward and backward."""
-    hp, cp, win = candidate.hp, candidate.cp, candidate.ring_window
-    n = candidate.n_ring_windows
+    p = candidate.parallel
+    hp, cp, win, n = p.hp, p.cp, p.ring_window, p.n_ring_windows
     bt = block_seconds(c, w, hp, cp)
     a2a_fwd = a2a_bwd = 0.0
     if hp > 1:  # the packed buffers whose bytes comm_volume counts
-        qkv, out = head_all_to_all_bytes(w, candidate.sp, hp)
+        qkv, out = head_all_to_all_bytes(w, p.sp, hp)
         a2a_fwd = all_to_all_seconds(c, topo.head, qkv) + all_to_all_seconds(c, topo.head, out)
         a2a_bwd = all_to_all_seconds(c, topo.head, out) + all_to_all_seconds(c, topo.head, qkv)
     if cp == 1:

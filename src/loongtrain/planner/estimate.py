@@ -4,15 +4,23 @@ Per micro-batch and rank: every layer runs its matmuls (forward, backward = 2x),
 head all-to-alls (not overlapped: attention waits for them) and the double ring
 (transfers overlapped with block kernels as :func:`cost.ring_forward_seconds` says);
 checkpointing adds a forward of the matmuls (``sc++``) or of the whole layer with its
-attention communication (``full``). ZeRO collectives overlap neighbouring layers.
-Elementwise work (norms, RoPE, SwiGLU activation, loss) and the optimizer step are not
-counted.
+attention communication (``full``); a tiled MLP adds one more MLP forward per layer. ZeRO
+collectives overlap neighbouring layers. The loss costs the output layer's FLOPs three
+times whether it is chunked or not (a chunked loss makes its gradients in the forward).
+Offload: a layer's host transfers (activations out in forward and back in backward;
+with offloaded states its parameters in and gradients out) overlap that layer's compute
+and only the excess is exposed; the CPU optimizer step (offloaded states) is exposed.
+Elementwise work (norms, RoPE, SwiGLU activation, loss) and the device optimizer step are
+not counted.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
+from loongtrain.parallel.config import ParallelConfig
 from loongtrain.planner.cost import (
     AttentionTimes,
     Candidate,
@@ -21,12 +29,18 @@ from loongtrain.planner.cost import (
     candidate_topology,
     head_flops_fwd,
     linear_flops_fwd,
+    mlp_flops_fwd,
     model_flops_per_microbatch,
 )
-from loongtrain.planner.memory import MemoryBreakdown, memory_bytes
+from loongtrain.planner.memory import MemoryBreakdown, layer_bytes, memory_bytes
 from loongtrain.planner.specs import ClusterSpec
 from loongtrain.planner.topology import Topology
-from loongtrain.planner.zero import exposed_zero_seconds, zero_seconds
+from loongtrain.planner.zero import ZeroTimes, exposed_zero_seconds, shard_degree, zero_seconds
+
+#: bytes of host memory one AdamW step moves per parameter on the CPU (offloaded states):
+#: torch.optim.AdamW's foreach path reads and writes the fp32 parameter, gradient and both
+#: moments in about nine passes (lerp, mul, addcmul, sqrt, div, add, addcdiv, weight decay)
+CPU_ADAMW_BYTES_PER_PARAM = 80.0
 
 
 @dataclass(frozen=True)
@@ -46,34 +60,60 @@ class Estimate:
     attention: AttentionTimes  # one layer, one micro-batch
     topology: Topology
     microbatches: int
+    offload_s: float = 0.0  # host transfers not hidden behind layers, and the CPU optimizer step
+    host_per_node: float = 0.0  # pinned host bytes of one node (offloaded activations and states)
+    host_limit: float = 0.0  # the cluster's host memory per node usable for offload
+    blocked: str | None = None  # why the layout cannot run on this cluster at all (offload without a host)
 
     @property
     def fits(self) -> bool:
-        return self.memory.total <= self.memory_limit
+        return self.blocked is None and self.memory.total <= self.memory_limit and self.host_per_node <= self.host_limit
+
+
+@functools.lru_cache(maxsize=8192)
+def _layout_times(
+    c: ClusterSpec, w: Workload, parallel: ParallelConfig, zero: str
+) -> tuple[Topology, AttentionTimes, ZeroTimes]:
+    """What does not depend on the memory options: shared by every option of one layout."""
+    layout = Candidate(parallel, zero)
+    topo = candidate_topology(c, layout)
+    return topo, attention_seconds(c, w, layout, topo), zero_seconds(c, w.model, layout, w.dtype_bytes)
 
 
 def estimate(c: ClusterSpec, w: Workload, layout: Candidate) -> Estimate:
     """Predict ``layout`` on cluster ``c`` for workload ``w``."""
-    topo = candidate_topology(c, layout)
-    at = attention_seconds(c, w, layout, topo)
-    mm = c.matmul_tflops * 1e12
-    lin = linear_flops_fwd(w, layout.sp) / mm
-    head = head_flops_fwd(w, layout.sp) / mm
-    n_layers = w.model.n_layers
-    full, sc = layout.checkpoint == "full", layout.checkpoint == "sc++"
-    recompute_kernels = lin + (at.kernels_fwd if full else 0.0) if (full or sc) else 0.0
-    compute = n_layers * (3 * lin + at.kernels_fwd + at.kernels_bwd + recompute_kernels) + 3 * head
-    a2a = n_layers * (at.a2a_fwd + at.a2a_bwd + (at.a2a_fwd if full else 0.0))
+    p, mem = layout.parallel, layout.memory
+    topo, at, z = _layout_times(c, w, p, layout.zero)
+    m, mm = w.model, c.matmul_tflops * 1e12
+    lin = linear_flops_fwd(w, p.sp) / mm
+    head = head_flops_fwd(w, p.sp) / mm
+    tile = mlp_flops_fwd(w, p.sp) / mm if mem.mlp_tile else 0.0
+    n_layers = m.n_layers
+    ckpt = mem.activation_checkpoint
+    n_ckpt = 0 if ckpt == "none" else math.ceil(n_layers / mem.activation_checkpoint_every)
+    full = ckpt == "full"
+    recompute = lin + (at.kernels_fwd if full else 0.0) if n_ckpt else 0.0  # per checkpointed layer
+    compute = n_layers * (3 * lin + at.kernels_fwd + at.kernels_bwd + tile) + n_ckpt * recompute + 3 * head
+    a2a = n_layers * (at.a2a_fwd + at.a2a_bwd) + (n_ckpt * at.a2a_fwd if full else 0.0)
     ring_fwd = at.ring_fwd - at.kernels_fwd
-    ring = n_layers * (ring_fwd + (at.ring_bwd - at.kernels_bwd) + (ring_fwd if full else 0.0))
+    ring = n_layers * (ring_fwd + (at.ring_bwd - at.kernels_bwd)) + (n_ckpt * ring_fwd if full else 0.0)
     layer_fwd = lin + at.fwd
-    layer_bwd = 2 * lin + at.bwd + (lin + at.fwd if full else lin if sc else 0.0)
-    zero = exposed_zero_seconds(zero_seconds(c, w.model, layout, w.dtype_bytes), n_layers, layer_fwd, layer_bwd)
-    micro = compute + a2a + ring + zero
-    steps = w.batch // (layout.dp * w.micro_batch)
-    step = steps * micro
-    tokens = w.tokens
+    layer_bwd = 2 * lin + at.bwd + tile
+    redo = (lin + at.fwd if full else lin) if n_ckpt else 0.0  # a checkpointed layer's recompute, comms included
+    mean_bwd = layer_bwd + redo * n_ckpt / n_layers
+    zero = exposed_zero_seconds(z, n_layers, layer_fwd, mean_bwd)
+    offload = _offload_seconds(c, w, layout, n_ckpt, layer_fwd, layer_bwd, layer_bwd + redo)
+    micro = compute + a2a + ring + zero + offload
+    steps = w.batch // (p.dp * w.micro_batch)
+    cpu_step = _cpu_optimizer_seconds(c, layout, m.num_params()) if mem.offload_states else 0.0
+    step = steps * micro + cpu_step
     mfu = steps * model_flops_per_microbatch(w, layout) / (step * c.peak_tflops * 1e12)
+    breakdown = memory_bytes(w, layout)
+    blocked = None
+    if mem.offload_activations and n_ckpt:
+        blocked = c.offload_gap("activations")
+    if mem.offload_states:
+        blocked = blocked or c.offload_gap("states")
     return Estimate(
         candidate=layout,
         step_s=step,
@@ -81,11 +121,50 @@ def estimate(c: ClusterSpec, w: Workload, layout: Candidate) -> Estimate:
         a2a_s=steps * a2a,
         ring_s=steps * ring,
         zero_s=steps * zero,
-        memory=memory_bytes(w, layout),
+        memory=breakdown,
         memory_limit=c.usable_memory_bytes,
-        tokens_per_s_per_device=tokens / (step * layout.devices),
+        tokens_per_s_per_device=w.tokens / (step * layout.devices),
         mfu=mfu,
         attention=at,
         topology=topo,
         microbatches=steps,
+        offload_s=steps * offload + cpu_step,
+        host_per_node=breakdown.host * min(layout.devices, c.devices_per_node),
+        host_limit=c.host_memory_bytes,
+        blocked=blocked,
     )
+
+
+def _offload_seconds(
+    c: ClusterSpec, w: Workload, layout: Candidate, n_ckpt: int, fwd: float, bwd: float, bwd_ckpt: float
+) -> float:
+    """Host transfers of one micro-batch not hidden behind the layer they belong to.
+
+    Per layer and direction the link carries ``bytes / host_copy_gbs``; only what exceeds
+    that layer's compute is exposed. Forward sends the kept tensors out (offloaded
+    activations) and brings the parameter shard in (offloaded states); backward brings
+    both in again and sends the gradient shard out (the other direction).
+    """
+    mem, p = layout.memory, layout.parallel
+    if not (mem.offload_states or (mem.offload_activations and n_ckpt)) or c.host_copy_gbs <= 0:
+        return 0.0
+    bw = c.host_copy_gbs * 1e9
+    tokens = w.micro_batch * w.seq_len / p.sp
+    kept = 0.0
+    if mem.offload_activations and n_ckpt:
+        lb = layer_bytes(w.model, p.hp, p.cp, w.dtype_bytes, mem.activation_checkpoint, mem.mlp_tile > 0)
+        kept = lb.kept * tokens
+    params = 4.0 * w.model.layer_params() / shard_degree(layout) if mem.offload_states else 0.0
+    plain = w.model.n_layers - n_ckpt
+    exposed = n_ckpt * (max(0.0, (kept + params) / bw - fwd) + max(0.0, (kept + params) / bw - bwd_ckpt))
+    exposed += plain * (max(0.0, params / bw - fwd) + max(0.0, params / bw - bwd))
+    return exposed
+
+
+def _cpu_optimizer_seconds(c: ClusterSpec, layout: Candidate, params: int) -> float:
+    """AdamW over this rank's parameter shard on the CPU: memory-bound, the node's host
+    memory bandwidth shared by the ranks of the node."""
+    if c.host_mem_bw_gbs <= 0:
+        return 0.0
+    ranks = min(layout.devices, c.devices_per_node)
+    return params / shard_degree(layout) * CPU_ADAMW_BYTES_PER_PARAM / (c.host_mem_bw_gbs * 1e9 / ranks)

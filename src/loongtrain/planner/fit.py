@@ -75,8 +75,13 @@ def fit_cluster(meas: dict, name: str = "local") -> tuple[ClusterSpec, dict[str,
     ``[(fwd FLOPs, t, causal)]`` ring steps (kernel and merge) of every rank at once;
     ``matmul_alone``/``matmul_all`` FLOP/s; ``overlap`` ``{compute, transfer, both}``;
     ``step`` ``{step, block}``: a ring step (block + tiny exchange) of every rank and the
-    same block without the exchange; plus ``nproc``, ``memory_gib``, ``calib_heads``,
-    ``calib_head_dim`` and optional ``cpus``, ``threads``, ``date``.
+    same block without the exchange; ``host_copy`` ``(bytes, t)``: a host-to-host ``copy_``
+    of every rank at once (optional: the host link of CPU processes is a memory copy); plus
+    ``nproc``, ``memory_gib``, ``calib_heads``, ``calib_head_dim`` and optional ``cpus``,
+    ``threads``, ``date``.
+
+    The host memory for offload is 0: the "devices" of CPU processes are the host's RAM, so
+    offloading frees nothing (the planner refuses it on this cluster).
     """
     n = meas["nproc"]
     a_pair, b_pair = fit_line(*zip(*meas["pair"]))
@@ -105,6 +110,10 @@ def fit_cluster(meas: dict, name: str = "local") -> tuple[ClusterSpec, dict[str,
     step = meas["step"]
     hop_sync = max(0.0, step["step"] - step["block"] - a_pair)
     intra_bw = 1e-9 / b_pair
+    host = {}
+    if "host_copy" in meas:
+        nbytes, t = meas["host_copy"]
+        host = dict(host_link_gbs=nbytes / t / 1e9, host_mem_bw_gbs=2 * n * nbytes / t / 1e9, host_memory_gib=0.0)
     spec = ClusterSpec(
         name=name,
         nodes=1,
@@ -128,6 +137,7 @@ def fit_cluster(meas: dict, name: str = "local") -> tuple[ClusterSpec, dict[str,
         nic_bw_gbs=intra_bw,
         inter_latency_us=a_pair * 1e6,
         overlap=overlap,
+        **host,
         description=f"this machine: {n} gloo processes on {meas.get('cpus', '?')} CPUs, "
         f"{meas.get('threads', '?')} thread(s) each, calibrated {meas.get('date', '')}",
     )
@@ -151,6 +161,9 @@ def fit_cluster(meas: dict, name: str = "local") -> tuple[ClusterSpec, dict[str,
         "nics_per_node": "one node: never used",
         "nic_bw_gbs": "one node: never used",
         "inter_latency_us": "one node: never used",
+        "host_link_gbs": "copy_ between host buffers, every process at once (a CPU process's host link)",
+        "host_mem_bw_gbs": "the same copies' reads and writes, all processes together",
+        "host_memory_gib": "0: the processes' 'device' memory is this RAM; offload frees nothing",
         "overlap": f"block alone {ov['compute'] * 1e3:.0f} ms, transfer alone {ov['transfer'] * 1e3:.0f} ms, "
         f"both {ov['both'] * 1e3:.0f} ms",
     }

@@ -1,88 +1,297 @@
-"""Peak memory per device of a training step. Pure.
+"""Peak memory per device (and the host memory it pins) of one training step. Pure.
 
-Counts what this implementation keeps (``model/llama.py`` under ``parallelize``):
+A sum of named terms, each the bytes of tensors this implementation holds. Per-token
+terms are bytes per token of the rank's shard (``T = micro_batch * seq_len / sp`` tokens,
+before the head all-to-all); ``e`` is the compute dtype's bytes (2 for bf16), ``a`` the
+accumulation dtype's (4: fp32). Where each term comes from:
 
-- model states: fp32 parameters, fp32 gradients and two fp32 AdamW moments (16 bytes per
-  parameter), divided by the ZeRO shard degree; plus the gathered bf16 copies of two
-  layers (prefetch) and of the root parameters, and one layer's unsharded fp32 gradient;
-- saved activations per layer, by checkpoint mode (per token of the rank's shard):
-  ``none`` everything autograd saves (norm inputs in fp32, projection inputs, the
-  attention op's q/kv/out/lse, the SwiGLU intermediates); ``full`` the block input;
-  ``sc++`` the block input plus the attention output and lse and, when ``hp > 1``, the
-  head-scattered q/k/v and the gathered output; plus, for ``full``/``sc++``, one layer's
-  recomputed activations during its backward;
-- attention buffers of the ring (KV blocks in flight, fp32 dK/dV partials and dq, the
-  all-to-all send/receive buffers); and the logits with their fp32 softmax.
+- ``model/llama.py``: ``RMSNorm`` saves ``x.float()`` (the input itself when ``e == 4``) and
+  the normalised copy cast back (``(4 + e) * width``); every ``nn.Linear`` saves its input;
+  RoPE saves only the shared cos/sin tables; ``FeedForward`` saves w1's output, silu's
+  output, w3's output and their product (``4 * e * ffn``); a block's output is the next
+  block's input.
+- ``attention/ops.py``: ``ring_attention`` saves ``q_h``, ``kv_h``, ``out_h`` and the fp32
+  ``lse``; ``head_scatter``/``head_gather`` save nothing, but with ``hp > 1`` the gathered
+  output is ``wo``'s saved input (with ``hp == 1`` it is ``out_h`` itself); with ``hp == 1``
+  ``kv_h`` is ``torch.stack((k, v))``.
+- ``apply/activation_checkpoint.py``: ``full`` keeps each block's input; ``sc++`` also keeps
+  the outputs of the MUST_SAVE ops (``ring_attention``'s out and lse; with ``hp > 1`` also
+  ``head_scatter``'s q_h, kv_h and ``head_gather``'s output). A checkpointed block's
+  backward first recomputes its forward, so one layer's saved set exists again.
+- ``attention/double_ring.py``: backward holds an fp32 ``dq`` accumulator, an fp32 dK/dV
+  partial, the block kernel's dq/dk/dv, and with ``cp > 1`` the KV blocks and dK/dV
+  partials in flight.
+- ``train/step.py``: the loss is ``F.cross_entropy(logits.float())`` (log-softmax output
+  saved; its backward adds the gradient and the input gradient, fp32) and ``logits`` stays
+  referenced until the backward is done. With ``loss_chunk`` (the fused linear cross
+  entropy the trainer runs when it is set) one chunk's logits exist at a time, the
+  gradient of the final norm's output (``[T, d]`` fp32) is made in the forward and kept
+  until backward starts, and the output weight's gradient accumulates in fp32.
+- ``apply/zero.py`` (FSDP2): sharded fp32 parameters; gathered (compute dtype) copies of the
+  layer in use and the one prefetched; the root (embeddings, final norm, output) stays
+  gathered from forward to backward; a layer's gradients are reduce-scattered as it
+  finishes, the root's after the embedding's backward (so the output weight's gradient
+  waits through every layer's backward). AdamW's moments (fp32) exist between steps.
+
+The peak is the largest of four phases: the loss (every layer's kept tensors plus the
+loss's), the backward of the first layer it reaches (every layer's kept tensors, plus one
+layer's recompute working set), of the last (one layer's kept tensors, the other layers'
+sharded gradients) and the optimizer step. ``MemoryOptions`` change exactly their terms:
+``mlp_tile`` replaces the per-token MLP intermediates by one tile's, ``loss_chunk`` the
+logits by one chunk's, ``offload_activations`` keeps about two layers of kept tensors on
+the device (all of them on the host), ``offload_states`` moves parameters, gradients and
+optimizer states to the host.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from loongtrain.model.config import ModelConfig
 from loongtrain.planner.cost import Candidate, Workload, replicated_kv_heads
 from loongtrain.planner.zero import shard_degree
 
+#: checkpointed layers' kept tensors on the device with ``offload_activations``: the layer
+#: in use and the one being copied (forward) or prefetched (backward)
+OFFLOAD_LAYERS_ON_DEVICE = 2
+#: fp32 [chunk, V] temporaries of one loss chunk (logits copy, softmax, its gradient)
+LOSS_CHUNK_TEMPORARIES = 3
+#: FSDP2 layers gathered at once: the one computing and the one prefetched
+GATHERED_LAYERS = 2
 
-def layer_activation_bytes(m: ModelConfig, hp: int, mode: str, e: int) -> float:
-    """Bytes one layer keeps for backward, per token of the rank's shard (before the all-to-all)."""
+
+def norm_saved(width: int, e: int) -> float:
+    """Bytes per token an ``RMSNorm`` over ``width`` saves: ``x.float()`` (the input itself in
+    fp32) and the normalised copy in the compute dtype."""
+    return (4 + e) * width
+
+
+@dataclass(frozen=True)
+class LayerBytes:
+    """One transformer layer's bytes per token of the rank's shard (see the module docstring)."""
+
+    saved: float  # everything autograd saves without checkpointing (the block input included)
+    kept: float  # what the layer keeps from forward to its backward, under its checkpoint mode
+    recompute: float  # saved again by the recompute in the layer's backward (not already kept)
+    mlp_backward: float  # MLP backward transients above the saved set
+    attention_saved: float  # of ``saved``, what is still alive while the attention's backward runs
+    attention_backward: float  # attention backward buffers (ring, all-to-alls), its input gradient included
+
+
+def layer_bytes(m: ModelConfig, hp: int, cp: int, e: int, mode: str, tiled: bool, a: int = 4) -> LayerBytes:
+    """Per-token bytes of one layer (``mode``: its checkpoint mode; ``tiled``: MLP tiling on)."""
     d, hd, h, f = m.dim, m.head_dim, m.n_heads, m.ffn_dim
     gr = replicated_kv_heads(m, hp)
-    attn_io = e * (h + 2 * gr) * hd + e * h * hd + 4 * h  # q, kv, out, lse of the ring op
-    gathered_out = e * h * hd if hp > 1 else 0  # head_gather's output (the wo input)
+    q, kv, out, lse = e * h * hd, 2 * e * gr * hd, e * h * hd, a * h
+    gathered_out = e * h * hd if hp > 1 else 0.0  # head_gather's output, wo's input
+    qk_norms = norm_saved(h * hd, e) + norm_saved(m.n_kv_heads * hd, e) if m.qk_norm else 0.0
+    norm1 = norm_saved(d, e)
+    attention_saved = norm1 + e * d + qk_norms + q + kv + out + lse + gathered_out  # norm1, wq/wk/wv input, ring op
+    mlp_part = norm_saved(d, e) + e * d + (0.0 if tiled else 4 * e * f)  # norm2, w1/w3 input, SwiGLU
+    saved = attention_saved + mlp_part
+    input_alias = e * d if e == 4 else 0.0  # norm1's x.float() is the block input itself in fp32
     if mode == "none":
-        norms = 2 * (4 + e) * d  # fp32 copy of the input, normalised bf16 (weight grad)
-        proj_inputs = 2 * e * d  # input of q/k/v and of w1/w3
-        swiglu = 4 * e * f  # w1 out, silu out, w3 out, product (w2 input)
-        return norms + proj_inputs + attn_io + gathered_out + swiglu
-    if mode == "full":
-        return e * d
-    if mode == "sc++":
-        kept = e * h * hd + 4 * h  # ring output and lse
-        if hp > 1:
-            kept += e * (h + 2 * gr) * hd + gathered_out  # head_scatter outputs, head_gather output
-        return e * d + kept
-    raise ValueError(f"unknown checkpoint mode {mode!r}")
-
-
-def attention_buffer_bytes(m: ModelConfig, hp: int, cp: int, e: int, accum: int = 4) -> float:
-    """Transient attention memory per token of the rank's shard (backward, the larger pass)."""
-    hd, h = m.head_dim, m.n_heads
-    gr = replicated_kv_heads(m, hp)
-    a2a = 2 * e * (h + 2 * gr) * hd if hp > 1 else 0  # packed send + receive
-    kernel = e * (h + 2 * gr) * hd  # one block's dq, dk, dv
-    dq = accum * h * hd
-    ring = 3 * 2 * gr * hd * e + 4 * 2 * gr * hd * accum if cp > 1 else 0  # KV blocks, dK/dV partials
-    return a2a + kernel + dq + ring
+        kept, recompute = saved, 0.0
+    elif mode == "full":
+        kept = e * d
+        recompute = saved - input_alias
+    elif mode == "sc++":
+        attention_kept = out + lse + (q + kv + gathered_out if hp > 1 else 0.0)
+        kept = e * d + attention_kept
+        recompute = saved - input_alias - attention_kept
+    else:
+        raise ValueError(f"unknown checkpoint mode {mode!r}")
+    # backward of w2 then of the product: its gradient and the gradients of silu's and w3's outputs
+    mlp_backward = 0.0 if tiled else 2 * e * f
+    # ring backward (double_ring.ring_backward): dout, fp32 dq accumulator and dK/dV partial,
+    # the block kernel's dq/dk/dv; with cp > 1 two KV blocks and two dK/dV partials in flight
+    ring = out + a * h * hd + a * kv / e + (q + kv)
+    if cp > 1:
+        ring += 2 * kv + 2 * a * kv / e
+    # head_scatter's backward (hp > 1): dq_h/dkv_h and the all-to-all's packed send and receive
+    scatter = 3 * (q + kv) if hp > 1 else 0.0
+    attention_backward = e * d + max(ring, scatter)  # + the residual stream's gradient
+    return LayerBytes(saved, kept, recompute, mlp_backward, attention_saved, attention_backward)
 
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Peak bytes per device by component."""
+    """Peak bytes per device by component, the phase where the peak is, and the host bytes
+    this rank pins. ``terms`` names every term of the peak phase (bytes)."""
 
-    states: float
-    gathered: float
-    activations: float
-    recompute: float
-    attention: float
-    logits: float
+    states: float  # sharded fp32 parameters, AdamW moments and the gradients made so far
+    gathered: float  # FSDP's gathered layers and their gradients, the root's, the loss's fixed buffers
+    activations: float  # kept by activation checkpointing (device part), inputs, RoPE tables
+    working: float  # the phase's transients: recompute working set, attention buffers, loss
+    host: float  # pinned host bytes of this rank: offloaded kept tensors and model states
+    phase: str
+    terms: tuple[tuple[str, float], ...] = ()
 
     @property
     def total(self) -> float:
-        return self.states + self.gathered + self.activations + self.recompute + self.attention + self.logits
+        return self.states + self.gathered + self.activations + self.working
+
+    @property
+    def step(self) -> float:
+        """The peak above what exists before the step (sharded parameters and AdamW moments)."""
+        before = dict(self.terms)
+        return self.total - before.get("params", 0.0) - before.get("optimizer", 0.0)
+
+    def term(self, name: str) -> float:
+        """One named term of the peak phase (0 when the phase has none of it)."""
+        return dict(self.terms).get(name, 0.0)
 
 
-def memory_bytes(w: Workload, layout: Candidate) -> MemoryBreakdown:
-    """Peak memory of one device for ``layout`` running ``w`` (micro-batch ``w.micro_batch``)."""
-    m, e = w.model, w.dtype_bytes
-    tokens = w.micro_batch * w.seq_len / layout.sp
+_KIND = {
+    "params": "states",
+    "optimizer": "states",
+    "grads": "states",
+    "optimizer temporaries": "states",
+    "gathered layers": "gathered",
+    "layer gradients": "gathered",
+    "root": "gathered",
+    "root gradient": "gathered",
+    "loss fixed": "gathered",
+    "kept": "activations",
+    "inputs": "activations",
+    "rope": "activations",
+}
+
+
+def _breakdown(phase: str, terms: dict[str, float], host: float) -> MemoryBreakdown:
+    parts = {"states": 0.0, "gathered": 0.0, "activations": 0.0, "working": 0.0}
+    for name, value in terms.items():
+        parts[_KIND.get(name, "working")] += value
+    return MemoryBreakdown(**parts, host=host, phase=phase, terms=tuple(terms.items()))
+
+
+def memory_bytes(w: Workload, layout: Candidate, optimizer: bool = True) -> MemoryBreakdown:
+    """Peak memory of one device for ``layout`` running ``w`` (micro-batch ``w.micro_batch``);
+    ``optimizer=False``: a forward and backward without an optimizer (no moments, no step)."""
+    phases, host = memory_phases(w, layout, optimizer)
+    phase, terms = max(phases.items(), key=lambda kv: sum(kv[1].values()))
+    return _breakdown(phase, terms, host)
+
+
+def memory_phases(w: Workload, layout: Candidate, optimizer: bool = True) -> tuple[dict[str, dict[str, float]], float]:
+    """Every phase's named terms (bytes on one device) and the host bytes the rank pins:
+    ``({phase: {term: bytes}}, host)``. The peak is the phase with the largest sum."""
+    m, e, a = w.model, w.dtype_bytes, w.accum_bytes
+    p, mem = layout.parallel, layout.memory
+    tokens = w.micro_batch * w.seq_len / p.sp
+    shard = shard_degree(layout)
     p_layer = m.layer_params()
-    p_root = m.num_params() - m.n_layers * p_layer
-    states = 16.0 * m.num_params() / shard_degree(layout)
-    gathered = 2 * p_layer * e + p_layer * 4 + p_root * (e + 4)
-    per_layer = layer_activation_bytes(m, layout.hp, layout.checkpoint, e)
-    activations = m.n_layers * per_layer * tokens + (4 + 2 * e) * m.dim * tokens  # + final norm
-    recompute = 0.0 if layout.checkpoint == "none" else layer_activation_bytes(m, layout.hp, "none", e) * tokens
-    attention = attention_buffer_bytes(m, layout.hp, layout.cp, e, w.accum_bytes) * tokens
-    logits = (e + 8) * m.vocab_size * tokens
-    return MemoryBreakdown(states, gathered, activations, recompute, attention, logits)
+    p_total = m.num_params()
+    p_root = p_total - m.n_layers * p_layer
+    p_output = m.vocab_size * m.dim  # the output weight (the embedding when tied)
+    tile = min(mem.mlp_tile, tokens) if mem.mlp_tile else 0
+    ckpt = mem.activation_checkpoint
+    every = mem.activation_checkpoint_every
+    n_ckpt = 0 if ckpt == "none" else math.ceil(m.n_layers / every)
+    n_plain = m.n_layers - n_ckpt
+    mine = layer_bytes(m, p.hp, p.cp, e, ckpt, tile > 0, a) if n_ckpt else None
+    plain = layer_bytes(m, p.hp, p.cp, e, "none", tile > 0, a)
+
+    # -- host: offloaded kept tensors (all checkpointed layers) and model states
+    host = 0.0
+    kept_ckpt_layer = mine.kept * tokens if mine else 0.0
+    on_device_ckpt = n_ckpt
+    if mem.offload_activations and n_ckpt:
+        host += n_ckpt * kept_ckpt_layer
+        on_device_ckpt = min(n_ckpt, OFFLOAD_LAYERS_ON_DEVICE)
+    if mem.offload_states:
+        host += 16.0 * p_total / shard
+
+    # -- always there
+    fixed: dict[str, float] = {}
+    if mem.offload_states:
+        fixed["params"] = 0.0
+        fixed["optimizer"] = 0.0
+    else:
+        fixed["params"] = 4.0 * p_total / shard
+        fixed["optimizer"] = 8.0 * p_total / shard if optimizer else 0.0
+    full_sequence = w.micro_batch * w.seq_len
+    fixed["inputs"] = 24.0 * full_sequence + 24.0 * tokens  # tokens/labels/positions, whole and sharded (int64)
+    fixed["rope"] = 4.0 * m.head_dim * w.seq_len / p.sp  # cos and sin, fp32 [1, S/sp, head_dim/2]
+    root = p_root * e  # gathered from forward to backward (its fp32 shard is copied in only at the start)
+
+    kept_all = on_device_ckpt * kept_ckpt_layer + n_plain * plain.kept * tokens
+
+    # -- the loss
+    loss: dict[str, float] = {**fixed, "root": root, "kept": kept_all}
+    final = norm_saved(m.dim, e) + e * m.dim  # the final norm's saved tensors and its output h
+    if mem.loss_chunk:
+        chunk = min(mem.loss_chunk, tokens)
+        loss["loss"] = (final + 4.0 * m.dim) * tokens  # + grad_h [T, d] fp32, made in the forward
+        loss["loss fixed"] = 4.0 * p_output + LOSS_CHUNK_TEMPORARIES * 4.0 * chunk * m.vocab_size
+    else:
+        loss["loss"] = (final + e * m.vocab_size + 12.0 * m.vocab_size) * tokens  # logits; fp32 softmax + 2 grads
+
+    # -- one layer's backward (the first one reached, and the last)
+    def working(lb: LayerBytes, recompute: float) -> float:
+        mlp_phase = recompute + lb.mlp_backward + e * m.dim  # + the gradient flowing in
+        attn_phase = min(recompute, lb.attention_saved) + lb.attention_backward
+        if tile:  # one tile's SwiGLU intermediates and gradients; the tiled input's gradient [T, d]
+            mlp_phase += e * m.dim + 6.0 * e * m.ffn_dim * tile / tokens
+        return max(mlp_phase, attn_phase) * tokens
+
+    work = 0.0
+    if mine:
+        work = working(mine, mine.recompute)
+    if n_plain:  # a layer without checkpointing: its saved set is in kept already
+        work = max(work, working(plain, 0.0))
+    layer_grads = p_layer * e + (4.0 * p_layer / shard if mem.offload_states else 0.0)
+    gathered_layers = GATHERED_LAYERS * p_layer * e + (
+        GATHERED_LAYERS * 4.0 * p_layer / shard if mem.offload_states else 0.0
+    )
+    backward_common = {
+        **fixed,
+        "gathered layers": gathered_layers,
+        "layer gradients": layer_grads,
+        "root": root,
+        "root gradient": p_output * e,
+    }
+    if not mem.loss_chunk:
+        backward_common["logits"] = e * m.vocab_size * tokens  # train/step.py holds `logits` through backward
+    first = {**backward_common, "kept": kept_all, "layer backward": work}
+    last_kept = kept_ckpt_layer if n_ckpt else plain.kept * tokens
+    sharded_grads = 0.0 if mem.offload_states else 4.0 * p_layer / shard * (m.n_layers - 1)
+    last = {**backward_common, "grads": sharded_grads, "kept": last_kept, "layer backward": work}
+
+    phases = {"loss": loss, "backward, first layer": first, "backward, last layer": last}
+    if optimizer and not mem.offload_states:  # AdamW: params, grads, moments and a foreach temporary
+        phases["optimizer step"] = {
+            "params": fixed["params"],
+            "optimizer": fixed["optimizer"],
+            "grads": 4.0 * p_total / shard,
+            "optimizer temporaries": 4.0 * p_total / shard,
+        }
+    return phases, host
+
+
+def predict_peak_memory(
+    model: ModelConfig,
+    seq_len: int,
+    micro_batch: int,
+    dtype_bytes: int,
+    candidate: Candidate,
+    optimizer: bool = True,
+) -> MemoryBreakdown:
+    """The peak memory of one rank for ``candidate`` training ``model`` on sequences of
+    ``seq_len`` tokens, ``micro_batch`` at a time, computing in ``dtype_bytes``-byte floats.
+
+    For ``loongtrain bench memory`` to compare with measured peaks (torch-free). ``total``
+    is the device peak with AdamW moments; ``step`` leaves out what exists before a step
+    (sharded parameters and moments); ``terms`` names every part. ``optimizer=False``: a
+    forward and backward without an optimizer (no moments, no optimizer step).
+    """
+    batch = candidate.parallel.dp * micro_batch
+    w = Workload(model, seq_len, batch=batch, micro_batch=micro_batch, dtype_bytes=dtype_bytes)
+    return memory_bytes(w, candidate, optimizer)
+
+
+def host_bytes_per_node(w: Workload, layout: Candidate, devices_per_node: int) -> float:
+    """Pinned host bytes of one node: the offloaded bytes of the ranks it holds."""
+    ranks = min(layout.devices, devices_per_node)
+    return ranks * memory_bytes(w, layout).host

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, fields
+from pathlib import Path
 
-from loongtrain.planner.cost import Workload
+from loongtrain.model.config import PRESETS
+from loongtrain.planner.cost import Candidate, Workload
 from loongtrain.planner.estimate import Estimate
 from loongtrain.planner.explain import explain
 from loongtrain.planner.search import BASELINES, SearchResult
@@ -13,8 +15,8 @@ GiB = 2**30
 
 HEADER = (
     f"{'#':>3s} {'dp':>3s} {'hp':>3s} {'cp':>4s} {'w':>3s} {'placement':13s} {'zero':5s} {'ckpt':4s} "
-    f"{'step s':>8s} {'tok/s/dev':>9s} {'MFU':>6s} {'mem GiB':>7s} {'compute':>8s} {'a2a':>7s} {'ring':>7s} "
-    f"{'zero':>6s}"
+    f"{'memory options':30s} {'step s':>8s} {'tok/s/dev':>9s} {'MFU':>6s} {'mem GiB':>7s} {'compute':>8s} "
+    f"{'a2a':>7s} {'ring':>7s} {'zero':>6s} {'offload':>7s}"
 )
 
 
@@ -32,32 +34,97 @@ def batch_text(w: Workload) -> str:
 
 
 def row_text(index: int | str, e: Estimate) -> str:
-    x = e.candidate
-    ring_window = "-" if x.cp == 1 else str(x.ring_window)
+    x, p = e.candidate, e.candidate.parallel
+    ring_window = "-" if p.cp == 1 else str(p.ring_window)
     return (
-        f"{index!s:>3s} {x.dp:3d} {x.hp:3d} {x.cp:4d} {ring_window:>3s} {x.placement:13s} {x.zero:5s} "
-        f"{x.checkpoint:4s} "
+        f"{index!s:>3s} {p.dp:3d} {p.hp:3d} {p.cp:4d} {ring_window:>3s} {p.placement:13s} {x.zero:5s} "
+        f"{x.checkpoint:4s} {x.options_label():30s} "
         f"{e.step_s:8.3g} {e.tokens_per_s_per_device:9.4g} {e.mfu:6.1%} {e.memory.total / GiB:7.1f} "
-        f"{e.compute_s:8.3g} {e.a2a_s:7.3g} {e.ring_s:7.3g} {e.zero_s:6.2g}"
+        f"{e.compute_s:8.3g} {e.a2a_s:7.3g} {e.ring_s:7.3g} {e.zero_s:6.2g} {e.offload_s:7.2g}"
     )
+
+
+def candidate_dict(x: Candidate) -> dict:
+    """A candidate as flat plain data: the parallel degrees, the ZeRO scope, the memory options."""
+    p = x.parallel
+    return {
+        "dp": p.dp,
+        "hp": p.hp,
+        "cp": p.cp,
+        "ring_window": p.ring_window,
+        "placement": p.placement,
+        "zero": x.zero,
+        **{f.name: getattr(x.memory, f.name) for f in fields(x.memory)},
+    }
 
 
 def row_dict(e: Estimate) -> dict:
     """One estimate as plain data (seconds per step, GiB)."""
+    mem = e.memory
     return {
-        **asdict(e.candidate),
+        **candidate_dict(e.candidate),
         "step_s": e.step_s,
         "tokens_per_s_per_device": e.tokens_per_s_per_device,
         "mfu": e.mfu,
-        "memory_gib": e.memory.total / GiB,
-        "memory_breakdown_gib": {k: v / GiB for k, v in asdict(e.memory).items()},
+        "memory_gib": mem.total / GiB,
+        "memory_breakdown_gib": {
+            "states": mem.states / GiB,
+            "gathered": mem.gathered / GiB,
+            "activations": mem.activations / GiB,
+            "working": mem.working / GiB,
+        },
+        "memory_phase": mem.phase,
+        "memory_terms_gib": {name: value / GiB for name, value in mem.terms},
+        "host_gib_per_node": e.host_per_node / GiB,
         "fits": e.fits,
         "compute_s": e.compute_s,
         "a2a_s": e.a2a_s,
         "ring_s": e.ring_s,
         "zero_s": e.zero_s,
+        "offload_s": e.offload_s,
         "microbatches": e.microbatches,
     }
+
+
+def _toml(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return str(value)
+
+
+def train_config(e: Estimate, w: Workload, model: str) -> str:
+    """The ``loongtrain train`` config of the plan ``e`` (``[model]``, ``[parallel]``, ``[memory]``,
+    ``[data]``), as TOML to paste. ``model`` is a preset name or a Hugging Face folder (``init_from``)."""
+    x, p, m = e.candidate, e.candidate.parallel, e.candidate.memory
+    sections = {
+        "model": {"preset": model} if model in PRESETS else {"init_from": str(Path(model).resolve())},
+        "parallel": {
+            "hp": p.hp,
+            "cp": p.cp,
+            "ring_window": p.ring_window,
+            "placement": p.placement,
+            "zero": x.zero,
+            "param_dtype": "bfloat16",
+        },
+        "memory": {
+            "activation_checkpoint": m.activation_checkpoint,
+            "loss_chunk": m.loss_chunk,
+            "mlp_tile": m.mlp_tile,
+            "offload_activations": m.offload_activations,
+            "offload_states": m.offload_states,
+        },
+        "data": {"seq_len": w.seq_len, "global_batch": w.batch, "micro_batches": w.batch // (p.dp * w.micro_batch)},
+    }
+    lines = [
+        f"# loongtrain train config for this plan: {x.devices} processes (dp = {p.dp} derived from the world);",
+        '# the planner assumes bf16 compute (param_dtype = "bfloat16"; the trainer\'s default is float32)',
+    ]
+    for name, keys in sections.items():
+        lines.append(f"[{name}]")
+        lines += [f"{key} = {_toml(value)}" for key, value in keys.items()]
+    return "\n".join(lines)
 
 
 def baseline_gap(result: SearchResult, name: str) -> str:
@@ -113,6 +180,7 @@ def text_report(result: SearchResult, model_name: str, top: int = 10) -> str:
     ]
     lines += baseline_lines(result)
     lines += ["", "why:"] + [f"  - {line}" for line in explain(result)]
+    lines += ["", train_config(result.best, w, model_name)]
     return "\n".join(lines)
 
 
@@ -136,6 +204,7 @@ def json_report(result: SearchResult, model_name: str, top: int = 10) -> dict:
             for name, e in result.baselines.items()
         },
         "explanation": explain(result),
+        "train_config": train_config(result.best, w, model_name),
     }
 
 
@@ -145,20 +214,73 @@ SWEEP_HEADER = (
 )
 
 
-def _short(e: Estimate) -> str:
-    x = e.candidate
-    ring = "" if x.cp == 1 else (" ring" if x.ring_window == 1 else f" w{x.ring_window}")
-    place = "" if x.hp == 1 or x.cp == 1 else (" hf" if x.placement == "head_first" else " cf")
-    dp = f"dp{x.dp} " if x.dp > 1 else ""
-    return f"{dp}hp{x.hp} cp{x.cp}{ring}{place} {x.zero} {x.checkpoint}"
+def short_label(x: Candidate) -> str:
+    """``dp2 hp8 cp4 ring hf dp_sp sc++`` (+ tiling and offload when used)."""
+    p, m = x.parallel, x.memory
+    ring = "" if p.cp == 1 else (" ring" if p.ring_window == 1 else f" w{p.ring_window}")
+    place = "" if p.hp == 1 or p.cp == 1 else (" hf" if p.placement == "head_first" else " cf")
+    dp = f"dp{p.dp} " if p.dp > 1 else ""
+    extra = (" tile" if m.mlp_tile else "") + (" offA" if m.offload_activations else "")
+    extra += " offS" if m.offload_states else ""
+    return f"{dp}hp{p.hp} cp{p.cp}{ring}{place} {x.zero} {x.checkpoint}{extra}"
 
 
 def sweep_row(result: SearchResult) -> str:
     """One line per (sequence length, devices): the winner and the baselines' best MFU."""
     best = result.best
     mfus = [f"{e.mfu:.1%}" if e is not None else "-" for e in result.baselines.values()]
+    label = short_label(best.candidate)
     return (
-        f"{format_length(result.workload.seq_len):>5s} {result.devices:4d}  {_short(best):44s} {best.step_s:7.3g} "
+        f"{format_length(result.workload.seq_len):>5s} {result.devices:4d}  {label:44s} {best.step_s:7.3g} "
         f"{best.tokens_per_s_per_device:9.4g} {best.mfu:6.1%} {best.memory.total / GiB:7.1f} {best.a2a_s:6.2g} "
         f"{best.ring_s:6.2g} | {mfus[0]:>7s} {mfus[1]:>8s} {mfus[2]:>7s}"
     )
+
+
+def _limiting_line(e: Estimate | None) -> str:
+    """The leanest layout one unit longer: its largest memory terms."""
+    if e is None:
+        return ""
+    terms = sorted(((v, k) for k, v in e.memory.terms if v > 0), reverse=True)[:4]
+    parts = ", ".join(f"{k} {v / GiB:.1f}" for v, k in terms)
+    return f"{e.candidate.label()}: {e.memory.total / GiB:.1f} GiB in the {e.memory.phase} phase ({parts} GiB)"
+
+
+def max_seq_len_text(answer, model_name: str) -> str:
+    """``--max-seq-len``: the length, the layout and options, throughput, and what stops a longer one."""
+    result = answer.result
+    best, c, w = result.best, result.cluster, result.workload
+    lines = [
+        f"loongtrain plan --max-seq-len: {model_name} on {result.devices} devices of '{c.name}' ({c.description})",
+        f"longest sequence that trains: {format_length(w.seq_len)} tokens ({w.seq_len}; multiples of {answer.unit} "
+        f"searched, one sequence per step; {answer.lengths_tried} lengths in {answer.elapsed_s:.1f} s)",
+        f"layout: {best.candidate.label()}",
+        f"predicted: {best.step_s:.3g} s per step, {best.tokens_per_s_per_device:.4g} tokens/s per device, "
+        f"MFU {best.mfu:.1%}; {best.memory.total / GiB:.1f} of {best.memory_limit / GiB:.1f} GiB per device "
+        f"(peak in the {best.memory.phase} phase), {best.host_per_node / GiB:.0f} of {best.host_limit / GiB:.0f} GiB "
+        "host memory per node",
+        f"{format_length(w.seq_len + answer.unit)} does not fit: {answer.limit}",
+    ]
+    if answer.limiting is not None:
+        lines.append(f"  leanest layout there: {_limiting_line(answer.limiting)}")
+    lines += ["", "why this layout:"] + [f"  - {line}" for line in explain(result)]
+    lines += ["", train_config(best, w, model_name)]
+    return "\n".join(lines)
+
+
+def max_seq_len_json(answer, model_name: str) -> dict:
+    """``--max-seq-len`` as plain data."""
+    result = answer.result
+    return {
+        "model": model_name,
+        "devices": result.devices,
+        "cluster": result.cluster.name,
+        "max_seq_len": result.workload.seq_len,
+        "unit": answer.unit,
+        "best": row_dict(result.best),
+        "limit": answer.limit,
+        "limiting": row_dict(answer.limiting) if answer.limiting is not None else None,
+        "lengths_tried": answer.lengths_tried,
+        "elapsed_s": answer.elapsed_s,
+        "train_config": train_config(result.best, result.workload, model_name),
+    }

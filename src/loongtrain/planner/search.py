@@ -4,6 +4,12 @@ A layout is (dp, hp, cp, ring_window, placement, ZeRO scope, checkpoint mode) wi
 ``dp * hp * cp = devices``. Equivalent layouts are listed once: a plain ring is
 ``ring_window=1`` (``ring_window=cp`` is the same ring), placement only matters when
 ``hp > 1`` and ``cp > 1``, and ZeRO scopes that shard over the same group are merged.
+
+The other memory options are chosen per layout, not multiplied into the candidates
+(:func:`choose_memory_options`): the chunked loss or the whole-shard one, whichever needs
+less memory (they cost the same FLOPs); tiling and offload only when the layout does not
+fit without them, then the fastest combination that fits; model-state offload only when
+nothing else fits.
 """
 
 from __future__ import annotations
@@ -17,9 +23,10 @@ from loongtrain.options import (
     ACTIVATION_CHECKPOINT_MODES,
     PLACEMENTS,
     ZERO_SCOPES,
-    check_activation_checkpoint,
+    MemoryOptions,
     check_zero_scope,
 )
+from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.layout import check_head_split, check_sequence_length
 from loongtrain.planner.cost import Candidate, Workload
 from loongtrain.planner.estimate import Estimate, estimate
@@ -90,8 +97,16 @@ def check_workload(w: Workload) -> None:
         raise PlanError(f"batch={w.batch} is not a multiple of micro_batch={w.micro_batch}")
 
 
+#: the chunked loss's chunk the search uses (the library's default)
+DEFAULT_LOSS_CHUNK = MemoryOptions().loss_chunk
+#: the MLP tile the search uses when a layout needs tiling: one tile's SwiGLU working set is
+#: 6 x tile x ffn x e bytes (1.4 GiB for Llama-3-8B in bf16), and GEMMs of 8192 rows run at full rate
+DEFAULT_MLP_TILE = 8192
+
+
 def enumerate_layouts(m: ModelConfig, w: Workload, devices: int) -> list[Candidate]:
-    """Every distinct valid layout of ``devices`` for ``w`` (memory not yet checked)."""
+    """Every distinct valid layout of ``devices`` for ``w`` with each checkpoint mode and the
+    default memory options (memory not yet checked; :func:`choose_memory_options` varies the rest)."""
     out: list[Candidate] = []
     for sp in divisors(devices):
         dp = devices // sp
@@ -109,8 +124,94 @@ def enumerate_layouts(m: ModelConfig, w: Workload, devices: int) -> list[Candida
                 for placement in placements:
                     for zero in zero_scopes(dp, sp):
                         for ckpt in ACTIVATION_CHECKPOINT_MODES:
-                            out.append(Candidate(dp, hp, cp, ring_window, placement, zero, ckpt))
+                            parallel = ParallelConfig(hp, cp, ring_window, placement, dp)
+                            memory = MemoryOptions(activation_checkpoint=ckpt, loss_chunk=DEFAULT_LOSS_CHUNK)
+                            out.append(Candidate(parallel, zero, memory))
     return out
+
+
+def shard_tokens(w: Workload, layout: Candidate) -> float:
+    """Tokens of one rank's shard: ``micro_batch * seq_len / sp``."""
+    return w.micro_batch * w.seq_len / layout.parallel.sp
+
+
+def _option_sets(c: ClusterSpec, w: Workload, base: Candidate) -> tuple[list[dict], list[dict]]:
+    """The (tile, activation offload) combinations beyond the plain layout, and those with
+    model-state offload, that this cluster and layout allow."""
+    tiles = [0] + ([DEFAULT_MLP_TILE] if shard_tokens(w, base) > DEFAULT_MLP_TILE else [])
+    acts = [False]
+    if base.checkpoint != "none" and c.offload_gap("activations") is None:
+        acts.append(True)
+    combos = [dict(mlp_tile=t, offload_activations=a) for t in tiles for a in acts]
+    more = combos[1:]
+    states = [dict(combo, offload_states=True) for combo in combos] if c.offload_gap("states") is None else []
+    return more, states
+
+
+def leanest(c: ClusterSpec, w: Workload, base: Candidate) -> Candidate:
+    """``base`` with every memory-saving option the cluster allows (for the memory floor)."""
+    more, states = _option_sets(c, w, base)
+    options = (states or more or [{}])[-1]
+    lean = base.with_(**options)
+    unchunked = lean.with_(loss_chunk=0)
+    return min((lean, unchunked), key=lambda x: memory_bytes(w, x).total)
+
+
+def _plain(w: Workload, base: Candidate) -> Candidate:
+    """``base`` with the chunked or the whole-shard loss, whichever needs less memory."""
+    return min((base, base.with_(loss_chunk=0)), key=lambda x: memory_bytes(w, x).total)
+
+
+def memory_fits(c: ClusterSpec, w: Workload, layout: Candidate) -> bool:
+    """``layout`` fits device and host memory on ``c`` (what ``Estimate.fits`` says, without the times)."""
+    mem = layout.memory
+    if mem.offload_activations and mem.activation_checkpoint != "none" and c.offload_gap("activations"):
+        return False
+    if mem.offload_states and c.offload_gap("states"):
+        return False
+    need = memory_bytes(w, layout)
+    host = need.host * min(layout.devices, c.devices_per_node)
+    return need.total <= c.usable_memory_bytes and host <= c.host_memory_bytes
+
+
+def fits_somewhere(c: ClusterSpec, w: Workload, devices: int) -> bool:
+    """Some layout of ``devices`` fits with the memory options :func:`choose_memory_options`
+    would try (memory only: the ring window and placement do not change memory)."""
+    seen = set()
+    for base in enumerate_layouts(w.model, w, devices):
+        p = base.parallel
+        key = (p.dp, p.hp, p.cp > 1, base.zero, base.checkpoint)
+        if key in seen:
+            continue
+        seen.add(key)
+        plain = _plain(w, base)
+        if memory_fits(c, w, plain):
+            return True
+        for group in _option_sets(c, w, plain):
+            if any(memory_fits(c, w, plain.with_(**options)) for options in group):
+                return True
+    return False
+
+
+def choose_memory_options(c: ClusterSpec, w: Workload, base: Candidate) -> Estimate:
+    """The estimate of ``base`` with the memory options that make it fastest while fitting.
+
+    Chunked or whole-shard loss: the one needing less memory (same FLOPs). Then, only if
+    that does not fit: the fastest fitting combination of MLP tiling and activation offload;
+    only if none fits: the same with model-state offload. Nothing fits: the leanest.
+    """
+    plain = _plain(w, base)
+    first = estimate(c, w, plain)
+    if first.fits:
+        return first
+    tried = [first]
+    for group in _option_sets(c, w, plain):
+        estimates = [estimate(c, w, plain.with_(**options)) for options in group]
+        tried += estimates
+        fitting = [e for e in estimates if e.fits]
+        if fitting:
+            return min(fitting, key=lambda e: (e.step_s, e.memory.total))
+    return min(tried, key=lambda e: (e.memory.total, e.host_per_node))
 
 
 def _why_none_valid(m: ModelConfig, w: Workload, devices: int) -> str:
@@ -133,11 +234,11 @@ def _why_none_valid(m: ModelConfig, w: Workload, devices: int) -> str:
 #: Baselines priced by the same model: layout families people would otherwise run.
 BASELINES: dict[str, Callable[[Candidate], bool]] = {
     # DeepSpeed-Ulysses: head all-to-all only (sp = hp <= H); ZeRO, ordinary checkpointing
-    "DeepSpeed-Ulysses": lambda x: x.cp == 1 and x.checkpoint != "sc++",
+    "DeepSpeed-Ulysses": lambda x: x.parallel.cp == 1 and x.checkpoint != "sc++",
     # Megatron-LM context parallelism: one zigzag ring over the sp ranks (hp = 1)
-    "Megatron-CP": lambda x: x.hp == 1 and x.ring_window == 1 and x.checkpoint != "sc++",
+    "Megatron-CP": lambda x: x.parallel.hp == 1 and x.parallel.ring_window == 1 and x.checkpoint != "sc++",
     # USP (yunchang): 2D with the head group on consecutive ranks, plain ring, no SC++
-    "USP 2D": lambda x: x.placement == "head_first" and x.ring_window == 1 and x.checkpoint != "sc++",
+    "USP 2D": lambda x: x.parallel.placement == "head_first" and x.parallel.ring_window == 1 and x.checkpoint != "sc++",
 }
 
 
@@ -160,42 +261,62 @@ class SearchResult:
         return self.ranked[0]
 
 
-def _memory_floor(w: Workload, layouts: list[Candidate]) -> tuple[float, Candidate]:
-    best = min(layouts, key=lambda x: memory_bytes(w, x).total)
-    return memory_bytes(w, best).total, best
-
-
 def _devices_that_fit(c: ClusterSpec, w: Workload, devices: int) -> int | None:
     d = devices * 2
     while d <= c.max_devices:
-        layouts = enumerate_layouts(w.model, w, d)
-        if layouts and _memory_floor(w, layouts)[0] <= c.usable_memory_bytes:
-            return d
+        for base in enumerate_layouts(w.model, w, d):
+            lean = leanest(c, w, base)
+            if estimate(c, w, lean).fits:
+                return d
         d *= 2
     return None
 
 
-def search_layouts(c: ClusterSpec, w: Workload, devices: int) -> SearchResult:
-    """Estimate every valid layout of ``devices``; raise :class:`PlanError` if none is valid or fits."""
+def too_big_message(c: ClusterSpec, w: Workload, devices: int, too_big: list[Estimate], hint: bool = True) -> str:
+    """Why no layout fits: the leanest layout's device (or host) memory against the limit;
+    ``hint``: also how many devices would fit."""
+    lean = min(too_big, key=lambda e: (e.memory.total, e.host_per_node))
+    suffix = ""
+    if hint:
+        more = _devices_that_fit(c, w, devices)
+        suffix = f"; {more} devices would fit" if more else "; it does not fit on any size of this cluster either"
+    suffix += ", or use a shorter sequence" if hint else ""
+    if lean.memory.total <= lean.memory_limit and lean.blocked is None:
+        return (
+            f"seq_len={w.seq_len} does not fit on {devices} devices of {c.name!r}: the leanest layout "
+            f"({lean.candidate.label()}) pins {lean.host_per_node / GiB:.0f} GiB of host memory per node, more "
+            f"than the usable {c.host_memory_gib:g} GiB{suffix}"
+        )
+    phase = lean.memory.phase
+    biggest = max(lean.memory.terms, key=lambda t: t[1])
+    return (
+        f"seq_len={w.seq_len} does not fit on {devices} devices of {c.name!r}: the leanest layout "
+        f"({lean.candidate.label()}) needs {lean.memory.total / GiB:.1f} GiB per device ({phase}; largest term: "
+        f"{biggest[0]} {biggest[1] / GiB:.1f} GiB), more than the usable {c.usable_memory_bytes / GiB:.1f} GiB "
+        f"({c.usable_memory_fraction:.0%} of {c.device_memory_gib:g} GiB){suffix}"
+    )
+
+
+def evaluate_layouts(c: ClusterSpec, w: Workload, devices: int) -> tuple[int, list[Estimate], list[Estimate]]:
+    """``(layouts evaluated, those that fit fastest first, the others)``; raise :class:`PlanError`
+    only when no layout is valid (memory is the caller's concern)."""
     check_devices(c, devices)
     check_workload(w)
-    t0 = time.perf_counter()
     layouts = enumerate_layouts(w.model, w, devices)
     if not layouts:
         raise PlanError(f"no valid layout for {devices} devices: {_why_none_valid(w.model, w, devices)}")
-    estimates = [estimate(c, w, x) for x in layouts]
+    estimates = [choose_memory_options(c, w, x) for x in layouts]
     ranked = sorted((e for e in estimates if e.fits), key=lambda e: (e.step_s, e.memory.total))
     too_big = sorted((e for e in estimates if not e.fits), key=lambda e: e.step_s)
+    return len(layouts), ranked, too_big
+
+
+def search_layouts(c: ClusterSpec, w: Workload, devices: int) -> SearchResult:
+    """Estimate every valid layout of ``devices``; raise :class:`PlanError` if none is valid or fits."""
+    t0 = time.perf_counter()
+    n, ranked, too_big = evaluate_layouts(c, w, devices)
     if not ranked:
-        need, smallest = _memory_floor(w, layouts)
-        more = _devices_that_fit(c, w, devices)
-        hint = f"; {more} devices would fit" if more else "; it does not fit on any size of this cluster either"
-        raise PlanError(
-            f"seq_len={w.seq_len} does not fit on {devices} devices of {c.name!r}: the leanest layout "
-            f"({smallest.label()}) needs {need / GiB:.1f} GiB per device, more than the usable "
-            f"{c.usable_memory_bytes / GiB:.1f} GiB ({c.usable_memory_fraction:.0%} of {c.device_memory_gib:g} GiB)"
-            f"{hint}, or use a shorter sequence"
-        )
+        raise PlanError(too_big_message(c, w, devices, too_big))
     baselines = {name: next((e for e in ranked if keep(e.candidate)), None) for name, keep in BASELINES.items()}
     return SearchResult(
         cluster=c,
@@ -204,31 +325,44 @@ def search_layouts(c: ClusterSpec, w: Workload, devices: int) -> SearchResult:
         ranked=ranked,
         too_big=too_big,
         baselines=baselines,
-        n_candidates=len(layouts),
+        n_candidates=n,
         elapsed_s=time.perf_counter() - t0,
     )
 
 
-def check_candidate(w: Workload, candidate: Candidate, devices: int) -> None:
-    """Raise :class:`PlanError` naming what makes ``candidate`` invalid for ``w`` on ``devices``.
+def check_candidate(w: Workload, candidate: Candidate, devices: int, c: ClusterSpec | None = None) -> None:
+    """Raise :class:`PlanError` naming what makes ``candidate`` invalid for ``w`` on ``devices``
+    (and, given the cluster ``c``, an option that cannot apply there).
 
     The rules are the library's own: ``ParallelConfig`` (degrees, ring window, placement, the
-    world size), ``check_head_split``, ``check_sequence_length`` and the option checks.
+    world size), ``check_head_split``, ``check_sequence_length``, ``MemoryOptions`` and the
+    option checks; plus what only a plan knows: an MLP tile larger than the rank's shard,
+    and offload on a cluster without host memory to spare.
     """
-    m, x = w.model, candidate
+    m, p, mem = w.model, candidate.parallel, candidate.memory
     try:
-        x.parallel_config().resolve_dp(devices)
+        p.resolve_dp(devices)
     except ValueError as exc:
         raise PlanError(f"layout: {exc}") from None
     for what, check, args in (
-        (f"layout zero={x.zero!r}", check_zero_scope, (x.zero,)),
-        (f"layout ckpt={x.checkpoint!r}", check_activation_checkpoint, (x.checkpoint,)),
-        (f"layout hp={x.hp} does not fit the model's heads", check_head_split, (m.n_heads, m.n_kv_heads, x.hp)),
-        (f"seq_len={w.seq_len}", check_sequence_length, (w.seq_len, x.hp, x.cp)),
+        (f"layout zero={candidate.zero!r}", check_zero_scope, (candidate.zero,)),
+        (f"layout hp={p.hp} does not fit the model's heads", check_head_split, (m.n_heads, m.n_kv_heads, p.hp)),
+        (f"seq_len={w.seq_len}", check_sequence_length, (w.seq_len, p.hp, p.cp)),
     ):
         try:
             check(*args)
         except ValueError as exc:
             raise PlanError(f"{what}: {exc}") from None
-    if w.batch % (x.dp * w.micro_batch) != 0:
-        raise PlanError(f"batch={w.batch} is not a multiple of dp*micro_batch = {x.dp}*{w.micro_batch}")
+    if w.batch % (p.dp * w.micro_batch) != 0:
+        raise PlanError(f"batch={w.batch} is not a multiple of dp*micro_batch = {p.dp}*{w.micro_batch}")
+    tokens = shard_tokens(w, candidate)
+    if mem.mlp_tile > tokens:
+        raise PlanError(
+            f"layout mlp_tile={mem.mlp_tile} is larger than a rank's shard of {tokens:.0f} tokens "
+            f"(micro_batch*seq_len/sp = {w.micro_batch}*{w.seq_len}/{p.sp}); use mlp_tile <= {tokens:.0f} or 0"
+        )
+    if c is not None:
+        for what, on in (("activations", mem.offload_activations), ("states", mem.offload_states)):
+            gap = c.offload_gap(what) if on else None
+            if gap:
+                raise PlanError(f"layout offload={what}: {gap}")

@@ -187,9 +187,9 @@ class _Costs:
 
 
 def _forward(c: int, layout: Candidate, costs: _Costs, causal: bool) -> Program:
-    config = layout.parallel_config()
+    config = layout.parallel
     n, w = config.n_ring_windows, config.ring_window
-    if layout.hp > 1:
+    if config.hp > 1:
         yield Compute("q, kv", costs.a2a_qkv, "all-to-all")
     for j in range(n):
         outer = (yield Exchange("outer", "kv")) if j + 1 < n else None
@@ -200,7 +200,7 @@ def _forward(c: int, layout: Candidate, costs: _Costs, causal: bool) -> Program:
             yield Compute(f"fwd {kind}", costs.block_fwd_first if first else costs.block_fwd)
             yield Wait(inner)
         yield Wait(outer)
-    if layout.hp > 1:
+    if config.hp > 1:
         yield Compute("out", costs.a2a_out, "all-to-all")
 
 
@@ -214,9 +214,9 @@ def _finish_outer_step(j: int, window_total, outer_in, n: int) -> Program:
 
 
 def _backward(c: int, layout: Candidate, costs: _Costs, causal: bool) -> Program:
-    config = layout.parallel_config()
+    config = layout.parallel
     n, w = config.n_ring_windows, config.ring_window
-    if layout.hp > 1:
+    if config.hp > 1:
         yield Compute("dout", costs.a2a_out, "all-to-all")
     tail = None
     outer_in = inner_dkv = None
@@ -239,7 +239,7 @@ def _backward(c: int, layout: Candidate, costs: _Costs, causal: bool) -> Program
         yield Wait(outer_kv)
     final = yield from _finish_outer_step(*tail, outer_in, n)
     yield Wait(final)
-    if layout.hp > 1:
+    if config.hp > 1:
         yield Compute("dq, dkv", costs.a2a_qkv, "all-to-all")
 
 
@@ -361,15 +361,16 @@ MAX_SIMULATED_RANKS = 512
 
 def simulate_layer(c: ClusterSpec, w: Workload, layout: Candidate) -> tuple[Timeline, Timeline]:
     """Forward and backward timelines of one layer's attention (first context group's ranks)."""
-    world = layout.sp * c.devices_per_node // math.gcd(layout.sp, c.devices_per_node)
+    p = layout.parallel
+    world = p.sp * c.devices_per_node // math.gcd(p.sp, c.devices_per_node)
     if world > MAX_SIMULATED_RANKS:
         raise PlanError(
-            f"simulating {world} ranks (whole nodes of sp={layout.sp}) is too slow for a picture; "
+            f"simulating {world} ranks (whole nodes of sp={p.sp}) is too slow for a picture; "
             f"choose sp with lcm(sp, {c.devices_per_node}) <= {MAX_SIMULATED_RANKS}"
         )
     topo = candidate_topology(c, layout)
-    bt = block_seconds(c, w, layout.hp, layout.cp)
-    qkv, out = head_all_to_all_bytes(w, layout.sp, layout.hp)
+    bt = block_seconds(c, w, p.hp, p.cp)
+    qkv, out = head_all_to_all_bytes(w, p.sp, p.hp)
     costs = _Costs(
         bt.fwd,
         bt.bwd,
@@ -379,16 +380,16 @@ def simulate_layer(c: ClusterSpec, w: Workload, layout: Candidate) -> tuple[Time
         all_to_all_seconds(c, topo.head, out),
     )
     sizes = {
-        "kv": kv_block_bytes(w, layout.hp, layout.cp),
-        "dkv": kv_block_bytes(w, layout.hp, layout.cp, w.accum_bytes),
+        "kv": kv_block_bytes(w, p.hp, p.cp),
+        "dkv": kv_block_bytes(w, p.hp, p.cp, w.accum_bytes),
     }
-    ranks = RankLayout.build(replace(layout.parallel_config(), dp=None), world)
+    ranks = RankLayout.build(replace(p, dp=None), world)
     peers = {}
     for rank in range(world):
         for ring, members in (("inner", ranks.inner_ring(rank)), ("outer", ranks.outer_ring(rank))):
             pos = members.index(rank)
             peers[(ring, rank)] = (members[(pos + 1) % len(members)], members[pos - 1])
-    first_group = {ranks.rank(0, 0, ctx): ctx for ctx in range(layout.cp)}
+    first_group = {ranks.rank(0, 0, ctx): ctx for ctx in range(p.cp)}
     timelines = []
     for program in (_forward, _backward):
         programs = {r: program(ranks.coords(r).context, layout, costs, w.causal) for r in range(world)}

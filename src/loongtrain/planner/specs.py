@@ -8,6 +8,7 @@ FLOP/s in TFLOP/s (1e12) per device.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -56,6 +57,9 @@ class ClusterSpec:
     attn_wave_rows: float = 0.0  # rows x heads of one block kernel that fill the device once (0: not modelled)
     hbm_bw_gbs: float = 0.0  # device-memory bandwidth of the merges around each block (0: not modelled)
     hop_sync_us: float = 0.0  # per ring step and all-to-all: posting the transfer and waiting for the peer
+    host_link_gbs: float = 0.0  # device <-> host per device and direction, every device at once (0: no offload)
+    host_memory_gib: float = 0.0  # host memory per node usable for offload (pinned buffers; 0: none to spare)
+    host_mem_bw_gbs: float = 0.0  # host memory bandwidth per node (the CPU optimizer step; 0: not known)
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -88,13 +92,38 @@ class ClusterSpec:
         return self.device_memory_gib * 2**30 * self.usable_memory_fraction
 
     @property
+    def host_memory_bytes(self) -> float:
+        return self.host_memory_gib * 2**30
+
+    @property
+    def host_copy_gbs(self) -> float:
+        """Device <-> host GB/s per device and direction when every device of a node copies at
+        once: ``host_link_gbs``, capped by the node's host memory bandwidth shared by its devices."""
+        if self.host_mem_bw_gbs > 0:
+            return min(self.host_link_gbs, self.host_mem_bw_gbs / self.devices_per_node)
+        return self.host_link_gbs
+
+    def offload_gap(self, what: str) -> str | None:
+        """Why ``what`` (``"activations"`` or ``"states"``) cannot be offloaded on this cluster, or None."""
+        missing = [name for name in ("host_link_gbs", "host_memory_gib") if getattr(self, name) <= 0]
+        if what == "states" and self.host_mem_bw_gbs <= 0:
+            missing.append("host_mem_bw_gbs")
+        if not missing:
+            return None
+        return (
+            f"cluster {self.name!r} has no host memory to spare for offloading {what} "
+            f"({', '.join(f'{k}={getattr(self, k):g}' for k in missing)}); set them in a cluster file "
+            f"(see docs/planner.md, 'Clusters'), or plan without offload"
+        )
+
+    @property
     def bwd_overhead_us(self) -> float:
         """Fixed time per backward block-kernel call (the forward's when not measured apart)."""
         return self.kernel_overhead_us if self.kernel_bwd_overhead_us is None else self.kernel_bwd_overhead_us
 
 
 _MAY_BE_NONE = ("kernel_bwd_overhead_us",)
-_MAY_BE_ZERO = ("attn_wave_rows", "hbm_bw_gbs", "hop_sync_us")
+_MAY_BE_ZERO = ("attn_wave_rows", "hbm_bw_gbs", "hop_sync_us", "host_link_gbs", "host_memory_gib", "host_mem_bw_gbs")
 CLUSTER_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(ClusterSpec))
 _OPTIONAL = ("name", "causal_tile", "overlap", "description", *_MAY_BE_NONE, *_MAY_BE_ZERO)
 _REQUIRED = tuple(name for name in CLUSTER_FIELDS if name not in _OPTIONAL)
@@ -119,15 +148,31 @@ _REQUIRED = tuple(name for name in CLUSTER_FIELDS if name not in _OPTIONAL)
 #   NVLink point to point 80% of the per-direction spec, all-to-all 70%; InfiniBand 90%
 #   of line rate; NCCL latency 10 us inside a node, 15 us between nodes; 10 us per ring
 #   hop to post the transfer and wait for it (kernel launch + stream sync, assumed);
-#   causal diagonal blocks compute whole 128-token tiles on the diagonal.
+#   causal diagonal blocks compute whole 128-token tiles on the diagonal;
+#   host (offload): the PCIe link of each GPU at 80% of its spec per direction (Gen4 x16:
+#     32 GB/s, Gen5 x16: 64 GB/s; DGX A100 puts two GPUs behind each PCIe switch, so they
+#     share one x16 uplink), 80% of the node's DRAM usable for pinned offload buffers, and
+#     60% of the CPUs' spec-sheet memory bandwidth for the CPU optimizer step.
 #   nodes=128 (1024 devices) is a planning size, not a real machine's.
 _GPU_COMMON = dict(nodes=128, devices_per_node=8, usable_memory_fraction=0.9, causal_tile=128.0, hop_sync_us=10.0)
 HBM_FRACTION = 0.85
 
 
+HOST_LINK_FRACTION = 0.8  # of the PCIe spec per direction
+HOST_MEMORY_FRACTION = 0.8  # of the node's DRAM, for pinned offload buffers
+HOST_BW_FRACTION = 0.6  # of the CPUs' spec-sheet DRAM bandwidth, for the CPU optimizer step
+# DGX H100/H200 (and H800 nodes built like them): 2 x Xeon Platinum 8480C (8 channels of
+# DDR5-4800 each: 2 x 307 GB/s), 2 TB DDR5, each GPU on PCIe Gen5 x16 (64 GB/s per direction)
+_HOPPER_HOST = dict(
+    host_link_gbs=HOST_LINK_FRACTION * 64.0,
+    host_memory_gib=HOST_MEMORY_FRACTION * 2048.0,
+    host_mem_bw_gbs=HOST_BW_FRACTION * 2 * 307.2,
+)
+
+
 def _hopper(name: str, memory_gib: float, hbm_gbs: float, nvlink_gbs: float, description: str) -> ClusterSpec:
-    """An 8-GPU Hopper node (989 TFLOP/s bf16 dense) with 8 x 400 Gb/s NICs; ``hbm_gbs`` is the
-    spec-sheet memory bandwidth and ``nvlink_gbs`` NVLink per direction."""
+    """An 8-GPU Hopper node (989 TFLOP/s bf16 dense) with 8 x 400 Gb/s NICs and a DGX H100
+    host; ``hbm_gbs`` is the spec-sheet memory bandwidth and ``nvlink_gbs`` NVLink per direction."""
     return ClusterSpec(
         name=name,
         device_memory_gib=memory_gib,
@@ -148,6 +193,7 @@ def _hopper(name: str, memory_gib: float, hbm_gbs: float, nvlink_gbs: float, des
         nic_bw_gbs=0.9 * 50.0,
         inter_latency_us=15.0,
         description=description,
+        **_HOPPER_HOST,
         **_GPU_COMMON,
     )
 
@@ -174,6 +220,11 @@ CLUSTER_PRESETS: dict[str, ClusterSpec] = {
         nics_per_node=4,
         nic_bw_gbs=0.9 * 25.0,
         inter_latency_us=15.0,
+        # DGX A100: 2 x EPYC 7742 (8 channels of DDR4-3200 each: 2 x 204.8 GB/s), 1 TB DDR4
+        # (2 TB optional), two GPUs per PCIe Gen4 switch sharing its x16 uplink (32 GB/s)
+        host_link_gbs=HOST_LINK_FRACTION * 32.0 / 2,
+        host_memory_gib=HOST_MEMORY_FRACTION * 1024.0,
+        host_mem_bw_gbs=HOST_BW_FRACTION * 2 * 204.8,
         description="A100-80GB SXM, 8 per node, NVLink 600 GB/s, 4 x 200 Gb/s IB per node, FlashAttention-2",
         **_GPU_COMMON,
     ),
@@ -294,8 +345,74 @@ def cluster_to_toml(spec: ClusterSpec, comments: dict[str, str] | None = None, h
     return "\n".join(lines) + "\n"
 
 
+#: Hugging Face ``model_type`` s whose shapes the planner reads (the families ``loongtrain.hf`` trains)
+HF_MODEL_TYPES: dict[str, dict] = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {"qkv_bias": True},
+    "qwen3": {"qk_norm": True},
+}
+
+
+def model_from_folder(folder: str | Path) -> ModelConfig:
+    """The shape of a Hugging Face model folder, read from its ``config.json`` with ``json``
+    (no transformers): hidden size, layers, heads, KV heads, head dim, FFN, vocabulary, tied
+    embeddings, context length, sliding window."""
+    folder = Path(folder)
+    path = folder / "config.json"
+    if not path.is_file():
+        raise PlanError(
+            f"--model {str(folder)!r} has no config.json: give a Hugging Face model folder "
+            f"(transformers' save_pretrained) or a preset {sorted(PRESETS)}"
+        )
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise PlanError(f"--model: {path} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise PlanError(f"--model: {path} must hold a JSON object")
+    model_type = raw.get("model_type")
+    if model_type not in HF_MODEL_TYPES:
+        raise PlanError(
+            f"--model: {path} has model_type {model_type!r}; the planner reads {sorted(HF_MODEL_TYPES)} "
+            "(Llama-style decoders); give one of those or a preset"
+        )
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                           "vocab_size") if not isinstance(raw.get(k), int)]  # fmt: skip
+    if missing:
+        raise PlanError(f"--model: {path} lacks integer key(s) {missing}")
+    heads = raw["num_attention_heads"]
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+    window = raw.get("sliding_window")
+    if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+        window = None
+    try:
+        return ModelConfig(
+            vocab_size=raw["vocab_size"],
+            dim=raw["hidden_size"],
+            n_layers=raw["num_hidden_layers"],
+            n_heads=heads,
+            n_kv_heads=raw.get("num_key_value_heads") or heads,
+            ffn_dim=raw["intermediate_size"],
+            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            head_dim_override=0 if head_dim * heads == raw["hidden_size"] else head_dim,
+            max_positions=int(raw.get("max_position_embeddings") or 0),
+            sliding_window=int(window or 0),
+            **HF_MODEL_TYPES[model_type],
+        )
+    except (TypeError, ValueError) as exc:
+        raise PlanError(f"--model: {path} describes no valid model: {exc}") from None
+
+
 def model_spec(name: str) -> ModelConfig:
-    """The model preset ``name`` from :data:`loongtrain.model.config.PRESETS`."""
-    if name not in PRESETS:
-        raise PlanError(f"unknown model {name!r}; choose one of {sorted(PRESETS)}")
-    return PRESETS[name]
+    """The model preset ``name`` (:data:`loongtrain.model.config.PRESETS`) or, for a path to a
+    folder, the Hugging Face model in it (:func:`model_from_folder`)."""
+    if name in PRESETS:
+        return PRESETS[name]
+    if Path(name).is_dir():
+        return model_from_folder(name)
+    raise PlanError(
+        f"unknown model {name!r}; choose a preset {sorted(PRESETS)} or give a Hugging Face model folder "
+        "(a path to a folder with config.json)"
+    )

@@ -1,6 +1,6 @@
 """What ``loongtrain plan --validate`` compares: the layouts it runs, the predicted time of
 each, and the summary of measured against predicted. Pure (the measuring side is
-``loongtrain.bench.validate``).
+``loongtrain.calibrate.validate``).
 
 Targets: median absolute error of forward+backward at most 15%, and the layout
 predicted fastest among the two measured fastest.
@@ -29,20 +29,20 @@ PROBE_TOKENS = 2048  # local tokens of the drift probe's block (one of the calib
 def validation_layouts(world: int, heads: int, kv_heads: int) -> list[tuple[str, Candidate]]:
     """At least six distinct layouts of ``world`` ranks: rings, double ring, Ulysses, 2D, data parallel."""
     m = ModelConfig(dim=heads * 8, n_heads=heads, n_kv_heads=kv_heads)
-    out: list[tuple[str, Candidate]] = [(f"ring cp={world}", Candidate(1, 1, world))]
+    out: list[tuple[str, Candidate]] = [(f"ring cp={world}", Candidate.of(cp=world))]
     for w in (x for x in range(2, world) if world % x == 0):
-        out.append((f"double ring cp={world} w={w}", Candidate(1, 1, world, w)))
+        out.append((f"double ring cp={world} w={w}", Candidate.of(cp=world, ring_window=w)))
     if head_degree_ok(m, world):
-        out.append((f"ulysses hp={world}", Candidate(1, world, 1)))
+        out.append((f"ulysses hp={world}", Candidate.of(hp=world)))
     for hp in (x for x in range(2, world) if world % x == 0 and head_degree_ok(m, x)):
         cp = world // hp
-        out.append((f"2D {hp}x{cp} head_first", Candidate(1, hp, cp, 1, "head_first")))
-        out.append((f"2D {hp}x{cp} context_first", Candidate(1, hp, cp, 1, "context_first")))
+        out.append((f"2D {hp}x{cp} head_first", Candidate.of(hp=hp, cp=cp, placement="head_first")))
+        out.append((f"2D {hp}x{cp} context_first", Candidate.of(hp=hp, cp=cp, placement="context_first")))
     if world % 2 == 0 and world >= 4:
         half = world // 2
-        out.append((f"dp=2 x ring cp={half}", Candidate(2, 1, half)))
+        out.append((f"dp=2 x ring cp={half}", Candidate.of(dp=2, cp=half)))
         if head_degree_ok(m, half):
-            out.append((f"dp=2 x ulysses hp={half}", Candidate(2, half, 1)))
+            out.append((f"dp=2 x ulysses hp={half}", Candidate.of(dp=2, hp=half)))
     return out
 
 
@@ -51,7 +51,7 @@ def predict(
 ) -> tuple[float, float]:
     """Predicted (forward, backward) seconds of one attention call of ``candidate``."""
     model = ModelConfig(vocab_size=8, dim=heads * head_dim, n_layers=1, n_heads=heads, n_kv_heads=kv_heads)
-    w = Workload(model, seq, batch=candidate.dp, dtype_bytes=dtype_bytes)
+    w = Workload(model, seq, batch=candidate.parallel.dp, dtype_bytes=dtype_bytes)
     topo = candidate_topology(c, candidate)
     t = attention_seconds(c, w, candidate, topo)
     return t.fwd, t.bwd

@@ -24,7 +24,12 @@ from loongtrain.planner.topology import group_span
 
 def shard_degree(candidate: Candidate) -> int:
     """Ranks one copy of the model states is sharded over, by ZeRO scope."""
-    grid, _ = zero_mesh_grid(candidate.devices, candidate.dp, candidate.zero)
+    return _shard_degree(candidate.devices, candidate.parallel.dp, candidate.zero)
+
+
+@functools.lru_cache(maxsize=1024)
+def _shard_degree(devices: int, dp: int, zero: str) -> int:
+    grid, _ = zero_mesh_grid(devices, dp, zero)
     return len(grid[0])
 
 
@@ -73,7 +78,8 @@ class ZeroTimes:
 
 def zero_seconds(c: ClusterSpec, m: ModelConfig, candidate: Candidate, dtype_bytes: int = 2) -> ZeroTimes:
     """Collective times of ``candidate.zero`` for one layer and for the root parameters."""
-    return _zero_seconds(c, m, candidate.dp, candidate.hp, candidate.cp, candidate.zero, dtype_bytes)
+    p = candidate.parallel
+    return _zero_seconds(c, m, p.dp, p.hp, p.cp, candidate.zero, dtype_bytes)
 
 
 @functools.lru_cache(maxsize=4096)

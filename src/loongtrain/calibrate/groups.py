@@ -24,7 +24,7 @@ def check_groups(layout: Candidate, devices_per_node: int, ranks: list[int] | No
     ``RankLayout`` and with the planner's node-locality claims; raise ``AssertionError`` on a mismatch."""
     if dist.is_initialized():
         raise RuntimeError("check_groups needs a process without an initialised default process group")
-    config = layout.parallel_config()
+    config = layout.parallel
     world = layout.devices
     ref = RankLayout.build(config, world)
     topo: Topology = analyze(config, devices_per_node)

@@ -197,6 +197,14 @@ def measure_step(heads: int, head_dim: int, reps: int, tokens: int = 1024, steps
     }
 
 
+def measure_host_copy(reps: int, nbytes: int = 2**26) -> float:
+    """Seconds of one ``copy_`` of ``nbytes`` between two host buffers, every rank at once: what
+    offload's host link is for CPU processes (a memory copy)."""
+    src = torch.randn(nbytes // 4)
+    dst = torch.empty_like(src)
+    return _median_of_slowest(lambda: dst.copy_(src), reps)
+
+
 def load_average() -> float:
     """One-minute load average (0 where unknown)."""
     try:
@@ -229,6 +237,9 @@ def _raw_lines(meas: dict) -> list[str]:
             lines.append(f"  {key} {kind}: {f / 1e9:.2f} GFLOP (fwd count) {t * 1e3:.1f} ms")
     step = meas["step"]
     lines.append(f"  ring step: {step['step'] * 1e3:.2f} ms, its block alone {step['block'] * 1e3:.2f} ms")
+    if "host_copy" in meas:
+        nbytes, t = meas["host_copy"]
+        lines.append(f"  host copy: {nbytes / 2**20:g} MiB {t * 1e3:.2f} ms (every rank at once)")
     return lines
 
 
@@ -256,6 +267,7 @@ def _calibrate_rank(device: torch.device, args: argparse.Namespace) -> None:
     meas.update(measure_matmul(args.reps))
     meas["overlap"] = measure_overlap(args.calib_heads, args.calib_head_dim, args.reps)
     meas["step"] = measure_step(args.calib_heads, args.calib_head_dim, args.reps)
+    meas["host_copy"] = (2**26, measure_host_copy(args.reps))
     if rank != 0:
         return
     path = Path(args.out) if args.out else default_local_path()

@@ -13,7 +13,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from loongtrain.bench.calibrate import load_average, time_block
+from loongtrain.calibrate.calibrate import load_average, time_block
 from loongtrain.planner.specs import ClusterSpec
 from loongtrain.planner.validation import (
     MEDIAN_ERROR_TARGET,
@@ -54,7 +54,7 @@ def _validate_rank(device: torch.device, args: argparse.Namespace, cluster: Clus
             f"{'pred fwd':>8s} {'pred bwd':>8s} {'pred f+b':>8s} {'error':>7s}",
             flush=True,
         )
-    states = [init_parallel(layout.parallel_config(), verify_inputs=False, zero_scopes=()) for _, layout in layouts]
+    states = [init_parallel(layout.parallel, verify_inputs=False, zero_scopes=()) for _, layout in layouts]
     gen = torch.Generator().manual_seed(rank)
     probes = [_probe(args, gen)]
     times: list[list[tuple[float, float]]] = [[] for _ in layouts]
