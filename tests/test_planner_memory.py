@@ -37,17 +37,17 @@ def differing(a: dict, b: dict) -> dict:
 
 def test_layer_bytes_by_hand():
     full = layer_bytes(M, 1, 1, 2, "full", tiled=False)
-    # saved without checkpointing: norm1 (fp32 copy 4*64 + bf16 64*2), wq/wk/wv input 128, q 128,
-    # k/v stack 128, out 128, lse 16, norm2 384, w1/w3 input 128, SwiGLU 4 x 128 x 2
-    assert full.saved == 384 + 128 + 128 + 128 + 128 + 16 + 384 + 128 + 1024 == 2448
-    assert (full.kept, full.recompute) == (128, 2448)  # bf16: the fp32 copy is new, nothing aliases
+    # saved without checkpointing: norm1 (its bf16 input 64*2 + fp32 1/rms 4), wq/wk/wv input 128,
+    # q 128, k/v stack 128, out 128, lse 16, norm2 132, w1/w3 input 128, SwiGLU 4 x 128 x 2
+    assert full.saved == 132 + 128 + 128 + 128 + 128 + 16 + 132 + 128 + 1024 == 1944
+    assert (full.kept, full.recompute) == (128, 1944 - 128)  # norm1's saved input is the kept block input
     assert full.mlp_backward == 2 * 2 * 128  # the product's gradient, then silu's and w3's
-    assert full.attention_saved == 384 + 128 + 128 + 128 + 128 + 16
+    assert full.attention_saved == 132 + 128 + 128 + 128 + 128 + 16
     # ring backward: dout 128 + fp32 dq 256 + fp32 dK/dV partial 256 + block dq/dk/dv 256; + the residual's 128
     assert full.attention_backward == 128 + 128 + 256 + 256 + 256
     sc = layer_bytes(M, 1, 1, 2, "sc++", tiled=False)
-    assert sc.kept == 128 + 128 + 16 and sc.recompute == 2448 - 144  # the ring's out and lse are kept
-    # fp32: norm1's x.float() is the kept block input itself, so the recompute does not count it again
+    assert sc.kept == 128 + 128 + 16 and sc.recompute == 1944 - 128 - 144  # the ring's out and lse are kept
+    # fp32 too: norm1's saved input is the kept block input itself, not counted again
     assert layer_bytes(M, 1, 1, 4, "full", tiled=False).recompute == layer_bytes(M, 1, 1, 4, "none", False).saved - 256
     # a ring of cp > 1 adds two KV blocks (2 x 128) and two fp32 dK/dV partials (2 x 256) in flight
     ring = layer_bytes(M, 1, 4, 2, "full", tiled=False)
@@ -57,28 +57,31 @@ def test_layer_bytes_by_hand():
 def test_chunked_loss_changes_only_the_loss_terms():
     whole, _ = phases(activation_checkpoint="full", loss_chunk=0)
     chunked, _ = phases(activation_checkpoint="full", loss_chunk=1024)  # a 64-token shard: one chunk of 64
-    final = (4 + 2) * 64 + 2 * 64  # the final norm's saved tensors and its output
+    final = (2 * 64 + 4) + 2 * 64  # the final norm's saved input and 1/rms, and its output
     assert differing(whole, chunked) == {
-        # whole shard: bf16 logits [T, V] + fp32 log-softmax, its gradient and the input gradient
+        # whole shard: the loss's backward holds the fp32 log-softmax, its gradient and the input
+        # gradient, and that gradient cast to bf16 for the output layer's backward
         # chunked: grad_h [T, d] fp32 made in the forward; fp32 grad_W [V, d] and 3 fp32 [chunk, V]
         "loss": {
-            "loss": ((final + 2 * 100 + 12 * 100) * T, (final + 4 * 64) * T),
+            "loss": ((final + 12 * 100 + 2 * 100) * T, (final + 4 * 64) * T),
             "loss fixed": (0.0, 4 * 100 * 64 + 3 * 4 * 64 * 100),
         },
-        # train/step.py keeps `logits` alive through the backward
-        "backward, first layer": {"logits": (2 * 100 * T, 0.0)},
-        "backward, last layer": {"logits": (2 * 100 * T, 0.0)},
     }
 
 
 def test_tiled_mlp_changes_only_the_layer_working_set():
     plain, _ = phases(activation_checkpoint="full")
     tiled, _ = phases(activation_checkpoint="full", mlp_tile=16)
-    # untiled: the recomputed layer (2448) + MLP backward (512) + the incoming gradient (128)
-    # tiled: no [T, ffn] tensors (2448 - 1024), the tiled input's gradient (128), one tile's
+    # untiled: the recomputed layer (1944 - 128 kept) + MLP backward (512) + the incoming gradient (128)
+    # tiled: no [T, ffn] tensors (1816 - 1024), the tiled input's gradient (128), one tile's
     # six [16, ffn] tensors (6 * 2 * 128 * 16 bytes, i.e. 384 per token)
-    untiled_work = (2448 + 512 + 128) * T
-    tiled_work = (2448 - 1024 + 128 + 128) * T + 6 * 2 * 128 * 16
+    untiled_work = (1816 + 512 + 128) * T
+    tiled_mlp = (1816 - 1024 + 128 + 128) * T + 6 * 2 * 128 * 16
+    # ... which now falls below the attention's backward: its saved part (660) + dout 128, fp32 dq
+    # 256, fp32 dK/dV 256, the kernel's dq/dk/dv 256 and the residual's gradient 128
+    attention_phase = (660 + 128 + 256 + 256 + 256 + 128) * T
+    tiled_work = max(tiled_mlp, attention_phase)
+    assert tiled_work == attention_phase
     assert differing(plain, tiled) == {
         "backward, first layer": {"layer backward": (untiled_work, tiled_work)},
         "backward, last layer": {"layer backward": (untiled_work, tiled_work)},

@@ -30,6 +30,7 @@ import argparse
 import gc
 import json
 import statistics
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -179,17 +180,26 @@ def _batch(seq: int, vocab: int, seed: int) -> Microbatch:
     return Microbatch(data[:, :-1], data[:, 1:])
 
 
-def measure(mcfg: ModelConfig, state, options: MemoryOptions, seq: int, device: torch.device, train_step: bool) -> dict:
+def measure(
+    mcfg: ModelConfig,
+    state,
+    options: MemoryOptions,
+    seq: int,
+    device: torch.device,
+    train_step: bool,
+    zero: str = "dp_sp",
+    param_dtype: torch.dtype | None = None,
+) -> dict:
     """One forward+backward (and, with ``train_step``, an AdamW step after a warm-up step) of
     ``mcfg`` on this rank; its peak tensor bytes (whole step and per phase), host-store bytes
     and state bytes. The model is freed before this returns."""
-    result = _measure(mcfg, state, options, seq, device, train_step)
+    result = _measure(mcfg, state, options, seq, device, train_step, zero, param_dtype)
     release_memory(device)
     return result
 
 
-def _measure(mcfg: ModelConfig, state, options: MemoryOptions, seq: int, device: torch.device, train: bool) -> dict:
-    model = parallelize(build_model(mcfg), state, memory=options, zero="dp_sp")
+def _measure(mcfg, state, options: MemoryOptions, seq: int, device, train: bool, zero: str, param_dtype) -> dict:
+    model = parallelize(build_model(mcfg), state, memory=options, zero=zero, param_dtype=param_dtype)
     materialize(model, device, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4) if train else None
     batch = _batch(seq, mcfg.vocab_size, seed=state.coords.dp).to(device)
@@ -225,14 +235,12 @@ def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
 
 # -- the planner's side -------------------------------------------------------------------
 def predicted_bytes(mcfg: ModelConfig, seq: int, config: ParallelConfig, options: MemoryOptions, train: bool) -> float:
-    """The planner's peak for the same step (fp32 compute, one sequence per replica)."""
-    from loongtrain.planner.cost import Candidate, Workload
-    from loongtrain.planner.memory import memory_bytes
+    """The planner's device peak for the same step (fp32 compute, one sequence per replica)."""
+    from loongtrain.planner.cost import Candidate
+    from loongtrain.planner.memory import predict_peak_memory
 
-    workload = Workload(mcfg, seq, batch=config.dp or 1, micro_batch=1, dtype_bytes=4)
     candidate = Candidate(parallel=config, zero="dp_sp", memory=options)
-    breakdown = memory_bytes(workload, candidate)
-    return breakdown.total if train else breakdown.total - breakdown.states_optimizer
+    return predict_peak_memory(mcfg, seq, 1, 4, candidate, optimizer=train).total
 
 
 # -- the two parts ----------------------------------------------------------------------
@@ -252,7 +260,7 @@ def _grid(device: torch.device, args: argparse.Namespace, rows: list) -> None:
         for seq in args.grid_seqs:
             r = measure(mcfg, state, options, seq, device, train_step=True)
             device_b, host_b = _max_over_ranks([r["device"], r["host"]], device)
-            predicted = predicted_bytes(mcfg, seq, state.config, options, train=True)
+            predicted = predicted_bytes(mcfg, seq, replace(state.config, dp=state.dp), options, train=True)
             error = (predicted - device_b) / device_b
             if rank == 0:
                 print(f"{name:18s} {seq:6d} {device_b / MiB:9.1f} {predicted / MiB:9.1f} {error:7.1%} "

@@ -41,6 +41,7 @@ from loongtrain.gpucheck.kernels import check_case, installed_backends, kernel_g
 from loongtrain.gpucheck.train import (
     Peak,
     TrainCase,
+    longest_case,
     measure_training_step,
     one_rank_state,
     planner_cluster,
@@ -51,6 +52,7 @@ from loongtrain.harness import release_memory
 from loongtrain.launch import launch, under_torchrun
 from loongtrain.model import ModelConfig, model_config
 from loongtrain.planner.report import format_length
+from loongtrain.planner.specs import PlanError
 
 PASS, FAIL, SKIP, MEASURED, MET, MISSED = "pass", "FAIL", "skipped", "measured", "goal met", "below goal"
 # goals of the issue, judged on CUDA only
@@ -88,6 +90,7 @@ class Profile:
     goals: bool  # judge the performance goals (meaningful on a GPU only)
     budget_s: float  # default time budget; 0: none
     compile_reserve_s: float  # budget a compiled row needs left to start (compilation included)
+    longest_cap: int  # the longest-sequence row trains at most this many tokens (0: the planner's length)
 
 
 # ~1.1B parameters: LLaMA-2-7B's GQA shape scaled to fit one GPU at 128K tokens
@@ -129,6 +132,7 @@ PROFILES: dict[str, Profile] = {
         goals=True,
         budget_s=360.0,
         compile_reserve_s=90.0,
+        longest_cap=0,
     ),
     "cpu": Profile(
         name="cpu",
@@ -164,6 +168,7 @@ PROFILES: dict[str, Profile] = {
         goals=False,
         budget_s=0.0,
         compile_reserve_s=0.0,
+        longest_cap=512,
     ),
 }
 
@@ -356,6 +361,55 @@ def _training_on_one_rank(
         rows.append(Row("training", label, _train_result(m, pred, planner_note), target, status, values))
 
 
+def _longest_on_one_rank(device: torch.device, profile: Profile, peak: Peak, args, budget: Budget, rows: list) -> None:
+    """The longest sequence of the training model that trains here: the planner's longest length
+    for one device with the memory options it chooses (shorter if the time budget says so),
+    three steps; on running out of memory, three quarters of the length (twice at most)."""
+    state = one_rank_state()
+    dtype = getattr(torch, profile.train_dtype)
+    cluster, planner_note = planner_cluster(device, args.cluster)
+    if cluster is None:
+        rows.append(_skip_row("longest", profile.train_model_name, planner_note))
+        return
+    left = max(0.0, budget.seconds - budget.elapsed()) if budget.seconds else 0.0
+    try:
+        case, planned, why = longest_case(cluster, profile.train_model, dtype, left, profile.longest_cap)
+    except PlanError as exc:
+        rows.append(_error_row("longest", profile.train_model_name, exc))
+        return
+    for attempt in range(3):
+        label = f"{profile.train_model_name} longest {case.label()}"
+        _progress(f"longest: {label} ...")
+        try:
+            m = measure_training_step(state, profile.train_model, case, dtype, device, 2, 1, peak)
+        except torch.OutOfMemoryError:
+            release_memory(device)
+            why = f"out of memory at {case.seq}; three quarters"
+            case = TrainCase(max(1024, case.seq * 3 // 4 // 1024 * 1024), case.checkpoint, memory=case.memory)
+            continue
+        except Exception as exc:  # noqa: BLE001 - reported as a failed row
+            rows.append(_error_row("longest", label, exc))
+            return
+        finally:
+            release_memory(device)
+        pred = predict_step(cluster, profile.train_model, case, dtype)
+        status = PASS if m["finite"] else FAIL
+        note = f"planner's longest {planned} tokens" + (f" ({why})" if why else "")
+        values = {**m, "seq": case.seq, "planner_longest": planned, "planner": pred, "why_shorter": why,
+                  "memory": asdict(case.options), "attempts": attempt + 1}  # fmt: skip
+        rows.append(Row("longest", label, f"{_train_result(m, pred, planner_note)}; {note}", "trains", status, values))
+        return
+    rows.append(Row("longest", profile.train_model_name, f"out of memory three times (last {case.seq})", "trains",
+                    FAIL, {"why": why}))  # fmt: skip
+
+
+def longest_rows(profile: Profile, device: torch.device, peak: Peak, args, budget: Budget) -> list[Row]:
+    """The longest-sequence row, in a one-rank process group."""
+    rows: list[Row] = []
+    launch(_longest_on_one_rank, 1, profile, peak, args, budget, rows, device=device.type)
+    return rows
+
+
 def training_rows(profile: Profile, device: torch.device, peak: Peak, args, budget: Budget, compiled: bool) -> list:
     """Section 3 (or the compiled rows at the end): training steps in a one-rank process group."""
     if compiled:
@@ -468,6 +522,7 @@ def main(args: argparse.Namespace) -> None:
     rows = kernel_rows(profile, device, budget)
     rows += replay_rows(profile, device, budget)
     rows += training_rows(profile, device, peak, args, budget, compiled=False)
+    rows += longest_rows(profile, device, peak, args, budget)
     rows += dist_rows(profile, device, world, budget)
     if args.compile == "extra":
         rows += training_rows(profile, device, peak, args, budget, compiled=True)

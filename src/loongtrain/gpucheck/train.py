@@ -36,14 +36,25 @@ ZERO = "dp_sp"  # one rank: FSDP2 only for the bf16 mixed precision
 
 @dataclass(frozen=True)
 class TrainCase:
-    """One training row: sequence length, checkpoint mode, and whether blocks are compiled."""
+    """One training row: sequence length, checkpoint mode, whether blocks are compiled, and
+    (the longest-sequence row) every memory option."""
 
     seq: int
     checkpoint: str
     compiled: bool = False
+    memory: MemoryOptions | None = None
+
+    @property
+    def options(self) -> MemoryOptions:
+        return self.memory or MemoryOptions(activation_checkpoint=self.checkpoint)
 
     def label(self) -> str:
-        return f"S={format_length(self.seq)} {self.checkpoint}" + (" compiled" if self.compiled else "")
+        text = f"S={format_length(self.seq)} {self.checkpoint}" + (" compiled" if self.compiled else "")
+        if self.memory is not None:
+            m = self.memory
+            offload = [n for n, on in (("activations", m.offload_activations), ("states", m.offload_states)) if on]
+            text += f" loss_chunk {m.loss_chunk} mlp_tile {m.mlp_tile} offload {'+'.join(offload) or 'none'}"
+        return text
 
 
 @dataclass(frozen=True)
@@ -95,7 +106,7 @@ def predict_step(cluster: ClusterSpec, cfg: ModelConfig, case: TrainCase, dtype:
     """The planner's estimate of ``case`` on one device of ``cluster``."""
     dtype_bytes = dtype.itemsize
     workload = Workload(cfg, case.seq, batch=1, micro_batch=1, dtype_bytes=dtype_bytes)
-    layout = Candidate(ParallelConfig(dp=1), ZERO, MemoryOptions(activation_checkpoint=case.checkpoint))
+    layout = Candidate(ParallelConfig(dp=1), ZERO, case.options)
     est = estimate(cluster, workload, layout)
     return {
         "step_s": est.step_s,
@@ -127,7 +138,7 @@ def measure_training_step(
     parallelize(
         model,
         state,
-        memory=MemoryOptions(activation_checkpoint=case.checkpoint),
+        memory=case.options,
         zero=ZERO,
         param_dtype=dtype,
         compile=case.compiled,
@@ -165,3 +176,25 @@ def measure_training_step(
         "losses": losses,
         "finite": all(math.isfinite(x) for x in losses),
     }
+
+
+def longest_case(cluster: ClusterSpec, cfg: ModelConfig, dtype: torch.dtype, seconds: float, cap: int) -> tuple:
+    """The longest-sequence row's case: the planner's longest length for one device of
+    ``cluster`` (``loongtrain plan --max-seq-len``) with the memory options it chooses there,
+    shortened (halving) until the planner's time for the row's steps fits ``seconds``
+    (0: no limit) and at most ``cap`` tokens (0: none). Returns ``(case, planner's longest, why shorter)``."""
+    from loongtrain.planner.maxlen import max_seq_len
+
+    answer = max_seq_len(cluster, cfg, 1)
+    best = answer.result.best
+    unit = answer.unit
+    seq, why = answer.seq_len, ""
+    if cap and seq > cap:
+        seq, why = max(unit, cap // unit * unit), f"capped at {cap} tokens by the profile"
+    options = best.candidate.memory
+    while seconds and seq > unit:
+        est = estimate(cluster, Workload(cfg, seq, dtype_bytes=dtype.itemsize), best.candidate)
+        if est.step_s * 4 <= seconds:  # a warm-up step and the timed ones
+            break
+        seq, why = max(unit, seq // 2 // unit * unit), "halved to fit the time budget"
+    return TrainCase(seq, options.activation_checkpoint, memory=options), answer.seq_len, why

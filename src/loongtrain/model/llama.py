@@ -49,6 +49,28 @@ def sdpa_attention(
     return out.transpose(1, 2)
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """``(x / rms(x)).type_as(x) * weight`` in float32, saving only ``x`` (the caller's tensor,
+    usually kept anyway) and the per-token ``1 / rms`` for backward, which recomputes the rest:
+    autograd would keep a float32 copy of ``x`` and the normalised output per norm."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        x32 = x.float()
+        rstd = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (x32 * rstd).type_as(x) * weight
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        normed = x.float() * rstd
+        grad_weight = (grad_out * normed.type_as(x)).flatten(0, -2).sum(0) if ctx.needs_input_grad[1] else None
+        g = (grad_out * weight).float()
+        grad_x = rstd * (g - normed * (g * normed).mean(dim=-1, keepdim=True))
+        return grad_x.type_as(x), grad_weight, None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -56,9 +78,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 def rope_tables(

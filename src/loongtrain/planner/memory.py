@@ -5,8 +5,8 @@ terms are bytes per token of the rank's shard (``T = micro_batch * seq_len / sp`
 before the head all-to-all); ``e`` is the compute dtype's bytes (2 for bf16), ``a`` the
 accumulation dtype's (4: fp32). Where each term comes from:
 
-- ``model/llama.py``: ``RMSNorm`` saves ``x.float()`` (the input itself when ``e == 4``) and
-  the normalised copy cast back (``(4 + e) * width``); every ``nn.Linear`` saves its input;
+- ``model/llama.py``: ``RMSNorm`` saves its input and the fp32 ``1 / rms`` (``e * width + 4``;
+  its backward recomputes the fp32 upcast and the normalised copy); every linear saves its input;
   RoPE saves only the shared cos/sin tables; ``FeedForward`` saves w1's output, silu's
   output, w3's output and their product (``4 * e * ffn``); a block's output is the next
   block's input.
@@ -21,9 +21,10 @@ accumulation dtype's (4: fp32). Where each term comes from:
 - ``attention/double_ring.py``: backward holds an fp32 ``dq`` accumulator, an fp32 dK/dV
   partial, the block kernel's dq/dk/dv, and with ``cp > 1`` the KV blocks and dK/dV
   partials in flight.
-- ``train/step.py``: the loss is ``F.cross_entropy(logits.float())`` (log-softmax output
-  saved; its backward adds the gradient and the input gradient, fp32) and ``logits`` stays
-  referenced until the backward is done. With ``loss_chunk`` (the fused linear cross
+- ``model/loss.py``: with ``loss_chunk = 0`` the loss is ``F.cross_entropy(logits.float())``
+  inside the model's forward (log-softmax output saved; its backward adds the gradient and
+  the input gradient, fp32); the logits themselves are freed when the forward returns. With
+  ``loss_chunk`` (the fused linear cross
   entropy the trainer runs when it is set) one chunk's logits exist at a time, the
   gradient of the final norm's output (``[T, d]`` fp32) is made in the forward and kept
   until backward starts, and the output weight's gradient accumulates in fp32.
@@ -62,9 +63,10 @@ GATHERED_LAYERS = 2
 
 
 def norm_saved(width: int, e: int) -> float:
-    """Bytes per token an ``RMSNorm`` over ``width`` saves: ``x.float()`` (the input itself in
-    fp32) and the normalised copy in the compute dtype."""
-    return (4 + e) * width
+    """Bytes per token an ``RMSNorm`` over ``width`` saves (``model/llama.py``): its input (the
+    caller's tensor, in the compute dtype) and the fp32 ``1 / rms``; its backward recomputes
+    the rest."""
+    return e * width + 4.0
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,7 @@ def layer_bytes(m: ModelConfig, hp: int, cp: int, e: int, mode: str, tiled: bool
     attention_saved = norm1 + e * d + qk_norms + q + kv + out + lse + gathered_out  # norm1, wq/wk/wv input, ring op
     mlp_part = norm_saved(d, e) + e * d + (0.0 if tiled else 4 * e * f)  # norm2, w1/w3 input, SwiGLU
     saved = attention_saved + mlp_part
-    input_alias = e * d if e == 4 else 0.0  # norm1's x.float() is the block input itself in fp32
+    input_alias = e * d  # norm1 saves its input: the block input itself
     if mode == "none":
         kept, recompute = saved, 0.0
     elif mode == "full":
@@ -226,7 +228,10 @@ def memory_phases(w: Workload, layout: Candidate, optimizer: bool = True) -> tup
         loss["loss"] = (final + 4.0 * m.dim) * tokens  # + grad_h [T, d] fp32, made in the forward
         loss["loss fixed"] = 4.0 * p_output + LOSS_CHUNK_TEMPORARIES * 4.0 * chunk * m.vocab_size
     else:
-        loss["loss"] = (final + e * m.vocab_size + 12.0 * m.vocab_size) * tokens  # logits; fp32 softmax + 2 grads
+        # the loss's backward: the saved fp32 log-softmax, the gradient of its output and of its
+        # input (fp32), cast to the compute dtype for the output layer's backward when that is not fp32
+        cast = e * m.vocab_size if e < 4 else 0.0
+        loss["loss"] = (final + 12.0 * m.vocab_size + cast) * tokens
 
     # -- one layer's backward (the first one reached, and the last)
     def working(lb: LayerBytes, recompute: float) -> float:
@@ -252,8 +257,6 @@ def memory_phases(w: Workload, layout: Candidate, optimizer: bool = True) -> tup
         "root": root,
         "root gradient": p_output * e,
     }
-    if not mem.loss_chunk:
-        backward_common["logits"] = e * m.vocab_size * tokens  # train/step.py holds `logits` through backward
     first = {**backward_common, "kept": kept_all, "layer backward": work}
     last_kept = kept_ckpt_layer if n_ckpt else plain.kept * tokens
     sharded_grads = 0.0 if mem.offload_states else 4.0 * p_layer / shard * (m.n_layers - 1)
