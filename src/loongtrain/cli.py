@@ -57,14 +57,19 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(argv)
-    args, extra = parser.parse_known_args(argv)
-    if getattr(args, "takes_extra", False):
-        args.run(args, extra)
-        return
-    if extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    args.run(args)
+    try:
+        parser = build_parser(argv)  # imports the command's module (torch, for most): seconds
+        args, extra = parser.parse_known_args(argv)
+        if getattr(args, "takes_extra", False):
+            args.run(args, extra)
+            return
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.run(args)
+    except KeyboardInterrupt:  # a command that has more to say about a Ctrl-C says it itself
+        command = " ".join(["loongtrain", *[a for a in argv if not a.startswith("-")][:1]])
+        print(f"{command}: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":
