@@ -23,7 +23,7 @@ from loongtrain.data import (
     check_same_tokenizer,
 )
 from loongtrain.data.loader import rows_per_microbatch
-from loongtrain.launch import check_device
+from loongtrain.launch import check_device, under_torchrun
 from loongtrain.model import ModelConfig
 from loongtrain.options import MemoryOptions
 from loongtrain.parallel import ParallelConfig
@@ -124,10 +124,11 @@ def check_optimizer(o: OptimSection) -> None:
 
 def check_run_dir(run_dir: Path) -> None:
     """Raise ConfigError if ``run_dir`` cannot be created and written. Folders made for the
-    probe are removed again: the run makes its folder when it starts."""
+    probe are removed again (the run makes its folder when it starts), except under torchrun,
+    where every rank probes at once."""
     made = []
     for folder in (run_dir, *run_dir.parents):
-        if folder.exists():
+        if folder.exists() or under_torchrun():
             break
         made.append(folder)  # deepest first
     try:
