@@ -115,11 +115,15 @@ def test_shipped_configs_fit_their_layout(name, tmp_path):
     from loongtrain.train.trainer import preflight
 
     overrides = [f"run.output_dir={tmp_path / 'run'}", "data.source=recall", "data.pack=false"]
-    if load_config(REPO / "configs" / name).model.init_from:  # a local HF folder: stand in a tiny one
+    shipped = load_config(REPO / "configs" / name)
+    if shipped.data.long_documents != "split":
+        overrides.append("data.long_documents=split")
+    if shipped.model.init_from:  # a local HF folder: stand in a tiny one, pretrained for the config's context
         pytest.importorskip("transformers")
         from hf_tiny import make_hf_model
 
-        overrides.append(f"model.init_from={make_hf_model('llama', tmp_path / 'hf')}")
+        stand_in = make_hf_model("llama", tmp_path / "hf", max_position_embeddings=shipped.data.seq_len)
+        overrides.append(f"model.init_from={stand_in}")
     cfg = load_config(REPO / "configs" / name, overrides)
     p = cfg.parallel
     spec = preflight(cfg, p.hp * p.cp * max(p.dp, 1))

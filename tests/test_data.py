@@ -186,7 +186,7 @@ def test_token_windows_split_at_eos_and_ignore_cross_document_targets(tmp_path):
 def test_old_token_files_have_no_eos_and_packing_asks_for_one(tmp_path):
     write_tokens(tmp_path / "t.tok", np.arange(50) % 7, 7)
     assert TokenFile(tmp_path / "t.tok").eos is None
-    with pytest.raises(ConfigError, match="records none.*set data.eos_id"):
+    with pytest.raises(ConfigError, match="has no per-token flags and records no end-of-document.*set data.eos_id"):
         make_source(load_config(None, ["data.source=tokens", f"data.path={tmp_path / 't.tok'}", "data.pack=true"]))
 
 

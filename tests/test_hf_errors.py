@@ -72,6 +72,11 @@ def _case_rope_type(folder: Path) -> None:
     _edit_config(folder, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
 
 
+def _case_truncated(folder: Path) -> None:  # an interrupted copy: the header is intact, the data is not
+    path = folder / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-1000])
+
+
 CASES = {
     "no-config": (_case_no_config, "has no config.json: point model.init_from at a folder written by"),
     "model-type": (_case_model_type, re.escape("model_type 'gpt2' is not supported; supported model "
@@ -85,6 +90,8 @@ CASES = {
                        r"\['model.layers.0.self_attn.o_proj.bias'\]"),
     "sliding-window": (_case_sliding_window, "a sliding window on some layers only .* set max_window_layers to 0"),
     "rope-type": (_case_rope_type, "rope_type 'dynamic' is not supported"),
+    "truncated": (_case_truncated, r"model.safetensors is truncated: its header describes \d+ bytes but the file has "
+                  r"\d+ \(an interrupted copy or download\?\); copy the file again"),
 }  # fmt: skip
 
 
@@ -143,9 +150,9 @@ def test_export_refuses_existing_target_and_leaves_nothing_on_failure(dist_pool,
         export_checkpoint(step, tmp_path / "out1", dtype="int8")
 
     for data in step.glob("*.distcp"):
-        data.write_bytes(b"")  # the weights are gone: loading fails half-way through the export
+        data.write_bytes(b"")  # the weights are gone: the checksums say so before anything is written
     out = tmp_path / "out2"
-    with pytest.raises(HFFormatError, match="reading the checkpoint's weights failed .* damaged or incomplete"):
+    with pytest.raises(HFFormatError, match=r"checkpoint .*step-0 is damaged: file __\d_0.distcp has 0 bytes"):
         export_checkpoint(step, out, max_shard_bytes=20_000)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["existing", "model", "run"], "no partial folder"
 

@@ -4,6 +4,7 @@ folder loads in transformers and its logits equal loongtrain's."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -66,7 +67,7 @@ def _train(overrides: list[str]) -> list[float]:
 
 EXTENSIONS = {
     "llama": ["model.rope_theta=40000"],
-    "llama3": [],  # keeps its llama3 scaling
+    "llama3": ["model.allow_longer_context=true"],  # keeps its llama3 scaling (64 tokens), trains at 128
     "mistral": ["model.rope_scaling=linear", "model.rope_factor=2"],
     "mistral-window": ["model.sliding_window=9", "model.rope_scaling=linear", "model.rope_factor=2"],  # window 5 -> 9
     "qwen2": ["model.rope_scaling=yarn", "model.rope_factor=4"],
@@ -112,8 +113,7 @@ def test_export_after_training_loads_in_transformers(dist_pool, tmp_path):
         assert err < 1e-5, f"{family}: rel err {err:.2e}"
         before = hf_logits(source, tokens)
         assert rel_err(before, theirs) > 1e-3, "training must have changed the model"
+        written = json.loads((out / "config.json").read_text())["max_position_embeddings"]
+        assert written == max(cfg.max_positions, 128), "the extended context, or the trained length if longer"
         exported_cfg = read_folder(out).model  # the export re-imports to the trained config
-        assert exported_cfg == cfg
-        if EXTENSIONS[family] and "rope_theta" not in EXTENSIONS[family][0]:
-            assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == cfg.max_positions
-            assert cfg.max_positions > 64
+        assert exported_cfg == dataclasses.replace(cfg, max_positions=written)

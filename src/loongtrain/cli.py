@@ -1,5 +1,5 @@
 """The ``loongtrain`` command: ``train``, ``export``, ``plan``, ``prepare``, ``demo``,
-``gpu-check``, and ``bench attention|documents|memory|train``.
+``gpu-check``, and ``bench attention|documents|memory|train|prepare``.
 
 Each command's module is imported only when that command runs (or shows its help), so
 ``loongtrain plan`` does not pay for torch.
@@ -16,7 +16,7 @@ COMMANDS: dict[str, tuple[str, str, bool]] = {
     "train": ("loongtrain.train.cli", "train a model from a TOML config (torchrun or --nproc)", True),
     "export": ("loongtrain.train.export", "write a training checkpoint as a Hugging Face model folder", False),
     "plan": ("loongtrain.plan_cli", "rank layouts for a cluster, model and length (cost model)", False),
-    "prepare": ("loongtrain.data.prepare", "turn text files into a token file", False),
+    "prepare": ("loongtrain.data.prepare", "tokenize text, chat or prompt+completion records into a token file", False),
     "demo": ("loongtrain.demo", "distributed attention on local processes vs full attention", False),
     "gpu-check": ("loongtrain.gpucheck.check", "every device path vs float64, overhead, MFU: one table", False),
 }
@@ -25,6 +25,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "documents": ("loongtrain.bench.documents", "packed documents: work balance and time vs full causal"),
     "memory": ("loongtrain.bench.memory", "peak memory per rank by sp degree, checkpoint mode, ZeRO scope"),
     "train": ("loongtrain.bench.train", "the trainer's step: tokens/s eager vs compiled, and its time breakdown"),
+    "prepare": ("loongtrain.bench.prepare", "prepare on generated chats: tokens/s by workers, memory by size"),
 }
 
 
@@ -56,14 +57,19 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(argv)
-    args, extra = parser.parse_known_args(argv)
-    if getattr(args, "takes_extra", False):
-        args.run(args, extra)
-        return
-    if extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    args.run(args)
+    try:
+        parser = build_parser(argv)  # imports the command's module (torch, for most): seconds
+        args, extra = parser.parse_known_args(argv)
+        if getattr(args, "takes_extra", False):
+            args.run(args, extra)
+            return
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.run(args)
+    except KeyboardInterrupt:  # a command that has more to say about a Ctrl-C says it itself
+        command = " ".join(["loongtrain", *[a for a in argv if not a.startswith("-")][:1]])
+        print(f"{command}: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

@@ -90,6 +90,11 @@ class ModelSection:
     sliding_window: int = _f(
         0, "sliding-window attention: token i sees j only if i - j < this (0: keep the preset's or imported model's)"
     )
+    allow_longer_context: bool = _f(
+        False,
+        "init_from: train at a data.seq_len beyond the context the model's RoPE was pretrained (or scaled) for; "
+        "false refuses it and names the rope_scaling/rope_factor that reach it",
+    )
 
     def overrides(self) -> dict:
         out = {
@@ -169,6 +174,12 @@ class DataSection:
     )
     eos_id: int = _f(-1, "pack with source=tokens: end-of-document token id (-1: the one the token file records)")
     document_masks: bool = _f(True, "pack: mask attention at document boundaries (false: an ablation, positions only)")
+    long_documents: str = _f(
+        "split",
+        "source=tokens: a document longer than seq_len is split (continued in the next sequence) or drop (left "
+        "out; the start-up line counts what was dropped)",
+        ("split", "drop"),
+    )
     doc_len: int = _f(64, "pack with source=recall: mean document length (documents of doc_len/2 to 3*doc_len/2)")
     global_batch: int = _f(8, "sequences per optimizer step over all data-parallel replicas")
     micro_batches: int = _f(1, "gradient accumulation: microbatches per step per replica")
@@ -387,6 +398,11 @@ def validate(cfg: TrainConfig) -> None:
         )
     if cfg.data.source == "tokens" and not cfg.data.path:
         raise ConfigError("data.source='tokens' needs data.path (a token file from `loongtrain prepare`)")
+    if cfg.data.source != "tokens" and cfg.data.long_documents != "split":
+        raise ConfigError(
+            f"data.long_documents={cfg.data.long_documents!r} applies to token files; data.source="
+            f"{cfg.data.source!r} makes sequences of seq_len itself: remove data.long_documents"
+        )
     _validate_model_section(cfg.model)
     if cfg.data.recall_facts > cfg.data.recall_keys:
         raise ConfigError(

@@ -21,7 +21,7 @@ import torch
 
 from loongtrain.data.batch import Microbatch, pack_rows
 from loongtrain.data.recall import IGNORE_INDEX, RecallTask, sample_seed
-from loongtrain.data.tokens import DOC_START, TARGET, TokenFile, TokenFileError
+from loongtrain.data.tokens import DOC_START, SCAN_CHUNK, TARGET, TokenFile, TokenFileError
 
 Sample = tuple[torch.Tensor, ...]  # (tokens [S], labels [S]) or, packed, (tokens, labels, cu_seqlens)
 
@@ -77,6 +77,13 @@ class TokenFileSource:
     than ``seq_len`` continues in the next window); ``"drop"`` cuts them from the file without
     the documents longer than ``seq_len`` (an index of the kept ranges is built once;
     ``dropped_documents`` and ``dropped_tokens`` count what was left out).
+
+    Files with flags: a window none of whose labels is a target (a chat prompt longer than
+    ``seq_len``) is never drawn. The windows with targets are indexed once (one pass over the
+    flags), and sample indices address that index, so a sample is still a function of its
+    index alone (resume and layouts agree) and no batch is ever without targets;
+    ``untargeted_windows`` counts the windows left out, ``target_tokens`` the labels scored.
+    A file with fewer than two windows with targets is refused.
     """
 
     def __init__(
@@ -107,19 +114,68 @@ class TokenFileSource:
             length = self._keep_short_documents()
         self.stream_tokens = length  # tokens the windows are cut from
         windows = (length - 1) // seq_len
+        dropped = (
+            f" after dropping {self.dropped_documents} document(s) longer than {seq_len}"
+            if self.dropped_documents
+            else ""
+        )
         if windows < 2:
-            dropped = (
-                f" after dropping {self.dropped_documents} document(s) longer than {seq_len}"
-                if self.dropped_documents
-                else ""
-            )
             raise TokenFileError(
                 f"{file.path}: {length} tokens{dropped} make {windows} sequence(s) of {seq_len}+1 tokens; need at "
                 f"least 2 (one to train, one to evaluate): use more text or a smaller data.seq_len"
             )
-        self.eval_windows = max(1, int(windows * eval_fraction))
-        self.train_windows = windows - self.eval_windows
+        self.windows = windows
+        self.target_tokens: int | None = None  # labels scored over all windows (known for files with flags)
+        self._targeted: np.ndarray | None = self._index_targeted_windows(windows)  # None: every window
+        usable = windows if self._targeted is None else len(self._targeted)
+        self.untargeted_windows = windows - usable
+        if usable < 2:
+            raise TokenFileError(
+                f"{file.path}: {usable} of its {windows} sequence(s) of {seq_len}+1 tokens{dropped} hold a loss "
+                f"target (every label of the others is a prompt or crosses a document boundary); need at least 2 "
+                f"(one to train, one to evaluate): use a longer data.seq_len, data.long_documents='drop', or records "
+                f"whose prompts are shorter than data.seq_len"
+            )
+        self.eval_windows = max(1, int(usable * eval_fraction))
+        self.train_windows = usable - self.eval_windows
         self._perm: tuple[int, torch.Tensor] | None = None
+
+    def _index_targeted_windows(self, windows: int) -> np.ndarray | None:
+        """The windows with at least one target label, in file order (one pass over the flags,
+        in chunks); None for a file without flags (every window has targets). Sets ``target_tokens``."""
+        if self.file.flags is None:
+            return None
+        seq = self.seq_len
+        has_target = np.zeros(windows, dtype=bool)
+        per_chunk = max(1, SCAN_CHUNK // seq)
+        self.target_tokens = 0
+        for w0 in range(0, windows, per_chunk):
+            w1 = min(windows, w0 + per_chunk)
+            following = self._slice(w0 * seq + 1, w1 * seq + 1, tokens=False)[1]  # what the labels predict
+            scored = (following & TARGET) != 0
+            if self.pack:
+                scored &= (following & DOC_START) == 0
+            has_target[w0:w1] = scored.reshape(w1 - w0, seq).any(axis=1)
+            self.target_tokens += int(scored.sum())
+        return None if has_target.all() else np.flatnonzero(has_target)
+
+    def describe(self) -> str:
+        """One line for the trainer's start-up: the file, its targets and what was left out."""
+        text = f"{self.file.path} ({self.file.count:,} tokens"
+        if self.target_tokens is not None:
+            text += f", {self.target_tokens:,} loss targets"
+        text += (
+            f"; {self.train_windows:,} train + {self.eval_windows:,} held-out sequence(s) of {self.seq_len}"
+            f"{', packed' if self.pack else ''})"
+        )
+        if self.untargeted_windows:
+            text += f"; {self.untargeted_windows:,} sequence(s) without a target skipped"
+        if self.long_documents == "drop":
+            text += (
+                f"; long_documents=drop left out {self.dropped_documents:,} document(s) "
+                f"({self.dropped_tokens:,} tokens) longer than {self.seq_len}"
+            )
+        return text
 
     def _keep_short_documents(self) -> int:
         """Index the maximal runs of consecutive documents of at most ``seq_len`` tokens;
@@ -136,12 +192,14 @@ class TokenFileSource:
         self._runs = (run_start, np.concatenate([[0], np.cumsum(run_len)]))
         return int(self._runs[1][-1])
 
-    def _slice(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray | None]:
+    def _slice(self, start: int, stop: int, tokens: bool = True) -> tuple[np.ndarray | None, np.ndarray | None]:
         """Tokens [start, stop) of the stream (and their flags): memory-mapped slices of the
-        file, gathered from the kept ranges when documents were dropped."""
+        file, gathered from the kept ranges when documents were dropped (``tokens=False``:
+        the flags only)."""
         flags = self.file.flags
         if self._runs is None:
-            return self.file.tokens[start:stop], None if flags is None else flags[start:stop]
+            ids = self.file.tokens[start:stop] if tokens else None
+            return ids, None if flags is None else flags[start:stop]
         run_start, cum = self._runs
         first = int(np.searchsorted(cum, start, side="right")) - 1
         last = int(np.searchsorted(cum, stop, side="left"))
@@ -149,8 +207,8 @@ class TokenFileSource:
         for r in range(first, last):
             lo = run_start[r] + max(start, cum[r]) - cum[r]
             spans.append((lo, run_start[r] + min(stop, cum[r + 1]) - cum[r]))
-        tokens = np.concatenate([self.file.tokens[a:b] for a, b in spans])
-        return tokens, None if flags is None else np.concatenate([flags[a:b] for a, b in spans])
+        ids = np.concatenate([self.file.tokens[a:b] for a, b in spans]) if tokens else None
+        return ids, None if flags is None else np.concatenate([flags[a:b] for a, b in spans])
 
     def _window(self, w: int) -> Sample:
         start = w * self.seq_len
@@ -164,14 +222,18 @@ class TokenFileSource:
             return inputs, labels
         return inputs, labels, document_boundaries(inputs, labels, self.eos)
 
+    def _usable(self, i: int) -> Sample:
+        """The ``i``-th window with targets (every window, for a file without flags)."""
+        return self._window(i if self._targeted is None else int(self._targeted[i]))
+
     def sample(self, index: int, split: str = "train") -> Sample:
         if split == "eval":
-            return self._window(self.train_windows + index % self.eval_windows)
+            return self._usable(self.train_windows + index % self.eval_windows)
         epoch, pos = divmod(index, self.train_windows)
         if self._perm is None or self._perm[0] != epoch:
             gen = torch.Generator().manual_seed(sample_seed("tokens", self.seed, epoch))
             self._perm = (epoch, torch.randperm(self.train_windows, generator=gen))
-        return self._window(int(self._perm[1][pos]))
+        return self._usable(int(self._perm[1][pos]))
 
 
 def rows_per_microbatch(global_batch: int, dp: int, micro_batches: int) -> int:

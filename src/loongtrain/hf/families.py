@@ -172,6 +172,17 @@ def rope_to_hf(cfg: ModelConfig) -> dict:
     return params
 
 
+def export_family(cfg: ModelConfig, source_type: str) -> tuple[str, str | None]:
+    """The model_type an export writes for a model imported as ``source_type``, and why it
+    differs from the source's (None: it does not)."""
+    if source_type == "llama" and cfg.sliding_window:
+        return "mistral", (
+            f"the run trained with a sliding window of {cfg.sliding_window} tokens and Llama's config has no sliding "
+            "window (Mistral is Llama with one)"
+        )
+    return source_type, None
+
+
 # keys of a source config.json that the export rewrites from the trained model's config
 _REWRITTEN = ("rope_scaling", "rope_theta", "torch_dtype", "partial_rotary_factor")
 
@@ -180,9 +191,7 @@ def hf_config_dict(cfg: ModelConfig, source: dict | None, dtype: str, max_positi
     """The config.json content for ``cfg``: the source's keys (token ids, ...) with every
     shape and RoPE field taken from ``cfg``."""
     if source is not None:
-        model_type = check_model_type(source, "the run's source config.json")
-        if model_type == "llama" and cfg.sliding_window:  # Llama has no window; Mistral is Llama with one
-            model_type = "mistral"
+        model_type, _ = export_family(cfg, check_model_type(source, "the run's source config.json"))
         out = {k: v for k, v in source.items() if k not in _REWRITTEN}
         out["model_type"] = model_type
     else:

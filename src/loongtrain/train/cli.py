@@ -13,6 +13,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import traceback
 from pathlib import Path
 
@@ -24,12 +25,14 @@ from loongtrain.train.faults import (
     REPORT_DIR_ENV,
     ProcessEnd,
     debug_enabled,
+    input_error_cause,
     read_reports,
     resume_hint,
     root_cause,
     say,
 )
 from loongtrain.train.preflight import RunSpec, preflight
+from loongtrain.train.run_folder import discard_new_run, holds_run
 from loongtrain.train.worker import USER_ERRORS, main_under_torchrun, run_worker
 
 
@@ -90,19 +93,54 @@ def _latest_step(cfg: TrainConfig) -> int | None:
     return latest[0] if latest else None
 
 
+class _SigintBlocked:
+    """SIGINT blocked on this (the main) thread, which the elastic agent spawns the workers
+    from, so that they start with it blocked and a Ctrl-C while they import and build is
+    held until :func:`~loongtrain.train.worker.run_worker` lets it end them quietly (not 53
+    lines of their tracebacks). This process still gets it: a helper thread with SIGINT
+    unblocked receives it, and Python runs the handler (the agent's, which stops the
+    workers) on the main thread within the agent's 0.2 s poll."""
+
+    def __enter__(self) -> None:
+        from multiprocessing import resource_tracker
+
+        # started now: starting it later (at the first spawn) unblocks SIGINT on this thread
+        resource_tracker.ensure_running()
+        self._receiver = threading.Thread(target=threading.Event().wait, name="sigint-receiver", daemon=True)
+        self._receiver.start()
+        self._old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+    def __exit__(self, *exc) -> None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, self._old)
+
+
 def supervise(cfg: TrainConfig, spec: RunSpec, args: argparse.Namespace, argv: list[str]) -> int:
     """Run every local rank under the elastic agent; print one line for however it ends.
-    Returns the exit code: 0 done, 1 a worker failed, 2 a user-facing error, 128+n a signal."""
+    Returns the exit code: 0 done, 1 a worker failed, 2 a user-facing error, 128+n a signal.
+
+    A run that fails on bad input (config, model folder, token file: no resume can fix it)
+    gets no resume hint, and leaves nothing behind in a run folder that held no run before."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    report_dir = tempfile.mkdtemp(prefix="loongtrain-reports-")
-    os.environ[REPORT_DIR_ENV] = report_dir
+    run_dir = Path(cfg.run.output_dir)
+    existed, held_run = run_dir.exists(), holds_run(run_dir)
+
+    def failed_on_input(message: str) -> int:
+        if not held_run:
+            discard_new_run(run_dir, existed)
+        say(message)
+        return 2
+
+    report_dir = None
     try:
-        results = elastic_run(
-            run_worker, cfg, spec, nproc=args.nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
-            rdzv_id=args.rdzv_id, max_restarts=args.max_restarts, quiet=not debug_enabled(),
-        )  # fmt: skip
+        report_dir = tempfile.mkdtemp(prefix="loongtrain-reports-")
+        os.environ[REPORT_DIR_ENV] = report_dir
+        with _SigintBlocked():
+            results = elastic_run(
+                run_worker, cfg, spec, nproc=args.nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
+                rdzv_id=args.rdzv_id, max_restarts=args.max_restarts, quiet=not debug_enabled(),
+            )  # fmt: skip
     except (SignalException, KeyboardInterrupt) as e:
         sig = signal.Signals(e.sigval) if isinstance(e, SignalException) else signal.SIGINT
         say(
@@ -116,16 +154,22 @@ def supervise(cfg: TrainConfig, spec: RunSpec, args: argparse.Namespace, argv: l
         ends = [
             ProcessEnd(rank, f.exitcode, f.signal_name() if f.exitcode < 0 else None) for rank, f in e.failures.items()
         ]
-        cause = root_cause(read_reports(Path(report_dir)), ends, attempt=args.max_restarts)
+        reports = read_reports(Path(report_dir))
+        cause = root_cause(reports, ends, attempt=args.max_restarts)
+        if input_error_cause(reports, attempt=args.max_restarts):
+            return failed_on_input(cause)
         restarts = f" (after {args.max_restarts} restart(s))" if args.max_restarts else ""
         say(f"{cause}{restarts}; {resume_hint(_latest_step(cfg), argv)}")
         return 1
     finally:
-        shutil.rmtree(report_dir, ignore_errors=True)
+        if report_dir is not None:
+            shutil.rmtree(report_dir, ignore_errors=True)
         os.environ.pop(REPORT_DIR_ENV, None)
-    fatal = [r["fatal"] for r in results.values() if isinstance(r, dict) and "fatal" in r]
+    fatal = [r for r in results.values() if isinstance(r, dict) and "fatal" in r]
     if fatal:
-        say(fatal[0])
+        if fatal[0].get("input_error"):
+            return failed_on_input(fatal[0]["fatal"])
+        say(fatal[0]["fatal"])
         return 2
     return 0
 
@@ -151,7 +195,15 @@ def main(args: argparse.Namespace, extra: list[str]) -> None:
     except KeyboardInterrupt:
         say("interrupted before training started")
         raise SystemExit(130) from None
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank runs preflight: one says it
+        for notice in spec.notices:
+            say(f"notice: {notice}")
     if under_torchrun():
         main_under_torchrun(cfg, spec)
         return
-    raise SystemExit(supervise(cfg, spec, args, sys.argv[1:]))
+    try:
+        code = supervise(cfg, spec, args, sys.argv[1:])
+    except KeyboardInterrupt:  # before the agent took over Ctrl-C (it handles it from then on)
+        say("interrupted before training started")
+        code = 130
+    raise SystemExit(code)

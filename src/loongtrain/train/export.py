@@ -1,8 +1,14 @@
-"""``loongtrain export <run>/checkpoints/step-N -o folder``: a training checkpoint as a
-Hugging Face folder that ``transformers`` loads with ``from_pretrained`` (no custom code).
+"""``loongtrain export <run> -o folder`` (or ``<run>/checkpoints/step-N``): a training
+checkpoint as a Hugging Face folder that ``transformers`` loads with ``from_pretrained``
+(no custom code). A run folder exports its newest intact checkpoint; every checkpoint is
+verified against its ``checksums.json`` first, as a resume does, and a damaged one is
+named and refused (a run folder falls back to an older one, saying so).
 
 Written: ``config.json`` (the imported model's config with the trained shape and RoPE,
-``max_position_embeddings`` = the extended context), the weights as safetensors (one file,
+``max_position_embeddings`` = the context the model was trained at: the larger of the run's
+``data.seq_len`` and the model's own, which with RoPE scaling is original x factor; a
+change of family, such as a Llama trained with a sliding window written as Mistral, is
+said on stderr), the weights as safetensors (one file,
 or shards of at most ``max_shard_bytes`` with ``model.safetensors.index.json``), and the
 generation config and tokenizer files the run imported with the model. One process; the
 checkpoint is read one output shard at a time with ``torch.distributed.checkpoint``
@@ -21,6 +27,7 @@ import shutil
 import sys
 import tomllib
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,15 +35,26 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from loongtrain.hf.families import hf_config_dict, require_transformers
+from loongtrain.hf.families import export_family, hf_config_dict, require_transformers
 from loongtrain.hf.folder import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, HFFormatError
 from loongtrain.hf.weights import inverse_order, parameter_map, rope_row_order
 from loongtrain.model.config import ModelConfig, RopeScaling
-from loongtrain.train.checkpoint import STATE_FILE
+from loongtrain.train.checkpoint import (
+    CHECKSUM_FILE,
+    STATE_FILE,
+    CheckpointManager,
+    checksum_problems,
+    structure_problem,
+)
 from loongtrain.train.model_setup import SOURCE_DIR
 
 MODEL_PREFIX = "model."  # the checkpoint holds {"model": ..., "optim": ...}
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _say(message: str) -> None:
+    """One line on stderr."""
+    print(f"loongtrain export: {message}", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -45,6 +63,7 @@ class ExportResult:
     files: list[str]
     tensors: int
     dtype: str
+    checkpoint: Path  # the checkpoint folder that was exported
 
 
 def model_config_of_checkpoint(step_dir: Path) -> ModelConfig:
@@ -97,19 +116,72 @@ def _load_checkpoint_tensors(step_dir: Path, state: dict[str, torch.Tensor]) -> 
         ) from None
 
 
+def checkpoint_problem(step_dir: Path) -> str | None:
+    """Why the checkpoint ``step_dir`` cannot be trusted (a missing, truncated or corrupted file
+    against its ``checksums.json``; what a resume verifies), or None if it is intact."""
+    trouble = structure_problem(step_dir)
+    if trouble is not None:
+        return trouble
+    listed = sorted(json.loads((step_dir / CHECKSUM_FILE).read_text()))
+    problems = checksum_problems(step_dir, listed)
+    return problems[0] if problems else None
+
+
+def resolve_checkpoint(path: str | Path, say: Callable[[str], None] = _say) -> Path:
+    """The verified checkpoint to export: ``path`` itself when it is a checkpoint folder
+    (``step-N``), or the newest intact ``checkpoints/step-N`` of the run folder ``path``
+    (``say`` tells of each damaged newer one). Raises HFFormatError naming the damaged file."""
+    path = Path(path)
+    if not path.is_dir():
+        raise HFFormatError(
+            f"checkpoint folder {str(path)!r} does not exist; pass <run>/checkpoints/step-N (or the run folder)"
+        )
+    if not (path / "checkpoints").is_dir():  # a checkpoint folder
+        if not (path / STATE_FILE).is_file() and not (path / CHECKSUM_FILE).is_file():
+            raise HFFormatError(
+                f"{path} is neither a run folder (with checkpoints/) nor a checkpoint folder (<run>/checkpoints/step-N "
+                f"with {STATE_FILE}); pass one of them"
+            )
+        trouble = checkpoint_problem(path)
+        if trouble is not None:
+            raise HFFormatError(
+                f"checkpoint {path} is damaged: {trouble}; export another checkpoint, or the run folder (its newest "
+                "intact one)"
+            )
+        return path
+    steps = CheckpointManager(path / "checkpoints", keep=1).steps()
+    if not steps:
+        raise HFFormatError(
+            f"run folder {path} has no checkpoint in checkpoints/ (a run saves one at its end with "
+            "checkpoint.save_final = true, and every checkpoint.every steps)"
+        )
+    damaged = []
+    for _, step_dir in reversed(steps):
+        trouble = checkpoint_problem(step_dir)
+        if trouble is None:
+            return step_dir
+        damaged.append(f"{step_dir.name}: {trouble}")
+        say(f"checkpoint {step_dir} is damaged ({trouble}); trying an older one")
+    raise HFFormatError(f"every checkpoint of {path} is damaged ({'; '.join(damaged)}); nothing to export")
+
+
 def export_checkpoint(
-    step_dir: str | Path, out: str | Path, dtype: str = "source", max_shard_bytes: int = 5 * 2**30
+    step_dir: str | Path,
+    out: str | Path,
+    dtype: str = "source",
+    max_shard_bytes: int = 5 * 2**30,
+    say: Callable[[str], None] = _say,
 ) -> ExportResult:
-    """Write the checkpoint ``step_dir`` as a Hugging Face folder ``out`` (must not exist).
+    """Write the checkpoint ``step_dir`` (or the newest intact one of a run folder) as a
+    Hugging Face folder ``out`` (must not exist); ``say`` prints one-line notices.
 
     ``dtype``: ``source`` (the imported model's dtype; float32 for a run that did not
     import one), ``float32``, ``bfloat16`` or ``float16``.
     """
-    step_dir, out = Path(step_dir), Path(out)
+    out = Path(out)
     if out.exists():
         raise HFFormatError(f"export target {str(out)!r} already exists; choose a new folder (nothing was written)")
-    if not step_dir.is_dir():
-        raise HFFormatError(f"checkpoint folder {str(step_dir)!r} does not exist; pass <run>/checkpoints/step-N")
+    step_dir = resolve_checkpoint(step_dir, say)
     cfg = model_config_of_checkpoint(step_dir)
     source_dir = step_dir.parent.parent / SOURCE_DIR
     source = json.loads((source_dir / CONFIG_FILE).read_text()) if (source_dir / CONFIG_FILE).is_file() else None
@@ -118,8 +190,12 @@ def export_checkpoint(
         dtype = declared if declared in EXPORT_DTYPES else "float32"
     if dtype not in EXPORT_DTYPES:
         raise HFFormatError(f"export dtype {dtype!r}; choose one of {['source', *EXPORT_DTYPES]}")
-    max_positions = cfg.max_positions or _run_seq_len(step_dir.parent.parent) or 2048
+    max_positions = max(cfg.max_positions, _run_seq_len(step_dir.parent.parent)) or 2048  # the trained context
     config = hf_config_dict(cfg, source, dtype, max_positions)
+    if source is not None:
+        _, why = export_family(cfg, source["model_type"])
+        if why is not None:
+            say(f'writing "model_type": "{config["model_type"]}" (the source is "{source["model_type"]}"): {why}')
 
     mapping = parameter_map(cfg)
     saved = _checkpoint_tensors(step_dir)
@@ -166,11 +242,13 @@ def export_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return ExportResult(folder=out, files=files, tensors=len(names), dtype=dtype)
+    return ExportResult(folder=out, files=files, tensors=len(names), dtype=dtype, checkpoint=step_dir)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="a complete checkpoint folder: <run>/checkpoints/step-N")
+    parser.add_argument(
+        "checkpoint", help="a run folder (its newest intact checkpoint) or a checkpoint folder <run>/checkpoints/step-N"
+    )
     parser.add_argument("-o", "--output", required=True, help="Hugging Face folder to write (must not exist)")
     parser.add_argument(
         "--dtype", default="source", choices=["source", *EXPORT_DTYPES],
@@ -181,11 +259,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> None:
     try:
-        result = export_checkpoint(args.checkpoint, args.output, args.dtype, int(args.max_shard_gb * 2**30))
+        result = export_checkpoint(args.checkpoint, args.output, args.dtype, int(args.max_shard_gb * 2**30), _say)
     except (HFFormatError, OSError) as e:
         print(f"loongtrain export: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     print(
-        f"wrote {result.tensors} tensors ({result.dtype}) in {len(result.files)} file(s) to {result.folder}; "
+        f"wrote {result.tensors} tensors ({result.dtype}) of {result.checkpoint} in {len(result.files)} file(s) to "
+        f"{result.folder}; "
         "load it with transformers.AutoModelForCausalLM.from_pretrained"
     )

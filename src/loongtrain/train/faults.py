@@ -66,6 +66,7 @@ class WorkerReport:
     kind: str
     message: str
     attempt: int = 0  # the elastic agent's restart count when it was written
+    input_error: bool = False  # fatal: bad input (config, model folder, token file) that no resume can fix
 
 
 def is_comm_failure(e: BaseException) -> bool:
@@ -157,6 +158,13 @@ def root_cause(reports: list[WorkerReport], ends: list[ProcessEnd], attempt: int
             "is unreachable"
         )
     return "a worker process ended without a report (killed by a signal, or crashed; --debug shows more)"
+
+
+def input_error_cause(reports: list[WorkerReport], attempt: int = 0) -> bool:
+    """True when what :func:`root_cause` names for ``attempt`` is bad input (a fatal report of a
+    config, model folder or token file error): a resume cannot fix it, so no resume hint."""
+    fatal = [r for r in reports if r.attempt == attempt and r.kind == FATAL]
+    return bool(fatal) and fatal[0].input_error
 
 
 def rank_list(ranks: list[int]) -> str:

@@ -102,13 +102,17 @@ class MetricsWriter:
     def __init__(self, run_dir: Path, tensorboard: bool, purge_step: int | None = None) -> None:
         self.path = run_dir / "metrics.jsonl"
         self._tb = None
+        self.tensorboard_status = "off (run.tensorboard = false)"  # for the start-up line
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge_step)
-            except Exception:  # noqa: BLE001 - tensorboard not installed or broken: optional
-                self._tb = None
+                self.tensorboard_status = f"TensorBoard logs in {run_dir / 'tensorboard'}"
+            except ImportError:
+                self.tensorboard_status = "off: the tensorboard package is not installed (pip install tensorboard)"
+            except Exception as e:  # noqa: BLE001 - optional: a broken install must not stop training
+                self.tensorboard_status = f"off: TensorBoard failed to start ({type(e).__name__}: {e})"
 
     def write(self, record: dict) -> None:
         with open(self.path, "a") as f:

@@ -8,6 +8,7 @@ Importing this module needs neither transformers nor safetensors; only ``init_fr
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import torch
@@ -41,6 +42,57 @@ def model_config_for(section: ModelSection) -> ModelConfig:
         )  # fmt: skip
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def rope_reach(base: ModelConfig, trained: ModelConfig) -> int:
+    """The context the trained model's RoPE is meant for: the imported model's own
+    (``max_position_embeddings``) when its RoPE is kept, else original x factor of the new
+    scaling (the original without one); 0 when unknown (a new ``rope_theta`` alone: a larger
+    base is itself a context extension, whose reach is not computed)."""
+    if trained.rope_scaling == base.rope_scaling:
+        return base.max_positions if trained.rope_theta == base.rope_theta else 0
+    original = base.max_positions
+    if base.rope_scaling is not None and base.rope_scaling.original_max_positions:
+        original = base.rope_scaling.original_max_positions  # scaling replaced or removed: from the pretraining length
+    scaling = trained.rope_scaling
+    if scaling is None:
+        return original
+    return int((scaling.original_max_positions or original) * scaling.factor)
+
+
+def check_pretrained_context(section: ModelSection, trained: ModelConfig, seq_len: int) -> str | None:
+    """For an ``init_from`` model: raise ConfigError if ``seq_len`` goes beyond the context its
+    RoPE reaches (:func:`rope_reach`) unless ``section.allow_longer_context``; returns a
+    notice when it is allowed, else None. Presets (random weights) have no pretrained context."""
+    if not section.init_from:
+        return None
+    from loongtrain.hf.load import read_folder
+
+    base = read_folder(section.init_from).model
+    reach = rope_reach(base, trained)
+    if not reach or seq_len <= reach:
+        return None
+    factor = 2 ** math.ceil(math.log2(seq_len / (base.max_positions or reach)))
+    if section.allow_longer_context:
+        return (
+            f"training at data.seq_len={seq_len}, beyond the {reach} tokens the model's RoPE reaches "
+            f"(model.allow_longer_context = true)"
+        )
+    if section.rope_scaling in ("keep", "none"):
+        how = (
+            f"{section.init_from} was pretrained for {reach} tokens (max_position_embeddings) and "
+            f"model.rope_scaling={section.rope_scaling!r} keeps its RoPE"
+        )
+    else:
+        how = (
+            f"model.rope_scaling={section.rope_scaling!r} with model.rope_factor={section.rope_factor:g} reaches "
+            f"{reach} tokens"
+        )
+    raise ConfigError(
+        f"data.seq_len={seq_len} is longer than the context of {section.init_from}: {how}; extend it with "
+        f'model.rope_scaling = "yarn" (or linear, llama3) and model.rope_factor = {factor}, or set '
+        f"model.allow_longer_context = true to train beyond it as it is"
+    )
 
 
 def init_weights(model: torch.nn.Module, device: torch.device, init_from: str, run_dir: str | Path, seed: int) -> None:

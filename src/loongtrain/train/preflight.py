@@ -13,17 +13,26 @@ import torch
 
 from loongtrain.apply import check_model_fits
 from loongtrain.attention.sharding import check_sequence_length
-from loongtrain.config import ConfigError, OptimSection, TrainConfig
-from loongtrain.data import PackedRecallTask, RecallTask, TokenFile, TokenFileError, TokenFileSource
+from loongtrain.config import ConfigError, ModelSection, OptimSection, TrainConfig
+from loongtrain.data import (
+    PackedRecallTask,
+    RecallTask,
+    TokenFile,
+    TokenFileError,
+    TokenFileSource,
+    check_same_tokenizer,
+)
 from loongtrain.data.loader import rows_per_microbatch
-from loongtrain.launch import check_device
+from loongtrain.launch import check_device, under_torchrun
 from loongtrain.model import ModelConfig
 from loongtrain.options import MemoryOptions
 from loongtrain.parallel import ParallelConfig
 from loongtrain.train.checkpoint import CheckpointManager, check_model_shape
-from loongtrain.train.model_setup import model_config_for
+from loongtrain.train.model_setup import check_pretrained_context, model_config_for
 
 PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# a model folder with any of these has a tokenizer to check a token file against
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass(frozen=True)
@@ -37,6 +46,7 @@ class RunSpec:
     param_dtype: torch.dtype  # compute dtype of the parameters (fp32 master copy kept)
     init_from: str  # a Hugging Face folder the weights come from, or "" (random initial weights)
     task: RecallTask | PackedRecallTask | None  # the synthetic task, or None for a token file
+    notices: tuple[str, ...] = ()  # one-line notices for the user (printed once by the launcher)
 
 
 def parallel_config(cfg: TrainConfig) -> ParallelConfig:
@@ -57,15 +67,43 @@ def make_source(cfg: TrainConfig) -> RecallTask | PackedRecallTask | TokenFileSo
         )  # fmt: skip
         return PackedRecallTask(doc_len=d.doc_len, **recall) if d.pack else RecallTask(**recall)
     file = TokenFile(d.path)
-    eos = None
-    if d.pack:
-        eos = d.eos_id if d.eos_id >= 0 else file.eos
-        if eos is None:
-            raise ConfigError(
-                f"data.pack=true needs the end-of-document token, but {d.path} records none (written before "
-                f"loongtrain recorded it, or by a tokenizer without one); set data.eos_id"
-            )
-    return TokenFileSource(file, d.seq_len, d.seed, eos=eos)
+    eos = d.eos_id if d.eos_id >= 0 else None  # None: the file's (documents come from its flags when it has them)
+    if d.pack and file.flags is None and eos is None and file.eos is None:
+        raise ConfigError(
+            f"data.pack=true needs document boundaries, but {d.path} has no per-token flags and records no "
+            f"end-of-document token (written before loongtrain recorded them, or by a tokenizer without one); "
+            f"set data.eos_id or re-create it with `loongtrain prepare`"
+        )
+    return TokenFileSource(file, d.seq_len, d.seed, eos=eos, pack=d.pack, long_documents=d.long_documents)
+
+
+def check_token_file(file: TokenFile, section: ModelSection, mcfg: ModelConfig) -> list[str]:
+    """Raise TokenFileError unless the token file fits the model: its ids below the model's
+    vocabulary, its tokenizer no larger than that vocabulary and, with ``init_from``, the same
+    tokenizer as the model folder's (fingerprints). Returns notices for what cannot be checked."""
+    file.check_vocab(mcfg.vocab_size)
+    model = section.init_from or f"model.preset={section.preset!r}"
+    if file.vocab_size > mcfg.vocab_size:
+        raise TokenFileError(
+            f"{file.path} was made with a tokenizer of {file.vocab_size} tokens, but the vocabulary of {model} has "
+            f"{mcfg.vocab_size}; use the model's tokenizer (`loongtrain prepare --tokenizer ...`) or a model with "
+            f"model.vocab_size >= {file.vocab_size}"
+        )
+    if not section.init_from:
+        return []
+    if file.tokenizer_fingerprint is None:
+        return [
+            f"{file.path} records no tokenizer fingerprint (format version {file.version}), so its tokenizer cannot "
+            f"be checked against {section.init_from}'s; re-create it with `loongtrain prepare --tokenizer "
+            f"{section.init_from}` to have it checked"
+        ]
+    if not any((Path(section.init_from) / name).is_file() for name in TOKENIZER_FILES):
+        return [
+            f"{section.init_from} has no tokenizer files, so the tokenizer of {file.path} cannot be checked against "
+            f"it (only the vocabulary size was)"
+        ]
+    check_same_tokenizer(file, section.init_from)
+    return []
 
 
 def model_shape(mcfg: ModelConfig) -> dict:
@@ -85,7 +123,14 @@ def check_optimizer(o: OptimSection) -> None:
 
 
 def check_run_dir(run_dir: Path) -> None:
-    """Raise ConfigError if ``run_dir`` cannot be created and written."""
+    """Raise ConfigError if ``run_dir`` cannot be created and written. Folders made for the
+    probe are removed again (the run makes its folder when it starts), except under torchrun,
+    where every rank probes at once."""
+    made = []
+    for folder in (run_dir, *run_dir.parents):
+        if folder.exists() or under_torchrun():
+            break
+        made.append(folder)  # deepest first
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / f".write-test-{os.getpid()}"
@@ -93,6 +138,12 @@ def check_run_dir(run_dir: Path) -> None:
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"run.output_dir={str(run_dir)!r} cannot be written ({e}); choose another folder") from None
+    finally:
+        for folder in made:
+            try:
+                folder.rmdir()
+            except OSError:
+                break
 
 
 def preflight(cfg: TrainConfig, world_size: int, local_world_size: int | None = None) -> RunSpec:
@@ -106,6 +157,7 @@ def preflight(cfg: TrainConfig, world_size: int, local_world_size: int | None = 
         check_sequence_length(cfg.data.seq_len, layout.hp, layout.cp)
         rows_per_microbatch(cfg.data.global_batch, dp, cfg.data.micro_batches)
         check_device(cfg.run.device, local_world_size or world_size)
+        notices = [check_pretrained_context(cfg.model, mcfg, cfg.data.seq_len)]
         source = make_source(cfg)
     except TokenFileError:
         raise
@@ -118,7 +170,7 @@ def preflight(cfg: TrainConfig, world_size: int, local_world_size: int | None = 
             f"{mcfg.vocab_size}; set model.vocab_size >= {source.vocab_size} or use fewer keys/values/filler"
         )
     if isinstance(source, TokenFileSource):
-        source.file.check_vocab(mcfg.vocab_size)
+        notices += check_token_file(source.file, cfg.model, mcfg)
     run_dir = Path(cfg.run.output_dir)
     check_run_dir(run_dir)
     if cfg.checkpoint.resume:
@@ -128,4 +180,5 @@ def preflight(cfg: TrainConfig, world_size: int, local_world_size: int | None = 
     return RunSpec(
         parallel=layout, model=mcfg, memory=cfg.memory.options(), param_dtype=PARAM_DTYPES[cfg.parallel.param_dtype],
         init_from=cfg.model.init_from, task=None if isinstance(source, TokenFileSource) else source,
+        notices=tuple(n for n in notices if n),
     )  # fmt: skip

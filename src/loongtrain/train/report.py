@@ -74,6 +74,11 @@ class Reporter:
         self._progress = _Progress(total_steps, enabled and interactive)
         self._writer = MetricsWriter(run_dir, tensorboard, purge_step=first_step + 1) if enabled else None
 
+    @property
+    def tensorboard_status(self) -> str:
+        """Where the TensorBoard logs go, or why there are none (for the start-up line)."""
+        return self._writer.tensorboard_status if self._writer is not None else "off"
+
     def say(self, text: str) -> None:
         if self.enabled:
             self._progress.clear()
@@ -88,16 +93,20 @@ class Reporter:
             print(f"step {m.step:5d}/{self.total_steps} {m.line()}", flush=True)
         self._progress.update(m.step, f"loss {m.loss:.4f} acc {m.accuracy:.3f}")
 
-    def evaluation(self, step: int, loss: float, accuracy: float) -> None:
+    def evaluation(self, step: int, loss: float, accuracy: float, echo: bool = True) -> None:
+        """Record an evaluation (and print it, unless ``echo`` is False: the summary prints the final one)."""
         if self.enabled:
             self._writer.write({"kind": "eval", "step": step, "loss": loss, "accuracy": accuracy})
+            if echo:
+                self._progress.clear()
+                print(f"step {step:5d}/{self.total_steps} held-out loss {loss:.4f} acc {accuracy:.3f}", flush=True)
 
     def finish(self, *, steps_run: int, wall_s: float, tokens_per_s: float, eval_batches: int, eval_loss: float,
                eval_accuracy: float, chance: float | None) -> None:  # fmt: skip
         if not self.enabled:
             return
         self._progress.clear()
-        self.evaluation(self.total_steps, eval_loss, eval_accuracy)
+        self.evaluation(self.total_steps, eval_loss, eval_accuracy, echo=False)
         self.close()
         plot_curves(read_metrics(self.run_dir / "metrics.jsonl"), self.run_dir / "curves.png", chance)
         done = (

@@ -16,6 +16,7 @@ not logged twice and a line torn by a kill never reaches a reader. Pure file ope
 from __future__ import annotations
 
 import json
+import shutil
 import time
 import uuid
 from dataclasses import dataclass
@@ -85,6 +86,21 @@ def start_run(run_dir: Path, resume: bool, launch_id: str | None = None) -> RunS
     identity = {"run_id": uuid.uuid4().hex, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "launch_id": launch_id}
     _write_identity(run_dir, identity)
     return RunStart(run_id=identity["run_id"], resuming=False, restarted=False, moved_to=moved)
+
+
+def discard_new_run(run_dir: Path, existed: bool) -> None:
+    """Remove what a run that failed on bad input wrote into ``run_dir``, which held no run
+    before it started: the whole folder when the run created it (``existed`` False), else
+    the run's files (anything else there is left alone)."""
+    if not existed:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return
+    for name in RUN_FILES:
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def trim_metrics(path: Path, upto_step: int) -> int:

@@ -150,6 +150,8 @@ def describe(run: Run) -> str:
         f"data {cfg.data.source}: "
         f"{cfg.data.global_batch} x {cfg.data.seq_len} tokens per step"
     )
+    if hasattr(run.loader.source, "describe"):  # a token file: its targets and what was left out
+        text += f"\ntoken file {run.loader.source.describe()}"
     if run.folder.moved_to is not None:
         text += f"\nstarting a new run: the previous run in {cfg.run.output_dir} was moved to {run.folder.moved_to}"
     if run.folder.restarted:
@@ -245,7 +247,7 @@ def train(device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat | No
     )  # fmt: skip
     try:
         if reporter.enabled:
-            reporter.say(describe(run))
+            reporter.say(f"{describe(run)}\nmetrics: {r.output_dir}/metrics.jsonl; {reporter.tensorboard_status}")
         world = dist.get_world_size()
         tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
         peak = r.peak_tflops or device_peak_tflops(device, spec.param_dtype)

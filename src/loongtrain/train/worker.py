@@ -36,13 +36,16 @@ from loongtrain.train.watchdog import Watchdog, connect_store
 
 # errors every rank raises alike, whose message names the fix: reported once, never restarted
 USER_ERRORS = (ConfigError, TokenFileError, CheckpointError)
+# the bad-input ones among them (config, model folder, token file): no resume can fix them
+INPUT_ERRORS = (ConfigError, TokenFileError)
 # the agent polls its workers every 0.2 s; a rank that only lost a connection exits after this
 VICTIM_EXIT_DELAY_S = 1.0
 
 
-def _report(rank: int, kind: str, message: str) -> None:
+def _report(rank: int, kind: str, message: str, input_error: bool = False) -> None:
     """Leave the report for the launcher, or print it (an external torchrun has no report folder)."""
-    if not write_report(WorkerReport(rank, kind, message, current_attempt())) and (kind != FATAL or rank == 0):
+    report = WorkerReport(rank, kind, message, current_attempt(), input_error)
+    if not write_report(report) and (kind != FATAL or rank == 0):
         say(message if kind in (FATAL, STALL) else f"rank {rank}: {message}")
 
 
@@ -65,8 +68,11 @@ def run_worker(cfg: TrainConfig, spec: RunSpec) -> dict:
     exits with code 1 at once."""
     # Ctrl-C reaches every process of the terminal: a worker ends at once, quietly; the
     # launcher says what happened. SIGTERM (the agent stopping the group) ends it as well.
+    # `loongtrain train` starts its workers with SIGINT blocked (a Ctrl-C while they import
+    # would print a traceback from each): one that came meanwhile ends the worker here.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     rank = int(os.environ.get("RANK", "0"))
     write_report(WorkerReport(rank, RUNNING, "", current_attempt()))
     watchdog = None
@@ -79,8 +85,8 @@ def run_worker(cfg: TrainConfig, spec: RunSpec) -> dict:
     except USER_ERRORS as e:
         if debug_enabled():
             traceback.print_exc()
-        _report(rank, FATAL, str(e))
-        outcome = {"fatal": str(e)}
+        _report(rank, FATAL, str(e), isinstance(e, INPUT_ERRORS))
+        outcome = {"fatal": str(e), "input_error": isinstance(e, INPUT_ERRORS)}
     except Exception as e:
         if debug_enabled():
             traceback.print_exc()

@@ -1,13 +1,12 @@
-"""Benchmark `loongtrain prepare` on a generated chat JSONL: tokens/s by worker count and the
-peak memory (max RSS of the prepare process and its workers, a *process* figure) by input
-size, to show it streams.
+"""``loongtrain bench prepare``: `loongtrain prepare` on a generated chat JSONL: tokens/s by
+worker count and the peak memory (max RSS of the prepare process and its workers, a
+*process* figure) by input size, to show it streams.
 
 Records are chat conversations built from real local text (the Python sources of this
 interpreter's standard library and site-packages): a user asks about one piece of a file,
 the assistant answers with the next. ``--sizes`` files are prefixes of the largest one.
 
-    python -m loongtrain.data.bench_prepare --tokenizer TOKENIZER_FOLDER --out /tmp/bench \\
-        --sizes 50 200 --workers 1 2
+    loongtrain bench prepare --tokenizer TOKENIZER_FOLDER --out /tmp/bench --sizes 50 200 --workers 1 2
 """
 
 from __future__ import annotations
@@ -105,13 +104,14 @@ def run(jsonl: Path, output: Path, tokenizer: str, workers: int) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer folder with a chat template")
     parser.add_argument("--out", default="/tmp/prepare-bench", help="folder for the inputs and token files")
     parser.add_argument("--sizes", type=int, nargs="+", default=[50, 200], help="input sizes in MB")
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
-    args = parser.parse_args()
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to compare")
+
+
+def main(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     largest = out / f"chat-{max(args.sizes)}MB.jsonl"
@@ -133,7 +133,3 @@ def main() -> None:
         files = [out / f"chat-{size}MB-w{w}.tok" for w in args.workers]
         same = all(filecmp.cmp(files[0], f, shallow=False) for f in files[1:])
         print(f"{size:>6}MB token files identical across workers: {same}", flush=True)
-
-
-if __name__ == "__main__":
-    main()
