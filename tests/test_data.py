@@ -78,7 +78,7 @@ def test_prepare_bytes(tmp_path):
 def test_token_source_windows(tmp_path):
     write_tokens(tmp_path / "t.tok", np.arange(1001), 2000)
     src = TokenFileSource(TokenFile(tmp_path / "t.tok"), seq_len=10, seed=1)
-    assert (src.train_windows, src.eval_windows) == (99, 1)
+    assert (src.train_sequences, src.eval_sequences) == (99, 1)
     seen = set()
     for i in range(99):
         tokens, labels = src.sample(i)
@@ -174,11 +174,11 @@ def test_token_windows_split_at_eos_and_ignore_cross_document_targets(tmp_path):
     file = TokenFile(tmp_path / "t.tok")
     assert file.eos == eos
     source = TokenFileSource(file, seq_len=8, eos=file.eos)
-    tokens, labels, cu = source._window(0)  # tokens 1 2 EOS 3 4 5 EOS 6 | next: EOS
+    tokens, labels, cu = source._sequence(0)  # tokens 1 2 EOS 3 4 5 EOS 6 | next: EOS
     assert tokens.tolist() == [1, 2, eos, 3, 4, 5, eos, 6]
     assert cu.tolist() == [0, 3, 7, 8]
     assert labels.tolist() == [2, eos, -100, 4, 5, eos, -100, eos]
-    batch = pack_rows([source._window(0), source._window(1)])
+    batch = pack_rows([source._sequence(0), source._sequence(1)])
     assert batch.tokens.shape == (1, 16) and batch.cu_seqlens.tolist() == [0, 3, 7, 8, 9, 15, 16]
     assert batch.positions().tolist() == [[0, 1, 2, 0, 1, 2, 3, 0, 0, 0, 1, 2, 3, 4, 5, 0]]
 
@@ -239,10 +239,10 @@ def test_version_1_files_still_read_and_pack_at_eos(tmp_path):
     f = TokenFile(tmp_path / "v1.tok")
     assert (f.version, f.eos, f.flags, f.tokenizer_fingerprint) == (1, eos, None, None)
     assert np.asarray(f.tokens).tolist() == stream
-    tokens, labels, cu = TokenFileSource(f, seq_len=8, eos=f.eos)._window(0)
+    tokens, labels, cu = TokenFileSource(f, seq_len=8, eos=f.eos)._sequence(0)
     assert cu.tolist() == [0, 3, 7, 8]
     assert labels.tolist() == [2, eos, -100, 4, 5, eos, -100, eos]
-    tokens, labels = TokenFileSource(f, seq_len=8)._window(0)  # not packed: every label counts
+    tokens, labels = TokenFileSource(f, seq_len=8)._sequence(0)  # not packed: every label counts
     assert labels.tolist() == stream[1:9]
     assert f.document_starts().tolist() == [0, 3, 7, 9, 15]
 
@@ -293,12 +293,12 @@ def test_loader_labels_documents_and_long_document_policy(tmp_path, with_flags, 
     expected, dropped_docs, dropped_tokens = _reference_windows(
         tokens.tolist(), flags.tolist() if with_flags else None, eos, seq_len, pack, policy == "drop"
     )
-    assert source.train_windows + source.eval_windows == len(expected)
+    assert source.train_sequences + source.eval_sequences == len(expected)
     assert (source.dropped_documents, source.dropped_tokens) == (dropped_docs, dropped_tokens)
     if policy == "drop":
         assert dropped_docs > 10
     for w, (inputs, labels, cu) in enumerate(expected):
-        got = source._window(w)
+        got = source._sequence(w)
         assert got[0].tolist() == inputs and got[1].tolist() == labels, w
         assert (got[2].tolist() if pack else None) == cu and len(got) == (3 if pack else 2)
 

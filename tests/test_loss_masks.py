@@ -75,11 +75,11 @@ def test_sequences_without_targets_are_never_drawn(tmp_path):
     write_tokens(tmp_path / "t.tok", tokens, 256, eos=None, flags=flags)
     for pack in (False, True):
         source = TokenFileSource(TokenFile(tmp_path / "t.tok"), seq, seed=1, pack=pack)
-        assert source.untargeted_windows == 40 - len(with_targets)
-        assert source.train_windows + source.eval_windows == len(with_targets)
+        assert source.untargeted_sequences == 40 - len(with_targets)
+        assert source.train_sequences + source.eval_sequences == len(with_targets)
         scored = [i for i in range(1, 40 * seq + 1) if flags[i] & TARGET and not (pack and flags[i] & DOC_START)]
         assert source.target_tokens == len(scored)
-        drawn = [source.sample(i)[1] for i in range(3 * source.train_windows)]
+        drawn = [source.sample(i)[1] for i in range(3 * source.train_sequences)]
         assert all(bool((labels != -100).any()) for labels in drawn)
         again = TokenFileSource(TokenFile(tmp_path / "t.tok"), seq, seed=1, pack=pack)
         assert all(torch.equal(again.sample(i)[1], drawn[i]) for i in (0, 7, 20))
@@ -283,7 +283,7 @@ def _prompt_and_completion_loss(model, path, seq: int = 128) -> tuple[float, flo
     (labels that are not targets and predict a letter) and on the completions (targets)."""
     source = TokenFileSource(TokenFile(path), seq, seed=0, pack=True, eval_fraction=0.05)
     prompt, completion = [], []
-    for i in range(source.eval_windows):
+    for i in range(source.eval_sequences):
         tokens, labels, cu = source.sample(i, "eval")
         following = torch.cat([tokens[1:], labels[-1:]])  # the next token at every position
         following[cu[1:-1] - 1] = -100  # across a document boundary: not scored

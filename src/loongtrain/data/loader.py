@@ -33,7 +33,7 @@ class Source(Protocol):
 
 
 def document_boundaries(inputs: torch.Tensor, labels: torch.Tensor, eos: int) -> torch.Tensor:
-    """Boundaries of the documents in a window of a token stream: a document ends after each
+    """Boundaries of the documents in a slice of a token stream: a document ends after each
     ``eos`` input token. Sets the label that would predict across a boundary (the one at an
     ``eos`` input) to IGNORE_INDEX in place; returns ``cu_seqlens`` [D+1]."""
     ends = (inputs == eos).nonzero().flatten()
@@ -43,9 +43,9 @@ def document_boundaries(inputs: torch.Tensor, labels: torch.Tensor, eos: int) ->
 
 
 def flag_labels(flags: np.ndarray, labels: torch.Tensor, pack: bool) -> torch.Tensor | None:
-    """For a window of ``S + 1`` token flags: sets to IGNORE_INDEX (in place) the labels
+    """For a sequence of ``S + 1`` token flags: sets to IGNORE_INDEX (in place) the labels
     [S] of tokens that are not targets and, when packing, the labels that would predict the
-    first token of a document (across a boundary). Returns the window's ``cu_seqlens``
+    first token of a document (across a boundary). Returns the sequence's ``cu_seqlens``
     [D+1] (documents start at flagged tokens) when packing, else None."""
     following = flags[1:]
     ignore = (following & TARGET) == 0
@@ -63,27 +63,27 @@ LONG_DOCUMENTS = ("split", "drop")
 
 
 class TokenFileSource:
-    """Non-overlapping windows of ``seq_len + 1`` tokens (stride ``seq_len``), in a seeded
-    order per epoch; the last ``eval_fraction`` of windows is held out for evaluation.
+    """Non-overlapping sequences (slices of the token stream) of ``seq_len + 1`` tokens
+    (stride ``seq_len``), in a seeded order per epoch; the last ``eval_fraction`` of sequences is held out for evaluation.
 
     Files with per-token flags: labels of tokens that are not targets (a chat's prompts) are
-    IGNORE_INDEX. With ``pack`` each window also yields its document boundaries (from the
+    IGNORE_INDEX. With ``pack`` each sequence also yields its document boundaries (from the
     flags, else after each ``eos`` token; default: the file's): no target crosses a boundary,
-    and the attention and RoPE positions of each document start afresh. A window's first
-    document may be the tail of one that began in the previous window. ``pack`` defaults to
+    and the attention and RoPE positions of each document start afresh. A sequence's first
+    document may be the tail of one that began in the previous sequence. ``pack`` defaults to
     ``eos is not None``.
 
-    ``long_documents``: ``"split"`` cuts the windows from the whole file (a document longer
-    than ``seq_len`` continues in the next window); ``"drop"`` cuts them from the file without
+    ``long_documents``: ``"split"`` cuts the sequences from the whole file (a document longer
+    than ``seq_len`` continues in the next sequence); ``"drop"`` cuts them from the file without
     the documents longer than ``seq_len`` (an index of the kept ranges is built once;
     ``dropped_documents`` and ``dropped_tokens`` count what was left out).
 
-    Files with flags: a window none of whose labels is a target (a chat prompt longer than
-    ``seq_len``) is never drawn. The windows with targets are indexed once (one pass over the
+    Files with flags: a sequence none of whose labels is a target (a chat prompt longer than
+    ``seq_len``) is never drawn. The sequences with targets are indexed once (one pass over the
     flags), and sample indices address that index, so a sample is still a function of its
     index alone (resume and layouts agree) and no batch is ever without targets;
-    ``untargeted_windows`` counts the windows left out, ``target_tokens`` the labels scored.
-    A file with fewer than two windows with targets is refused.
+    ``untargeted_sequences`` counts the sequences left out, ``target_tokens`` the labels scored.
+    A file with fewer than two sequences with targets is refused.
     """
 
     def __init__(
@@ -112,45 +112,45 @@ class TokenFileSource:
         length = file.count
         if long_documents == "drop":
             length = self._keep_short_documents()
-        self.stream_tokens = length  # tokens the windows are cut from
-        windows = (length - 1) // seq_len
+        self.stream_tokens = length  # tokens the sequences are cut from
+        sequences = (length - 1) // seq_len
         dropped = (
             f" after dropping {self.dropped_documents} document(s) longer than {seq_len}"
             if self.dropped_documents
             else ""
         )
-        if windows < 2:
+        if sequences < 2:
             raise TokenFileError(
-                f"{file.path}: {length} tokens{dropped} make {windows} sequence(s) of {seq_len}+1 tokens; need at "
+                f"{file.path}: {length} tokens{dropped} make {sequences} sequence(s) of {seq_len}+1 tokens; need at "
                 f"least 2 (one to train, one to evaluate): use more text or a smaller data.seq_len"
             )
-        self.windows = windows
-        self.target_tokens: int | None = None  # labels scored over all windows (known for files with flags)
-        self._targeted: np.ndarray | None = self._index_targeted_windows(windows)  # None: every window
-        usable = windows if self._targeted is None else len(self._targeted)
-        self.untargeted_windows = windows - usable
+        self.sequences = sequences
+        self.target_tokens: int | None = None  # labels scored over all sequences (known for files with flags)
+        self._targeted: np.ndarray | None = self._index_targeted_sequences(sequences)  # None: every sequence
+        usable = sequences if self._targeted is None else len(self._targeted)
+        self.untargeted_sequences = sequences - usable
         if usable < 2:
             raise TokenFileError(
-                f"{file.path}: {usable} of its {windows} sequence(s) of {seq_len}+1 tokens{dropped} hold a loss "
+                f"{file.path}: {usable} of its {sequences} sequence(s) of {seq_len}+1 tokens{dropped} hold a loss "
                 f"target (every label of the others is a prompt or crosses a document boundary); need at least 2 "
                 f"(one to train, one to evaluate): use a longer data.seq_len, data.long_documents='drop', or records "
                 f"whose prompts are shorter than data.seq_len"
             )
-        self.eval_windows = max(1, int(usable * eval_fraction))
-        self.train_windows = usable - self.eval_windows
+        self.eval_sequences = max(1, int(usable * eval_fraction))
+        self.train_sequences = usable - self.eval_sequences
         self._perm: tuple[int, torch.Tensor] | None = None
 
-    def _index_targeted_windows(self, windows: int) -> np.ndarray | None:
-        """The windows with at least one target label, in file order (one pass over the flags,
-        in chunks); None for a file without flags (every window has targets). Sets ``target_tokens``."""
+    def _index_targeted_sequences(self, sequences: int) -> np.ndarray | None:
+        """The sequences with at least one target label, in file order (one pass over the flags,
+        in chunks); None for a file without flags (every sequence has targets). Sets ``target_tokens``."""
         if self.file.flags is None:
             return None
         seq = self.seq_len
-        has_target = np.zeros(windows, dtype=bool)
+        has_target = np.zeros(sequences, dtype=bool)
         per_chunk = max(1, SCAN_CHUNK // seq)
         self.target_tokens = 0
-        for w0 in range(0, windows, per_chunk):
-            w1 = min(windows, w0 + per_chunk)
+        for w0 in range(0, sequences, per_chunk):
+            w1 = min(sequences, w0 + per_chunk)
             following = self._slice(w0 * seq + 1, w1 * seq + 1, tokens=False)[1]  # what the labels predict
             scored = (following & TARGET) != 0
             if self.pack:
@@ -165,11 +165,11 @@ class TokenFileSource:
         if self.target_tokens is not None:
             text += f", {self.target_tokens:,} loss targets"
         text += (
-            f"; {self.train_windows:,} train + {self.eval_windows:,} held-out sequence(s) of {self.seq_len}"
+            f"; {self.train_sequences:,} train + {self.eval_sequences:,} held-out sequence(s) of {self.seq_len}"
             f"{', packed' if self.pack else ''})"
         )
-        if self.untargeted_windows:
-            text += f"; {self.untargeted_windows:,} sequence(s) without a target skipped"
+        if self.untargeted_sequences:
+            text += f"; {self.untargeted_sequences:,} sequence(s) without a target skipped"
         if self.long_documents == "drop":
             text += (
                 f"; long_documents=drop left out {self.dropped_documents:,} document(s) "
@@ -210,7 +210,7 @@ class TokenFileSource:
         ids = np.concatenate([self.file.tokens[a:b] for a, b in spans]) if tokens else None
         return ids, None if flags is None else np.concatenate([flags[a:b] for a, b in spans])
 
-    def _window(self, w: int) -> Sample:
+    def _sequence(self, w: int) -> Sample:
         start = w * self.seq_len
         tokens, flags = self._slice(start, start + self.seq_len + 1)
         chunk = torch.from_numpy(tokens.astype("int64"))
@@ -223,16 +223,16 @@ class TokenFileSource:
         return inputs, labels, document_boundaries(inputs, labels, self.eos)
 
     def _usable(self, i: int) -> Sample:
-        """The ``i``-th window with targets (every window, for a file without flags)."""
-        return self._window(i if self._targeted is None else int(self._targeted[i]))
+        """The ``i``-th sequence with targets (every sequence, for a file without flags)."""
+        return self._sequence(i if self._targeted is None else int(self._targeted[i]))
 
     def sample(self, index: int, split: str = "train") -> Sample:
         if split == "eval":
-            return self._usable(self.train_windows + index % self.eval_windows)
-        epoch, pos = divmod(index, self.train_windows)
+            return self._usable(self.train_sequences + index % self.eval_sequences)
+        epoch, pos = divmod(index, self.train_sequences)
         if self._perm is None or self._perm[0] != epoch:
             gen = torch.Generator().manual_seed(sample_seed("tokens", self.seed, epoch))
-            self._perm = (epoch, torch.randperm(self.train_windows, generator=gen))
+            self._perm = (epoch, torch.randperm(self.train_sequences, generator=gen))
         return self._usable(int(self._perm[1][pos]))
 
 
