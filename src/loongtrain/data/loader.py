@@ -64,7 +64,8 @@ LONG_DOCUMENTS = ("split", "drop")
 
 class TokenFileSource:
     """Non-overlapping sequences (slices of the token stream) of ``seq_len + 1`` tokens
-    (stride ``seq_len``), in a seeded order per epoch; the last ``eval_fraction`` of sequences is held out for evaluation.
+    (stride ``seq_len``), in a seeded order per epoch; the last ``eval_fraction`` of sequences
+    is held out for evaluation.
 
     Files with per-token flags: labels of tokens that are not targets (a chat's prompts) are
     IGNORE_INDEX. With ``pack`` each sequence also yields its document boundaries (from the
