@@ -1,12 +1,17 @@
-"""2D head-context attention on several ranks against float64 full attention.
+"""2D head-context attention on several ranks against float64 full attention, with and
+without packed documents and sliding windows: one module, so both harnesses share one
+spawned pool per world size.
 
 Each case builds full q/k/v on every rank (same seed within a data-parallel replica,
-different across replicas), runs the distributed attention on zigzag shards, gathers out
+different across replicas), runs the distributed attention on its shards, gathers out
 and the gradients with ``unshard_sequence`` and compares them with float64 attention on
-the unsharded tensors.
+the unsharded tensors. The masked cases use the same document / window mask in the
+reference, :func:`reference.visibility`, written out independently of the library.
 """
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
@@ -14,7 +19,7 @@ import torch
 import loongtrain as lt
 
 from dist_pool import cached_state
-from reference import attention_with_grads, rel_errors
+from reference import attention_with_grads, rel_errors, visibility
 
 TOL = {"float64": 1e-12, "float32": 1e-5, "bfloat16": 2e-2, "float16": 4e-3}
 
@@ -164,3 +169,203 @@ def _count_work(cfg: dict) -> dict:
 def test_transfer_and_block_counts(dist_pool, cfg, forward, backward):
     for counts in dist_pool(4).run(_count_work, cfg):
         assert counts == {"forward": forward, "backward": backward}
+
+
+# -- packed documents and sliding windows ----------------------------------------------
+def boundaries(kind: str, seq: int, sp: int, cp: int, seed: int) -> list[int]:
+    """Document boundaries of one test family (deterministic in ``seed``)."""
+    rng = random.Random(seed)
+    chunk, shard = seq // (2 * cp), seq // sp
+    if kind == "single":
+        return [0, seq]
+    if kind == "chunk_edges":  # every chunk edge, so no document spans two ranks' chunks
+        return list(range(0, seq + 1, chunk))
+    if kind == "inside":  # cuts strictly inside chunks
+        cuts = {rng.randrange(1, seq) for _ in range(5)} - set(range(0, seq, chunk))
+        return [0, *sorted(cuts), seq]
+    if kind == "long":  # one document longer than a rank's shard, starting mid-chunk
+        start = max(1, chunk // 2)
+        end = min(seq - 1, start + shard + chunk + 1)
+        return [0, start, end, seq] if end < seq else [0, start, seq]
+    if kind == "tiny":  # hundreds of 1-4 token documents
+        cuts, pos = [0], 0
+        while pos < seq:
+            pos = min(seq, pos + rng.randint(1, 4))
+            cuts.append(pos)
+        return cuts
+    raise ValueError(kind)
+
+
+def window_size(kind: str | None, seq: int, sp: int, cp: int) -> int | None:
+    chunk, shard = seq // (2 * cp), seq // sp
+    return {None: None, "lt_chunk": max(1, chunk // 2 - 1), "gt_shard": shard + 3, "gt_seq": 2 * seq}[kind]
+
+
+def _masked_case(
+    cfg: dict,
+    heads: int,
+    groups: int,
+    tokens_per_rank: int,
+    docs: str,
+    window: str | None,
+    causal: bool,
+    balance: str,
+    dtype_name: str,
+    seed: int,
+) -> dict:
+    state = cached_state(**cfg, balance=balance)
+    dtype = getattr(torch, dtype_name)
+    seq = tokens_per_rank * state.sp
+    cu = boundaries(docs, seq, state.sp, state.cp, seed + 1000 * state.coords.dp)
+    win = window_size(window, seq, state.sp, state.cp)
+    gen = torch.Generator().manual_seed(seed + 1000 * state.coords.dp)
+    q = torch.randn(2, seq, heads, 8, generator=gen).to(dtype)
+    k = torch.randn(2, seq, groups, 8, generator=gen).to(dtype)
+    v = torch.randn(2, seq, groups, 8, generator=gen).to(dtype)
+    dout = torch.randn(2, seq, heads, 8, generator=gen).to(dtype)
+    scale = 8**-0.5
+    ref = attention_with_grads(q, k, v, dout, causal, scale, visibility(seq, cu, causal, win))
+
+    keys = {"layout": lt.sequence_layout(seq, state, cu)}
+    q_l, k_l, v_l = (lt.shard_sequence(x, state, **keys).requires_grad_() for x in (q, k, v))
+    state.stats.reset()
+    out_l = lt.head_context_attention(q_l, k_l, v_l, state, causal=causal, sliding_window=win, **keys)
+    out_l.backward(lt.shard_sequence(dout, state, **keys))
+    got = [lt.unshard_sequence(t, state, **keys) for t in (out_l, q_l.grad, k_l.grad, v_l.grad)]
+    errors = {}
+    for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
+        # gradients of single-token documents are exactly zero in the reference
+        errors[name] = rel_errors(g, r) if r.norm() > 0 else ((g.double() - r).abs().max().item(),) * 2
+    errors["dtypes"] = [str(t.dtype) for t in (out_l, q_l.grad, k_l.grad, v_l.grad)]
+    errors["stats"] = state.stats.snapshot()
+    errors["documents"] = len(cu) - 1
+    return errors
+
+
+# (world, layout, heads, groups, tokens per rank, documents, window, causal, balance, dtype)
+MASK_CASES = [
+    # world 1: the local kernel path
+    (1, {}, 4, 2, 32, "inside", "lt_chunk", True, "zigzag", "float32"),
+    (1, {}, 4, 4, 256, "tiny", None, False, "zigzag", "float32"),
+    (1, {}, 4, 1, 32, "long", "gt_seq", True, "zigzag", "float32"),
+    # world 2: ring (outer / inner), Ulysses, KV replication
+    (2, {"cp": 2}, 4, 2, 16, "chunk_edges", None, True, "zigzag", "float32"),
+    (2, {"cp": 2, "ring_window": 2}, 4, 2, 16, "inside", "gt_shard", True, "documents", "float32"),
+    (2, {"cp": 2}, 4, 2, 16, "long", "lt_chunk", False, "documents", "float32"),
+    (2, {"hp": 2}, 4, 2, 16, "inside", None, True, "zigzag", "float32"),
+    (2, {"hp": 2}, 4, 1, 16, "long", "lt_chunk", True, "documents", "float32"),
+    # world 4: double ring (contiguous, interleaved), 2D both placements, replication, dp > 1
+    (4, {"cp": 4, "ring_window": 2}, 4, 2, 16, "inside", None, True, "zigzag", "float32"),
+    (4, {"cp": 4, "ring_window": 2}, 4, 2, 16, "long", "gt_shard", True, "documents", "float32"),
+    (4, {"cp": 4, "ring_window": 2, "context_order": "interleaved"}, 4, 2, 16, "chunk_edges", "lt_chunk", True,
+     "documents", "float32"),
+    (4, {"cp": 4}, 4, 2, 128, "tiny", None, True, "zigzag", "float32"),
+    (4, {"cp": 4, "ring_window": 4}, 4, 4, 128, "tiny", "lt_chunk", True, "documents", "float32"),
+    (4, {"hp": 2, "cp": 2}, 4, 2, 16, "long", None, True, "documents", "float32"),
+    (4, {"hp": 2, "cp": 2, "placement": "context_first"}, 4, 1, 16, "inside", "lt_chunk", True, "zigzag", "float32"),
+    (4, {"hp": 2, "cp": 2, "ring_window": 2, "placement": "context_first"}, 6, 6, 16, "long", "gt_shard", False,
+     "zigzag", "float32"),
+    (4, {"hp": 4}, 8, 2, 16, "inside", "gt_seq", True, "documents", "float32"),
+    (4, {"hp": 2, "dp": 2}, 4, 2, 16, "long", "lt_chunk", True, "documents", "float32"),
+    (4, {"cp": 2, "ring_window": 2, "dp": 2}, 4, 2, 16, "inside", None, False, "documents", "float32"),
+    (4, {"hp": 2, "cp": 2}, 4, 2, 16, "inside", "lt_chunk", True, "documents", "bfloat16"),
+    (4, {"cp": 4, "ring_window": 2}, 4, 2, 16, "long", None, True, "zigzag", "float16"),
+    (4, {"hp": 2, "cp": 2, "ring_window": 2}, 4, 1, 16, "inside", "gt_shard", True, "documents", "float64"),
+]  # fmt: skip
+
+MASK_SLOW_CASES = [
+    (8, {"hp": 2, "cp": 4, "ring_window": 2}, 4, 2, 16, "long", "lt_chunk", True, "documents", "float32"),
+    (8, {"hp": 2, "cp": 4, "ring_window": 2, "placement": "context_first"}, 4, 1, 16, "inside", None, True, "zigzag",
+     "float32"),
+    (8, {"cp": 8, "ring_window": 4, "context_order": "interleaved"}, 4, 4, 16, "chunk_edges", "gt_shard", True,
+     "documents", "float32"),
+    (8, {"cp": 8, "ring_window": 2}, 4, 2, 64, "tiny", None, True, "documents", "float32"),
+    (8, {"hp": 4, "cp": 2, "ring_window": 2}, 8, 4, 16, "inside", "lt_chunk", False, "documents", "float32"),
+    (8, {"hp": 8}, 8, 2, 16, "long", "gt_shard", True, "zigzag", "float32"),
+    (8, {"hp": 2, "cp": 2, "ring_window": 2, "dp": 2}, 4, 2, 16, "long", None, True, "documents", "float32"),
+]  # fmt: skip
+
+
+def _mask_case_id(case) -> str:
+    world, cfg, heads, groups, tokens, docs, window, causal, balance, dtype = case
+    parts = [f"w{world}"] + [f"{k}={v}" for k, v in cfg.items()]
+    parts += [f"H{heads}G{groups}", docs, f"win={window}", "causal" if causal else "full", balance, dtype]
+    return "-".join(parts)
+
+
+def _run_masked(dist_pool, case) -> list[dict]:
+    world, cfg, heads, groups, tokens, docs, window, causal, balance, dtype = case
+    results = dist_pool(world).run(_masked_case, cfg, heads, groups, tokens, docs, window, causal, balance, dtype, 11)
+    tol = TOL[dtype]
+    for rank, errs in enumerate(results):
+        assert errs["dtypes"] == [f"torch.{dtype}"] * 4, errs["dtypes"]
+        for name in ("out", "dq", "dk", "dv"):
+            norm_err, max_err = errs[name]
+            assert norm_err <= tol and max_err <= 4 * tol, f"rank {rank} {name}: {errs[name]} > {tol}"
+    return results
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", MASK_CASES, ids=_mask_case_id)
+def test_masked_attention_matches_float64(dist_pool, case):
+    results = _run_masked(dist_pool, case)
+    if case[5] == "tiny":
+        assert results[0]["documents"] >= 100  # really hundreds of documents
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("case", MASK_SLOW_CASES, ids=_mask_case_id)
+def test_masked_attention_matches_float64_world8(dist_pool, case):
+    _run_masked(dist_pool, case)
+
+
+def _single_document_vs_plain(cfg: dict) -> dict:
+    zigzag = cached_state(**cfg)
+    docs = cached_state(**cfg, balance="documents")
+    seq = 16 * zigzag.sp
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(1, seq, 4, 8, generator=gen), *torch.randn(2, 1, seq, 2, 8, generator=gen)
+    results = {}
+    for name, state, keys in (
+        ("plain", zigzag, {}),
+        ("zigzag", zigzag, {"layout": lt.sequence_layout(seq, zigzag, [0, seq])}),
+        ("documents", docs, {"layout": lt.sequence_layout(seq, docs, [0, seq])}),
+    ):
+        shards = [lt.shard_sequence(x, state, **keys).requires_grad_() for x in (q, k, v)]
+        out = lt.head_context_attention(*shards, state, **keys)
+        out.square().sum().backward()
+        results[name] = [lt.unshard_sequence(t, state, **keys) for t in (out, *(s.grad for s in shards))]
+    return {
+        "zigzag_equal": all(torch.equal(a, b) for a, b in zip(results["plain"], results["zigzag"])),
+        "documents_err": max((a - b).abs().max().item() for a, b in zip(results["plain"], results["documents"])),
+    }
+
+
+@pytest.mark.dist
+def test_one_document_equals_the_plain_causal_result(dist_pool):
+    for result in dist_pool(4).run(_single_document_vs_plain, {"hp": 2, "cp": 2, "ring_window": 2}):
+        assert result["zigzag_equal"]  # the very same kernels: bit for bit
+        assert result["documents_err"] < 1e-5
+
+
+def _skipped_work() -> dict:
+    state = cached_state(cp=4)
+    seq = 64
+    cu = list(range(0, seq + 1, seq // 8))  # documents on chunk edges: no block but a rank's own has work
+    q = torch.randn(1, seq // 4, 2, 8, requires_grad=True)
+    state.stats.reset()
+    out = lt.head_context_attention(q, q, q, state, layout=lt.sequence_layout(seq, state, cu))
+    forward = state.stats.snapshot()
+    state.stats.reset()
+    out.sum().backward()
+    return {"forward": forward, "backward": state.stats.snapshot()}
+
+
+@pytest.mark.dist
+def test_empty_blocks_run_no_kernel_and_are_counted(dist_pool):
+    for counts in dist_pool(4).run(_skipped_work):
+        fwd, bwd = counts["forward"], counts["backward"]
+        assert (fwd["fwd.block"], fwd["fwd.block_skipped"], fwd["fwd.step_skipped"]) == (1, 3, 3)
+        assert fwd["fwd.ring_kv"] == 3  # blocks still travel
+        assert (bwd["bwd.block"], bwd["bwd.block_skipped"], bwd["bwd.step_skipped"]) == (1, 3, 3)

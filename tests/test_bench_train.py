@@ -15,7 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.dist
+@pytest.mark.e2e
 def test_bench_train_rows_are_consistent(tmp_path):
     config = tmp_path / "tiny.toml"
     main_job = (REPO / "configs" / "debug_cpu.toml").read_text()
@@ -39,6 +39,7 @@ def test_bench_train_rows_are_consistent(tmp_path):
     assert "main   eager" in done.stdout
 
 
+@pytest.mark.e2e
 def test_bench_train_refuses_bad_input_before_spawning():
     cmd = [sys.executable, "-m", "loongtrain", "bench", "train", "--cases", "huge"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO)

@@ -104,6 +104,7 @@ def test_compiled_training_equals_eager(dist_pool, layout, checkpoint, zero, mod
         assert (eager_re == 0) == (checkpoint != "full"), result
 
 
+@pytest.mark.e2e  # compiles the model: seconds of inductor
 def test_compiled_single_process_model_equals_eager():
     cfg = model_config("debug", n_layers=2)
     eager, compiled = build_model(cfg), build_model(cfg)

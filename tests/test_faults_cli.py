@@ -16,7 +16,10 @@ import pytest
 from fault_tools import SMALL, Job, alive, metrics, train_losses
 from loongtrain.train.checkpoint import CHECKSUM_FILE, checksum_problems, structure_problem
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds workers through /proc")
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds workers through /proc"),
+]
 
 
 def _intact(folder) -> bool:
@@ -41,7 +44,6 @@ def _show(what: str, done) -> None:
     print(f"\n[{what}] exit {done.returncode} after {done.seconds:.1f} s; stderr:\n{done.stderr}")
 
 
-@pytest.mark.dist
 @pytest.mark.slow
 def test_ctrl_c_and_sigterm_stop_every_worker_and_say_how_to_resume(tmp_path):
     run_dir = tmp_path / "run"
@@ -81,7 +83,6 @@ def test_ctrl_c_and_sigterm_stop_every_worker_and_say_how_to_resume(tmp_path):
     train_losses(run_dir)  # no step logged twice
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize("rank", [1, 0])  # rank 0 also serves the job's store
 def test_a_frozen_rank_is_named_within_the_timeout(tmp_path, rank):
     run_dir = tmp_path / "run"
@@ -107,7 +108,6 @@ def test_a_frozen_rank_is_named_within_the_timeout(tmp_path, rank):
     assert not alive(frozen)
 
 
-@pytest.mark.dist
 def test_a_killed_worker_ends_the_job_with_one_line(tmp_path):
     run_dir = tmp_path / "run"
     job = Job.train(["--nproc", "2", *SMALL, "--run.steps", "100000", "--checkpoint.every", "2",
@@ -128,7 +128,6 @@ def test_a_killed_worker_ends_the_job_with_one_line(tmp_path):
     assert _intact(run_dir / "checkpoints" / latest)
 
 
-@pytest.mark.dist
 @pytest.mark.slow
 def test_max_restarts_resumes_and_matches_an_uninterrupted_run(tmp_path):
     steps = ["--run.steps", "24", "--checkpoint.every", "4", "--data.seq_len", "128"]
@@ -149,7 +148,6 @@ def test_max_restarts_resumes_and_matches_an_uninterrupted_run(tmp_path):
     assert "Traceback" not in done.stderr
 
 
-@pytest.mark.dist
 def test_full_disk_stops_with_one_line_and_the_previous_checkpoint_intact(tmp_path):
     mount = tmp_path / "small"
     mount.mkdir()
@@ -195,7 +193,6 @@ def test_bad_values_are_refused_before_spawning(tmp_path):
         assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
 
 
-@pytest.mark.dist
 @pytest.mark.slow
 def test_two_nodes_train_like_one_node(tmp_path):
     """Two torchrun agents (``--nnodes 2``, one process each) on this machine, and two

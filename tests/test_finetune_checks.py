@@ -264,7 +264,7 @@ def _when_workers_exist(job: Job, run: Path) -> None:
     time.sleep(0.3)  # they are importing torch and loongtrain
 
 
-@pytest.mark.dist
+@pytest.mark.e2e
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds workers through /proc")
 def test_ctrl_c_at_any_moment_prints_one_line(tmp_path):
     moments = {

@@ -72,7 +72,7 @@ def _rows(report: dict, section: str) -> list[dict]:
     return [r for r in report["rows"] if r["section"] == section]
 
 
-@pytest.mark.dist
+@pytest.mark.e2e
 def test_cpu_run_has_every_section_and_no_failure(cpu_run):
     stdout, report = cpu_run
     assert report["failures"] == 0 and "0 failed, 0 skipped" in stdout
@@ -85,7 +85,7 @@ def test_cpu_run_has_every_section_and_no_failure(cpu_run):
         assert any(row["case"] in line and row["status"] in line for line in stdout.splitlines()), row["case"]
 
 
-@pytest.mark.dist
+@pytest.mark.e2e
 def test_cpu_run_kernels_within_float64_bounds(cpu_run):
     _, report = cpu_run
     seen = set()
@@ -102,7 +102,7 @@ def test_cpu_run_kernels_within_float64_bounds(cpu_run):
     assert len(seen) == 24
 
 
-@pytest.mark.dist
+@pytest.mark.e2e
 def test_cpu_run_replay_ratio_is_a_number(cpu_run):
     _, report = cpu_run
     for row in _rows(report, "replay"):
@@ -113,7 +113,7 @@ def test_cpu_run_replay_ratio_is_a_number(cpu_run):
         assert f"{v['ratio']:.3f}x" in row["result"]
 
 
-@pytest.mark.dist
+@pytest.mark.e2e
 def test_cpu_run_mfu_is_computed_against_the_stated_peak(cpu_run):
     stdout, report = cpu_run
     peak = report["environment"]["peak_tflops"]
@@ -131,7 +131,7 @@ def test_cpu_run_mfu_is_computed_against_the_stated_peak(cpu_run):
     assert any(r["values"]["compiled"] for r in _rows(report, "training"))
 
 
-@pytest.mark.dist
+@pytest.mark.e2e
 def test_cpu_run_distributed_checks(cpu_run):
     _, report = cpu_run
     rows = _rows(report, "distributed")

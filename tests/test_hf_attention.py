@@ -94,7 +94,7 @@ def test_attention_mask_is_refused(dist_pool, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.dist
+@pytest.mark.e2e
 def test_example_script_checks_itself(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "hf_attention.py"), "--nproc", "4", "--steps", "2", "--check"],

@@ -168,6 +168,7 @@ def test_export_cli_error_is_one_line(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.e2e
 def test_core_imports_without_the_hf_extra(tmp_path):
     """transformers and safetensors are optional: the library, the trainer and the CLI
     import without them, and init_from then says how to install them."""

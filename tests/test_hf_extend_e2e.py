@@ -23,7 +23,7 @@ def _run(args: list[str], cwd: Path) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.dist
+@pytest.mark.e2e
 def test_extend_cpu_config_end_to_end(tmp_path):
     for name in ("README.md", "docs", "src"):
         (tmp_path / name).symlink_to(ROOT / name)

@@ -296,6 +296,7 @@ def _prompt_and_completion_loss(model, path, seq: int = 128) -> tuple[float, flo
     return torch.cat(prompt).mean().item(), torch.cat(completion).mean().item()
 
 
+@pytest.mark.e2e  # a training run (single process), a behaviour test
 def test_masked_training_does_not_learn_the_prompts(tmp_path):
     """Records ``{"prompt": 8 random letters + "=", "completion": the letters in upper case}``
     through `loongtrain prepare` (byte tokenizer): the prompts are not targets. Trained on the

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "packed_recall_cpu.toml"
 SINGLE_PROCESS = [
     "--parallel.hp", "1", "--parallel.cp", "1", "--parallel.ring_window", "1", "--memory.activation_checkpoint", "none",

@@ -10,6 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.e2e
+
 PURE_MODULES = [
     "loongtrain",
     "loongtrain._lazy",

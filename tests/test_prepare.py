@@ -507,7 +507,7 @@ def test_ordered_map_keeps_input_order_and_bounds_work_in_flight():
         assert got == [i * i for i in range(57)]
 
 
-@pytest.mark.dist
+@pytest.mark.e2e
 def test_two_worker_processes_write_the_same_file(tmp_path):
     folder = hf_folder(tmp_path / "tok", SMOL_TEMPLATE, "<|im_start|>", "<|im_end|>")
     rng = random.Random(5)

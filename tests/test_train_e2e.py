@@ -118,6 +118,7 @@ def test_preflight_errors(tmp_path):
         preflight(load_config(None, [f"run.output_dir={run}"]), 1)
 
 
+@pytest.mark.e2e
 def test_cli_reports_bad_config_without_traceback(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "loongtrain", "train", "--config", str(tmp_path / "none.toml")],
