@@ -321,9 +321,11 @@ def test_presets_are_valid_and_named():
 
 # -- CLI -----------------------------------------------------------------------------------
 def _cli(argv: list[str]) -> None:
+    from loongtrain import plan_cli
+
     parser = argparse.ArgumentParser(prog="loongtrain plan")
-    cli.add_arguments(parser)
-    cli.main(parser.parse_args(argv))
+    plan_cli.add_arguments(parser)
+    plan_cli.main(parser.parse_args(argv))
 
 
 @pytest.mark.parametrize("text, tokens", [("128K", 131072), ("1M", 1048576), ("4096", 4096), ("0.5M", 524288)])

@@ -244,10 +244,17 @@ def predicted_bytes(mcfg: ModelConfig, seq: int, config: ParallelConfig, options
 
 
 # -- the two parts ----------------------------------------------------------------------
+def _state():
+    """hp=2 x cp=2 with ring window 2 on 4 ranks (a plain ring of the world otherwise)."""
+    world = dist.get_world_size()
+    config = ParallelConfig(hp=2, cp=2, ring_window=2) if world % 4 == 0 else ParallelConfig(cp=world)
+    return init_parallel(config, verify_inputs=False)
+
+
 def _grid(device: torch.device, args: argparse.Namespace, rows: list) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = ParallelConfig(hp=2, cp=2, ring_window=2) if world % 4 == 0 else ParallelConfig(cp=world)
-    state = init_parallel(config, verify_inputs=False)
+    state = _state()
+    config = state.config
     mcfg = model_config("debug", vocab_size=args.grid_vocab, dim=256, n_layers=4, n_heads=8, n_kv_heads=4,
                         ffn_dim=704)  # fmt: skip
     if rank == 0:
@@ -282,8 +289,7 @@ def _per_token(short: dict, long: dict, tokens: int) -> tuple[float, str]:
 
 def _headline(device: torch.device, args: argparse.Namespace, rows: list) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = ParallelConfig(hp=2, cp=2, ring_window=2) if world % 4 == 0 else ParallelConfig(cp=world)
-    state = init_parallel(config, verify_inputs=False)
+    state = _state()
     mcfg = model_config("debug", vocab_size=args.headline_vocab, dim=1024, n_layers=4, n_heads=16, n_kv_heads=8,
                         ffn_dim=3584)  # fmt: skip
     short, long = args.headline_seqs

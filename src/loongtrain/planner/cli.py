@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Callable
 
 from loongtrain.planner.specs import PlanError
@@ -328,17 +327,3 @@ def run(args: argparse.Namespace, check_groups: GroupCheck | None = None) -> Non
     ``check_groups`` builds the chosen layout's groups for ``--check-groups``."""
     _plan(args, check_groups)
 
-
-def main(args: argparse.Namespace) -> None:
-    """Run the planning side alone; user errors print one message and exit with status 2."""
-    try:
-        run(args)
-    except PlanError as exc:
-        print(f"loongtrain plan: error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
-
-
-if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="loongtrain plan", description=__doc__.splitlines()[0])
-    add_arguments(_parser)
-    main(_parser.parse_args())
