@@ -27,6 +27,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "documents": ("loongtrain.bench.documents", "packed documents: work balance and time vs full causal"),
     "memory": ("loongtrain.bench.memory", "peak memory per rank by sp degree, checkpoint mode, ZeRO scope"),
     "train": ("loongtrain.bench.train", "the trainer's step: tokens/s eager vs compiled, and its time breakdown"),
+    "eval": ("loongtrain.bench.eval", "the evaluation's forward vs a training step: tokens/s at the same length"),
 }
 
 
