@@ -42,7 +42,7 @@ from loongtrain.eval.report import (
     length_label,
     write_outputs,
 )
-from loongtrain.eval.runner import needle_outcomes, score_sequence
+from loongtrain.eval.runner import batches, needle_outcomes, score_batch, score_sequence
 from loongtrain.model import ModelConfig, build_model
 from loongtrain.train.checkpoint import CHECKSUM_FILE, STATE_FILE, CheckpointError
 
@@ -230,6 +230,24 @@ def test_score_sequence_equals_full_logits_cross_entropy():
     own = logits.argmax(-1)
     _, hit = score_sequence(model, None, tokens, own)
     assert hit.all()
+
+
+def test_rows_of_one_forward_score_as_alone():
+    model = _model(seed=1)
+    gen = torch.Generator().manual_seed(2)
+    tokens, labels = torch.randint(0, 256, (3, 40), generator=gen), torch.randint(0, 256, (3, 40), generator=gen)
+    loss, correct = score_batch(model, None, tokens, labels)
+    for row in range(3):
+        alone = score_sequence(model, None, tokens[row], labels[row])
+        torch.testing.assert_close(loss[row], alone[0], rtol=1e-5, atol=1e-6)
+        assert torch.equal(correct[row], alone[1])
+
+
+def test_batches_group_consecutive_rows_of_one_length():
+    items = [64, 64, 64, 64, 64, 128, 128, 256, 64]
+    groups = batches(items, lambda n: n, 256)
+    assert groups == [[64, 64, 64, 64], [64], [128, 128], [256], [64]]
+    assert batches(items, lambda n: n, 10) == [[n] for n in items]  # longer than the budget: one each
 
 
 def test_needle_outcomes_need_every_answer_token():

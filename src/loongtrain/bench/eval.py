@@ -7,8 +7,8 @@ For each case (``main``: the main job's config; ``large``: the same layout with 
 ``--steps`` training steps, then builds the evaluation's model on the same process groups
 (:func:`~loongtrain.eval.model.build_eval_model`: forward only, no activation
 checkpointing, the run's compute dtype) and times ``--steps`` calls of
-:func:`~loongtrain.eval.runner.score_sequence` on one sequence of that length (no autograd,
-per-token results gathered). Figures: the median over the timed calls of the slowest rank.
+:func:`~loongtrain.eval.runner.score_batch` on a training microbatch's shape (its rows of
+that length; no autograd, per-token results gathered). Figures: the median over the timed calls of the slowest rank.
 Run it with nothing else on the machine.
 """
 
@@ -29,7 +29,7 @@ from loongtrain.apply import materialize
 from loongtrain.bench.train import CASES, MAIN_CONFIG, case_config
 from loongtrain.config import ConfigError
 from loongtrain.eval.model import build_eval_model
-from loongtrain.eval.runner import score_sequence
+from loongtrain.eval.runner import score_batch
 from loongtrain.harness import sync
 from loongtrain.launch import launch
 from loongtrain.train.preflight import preflight
@@ -71,24 +71,27 @@ def _bench_rank(device: torch.device, args: argparse.Namespace, folder: Path) ->
         del run  # the training model and optimizer; the eval model uses the same process groups
         model = build_eval_model(device, cfg, spec, state)
         materialize(model, device, seed=cfg.run.seed)
-        tokens = torch.randint(0, spec.model.vocab_size, (seq,), generator=torch.Generator().manual_seed(0))
+        eval_rows = batch_rows // (state.dp * cfg.data.micro_batches)  # a training microbatch's rows per replica
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, spec.model.vocab_size, (eval_rows, seq), generator=gen)
         times = []
         for i in range(steps + 1):
             dist.barrier()
             t0 = time.perf_counter()
-            score_sequence(model, state, tokens, torch.roll(tokens, -1))
+            score_batch(model, state, tokens, torch.roll(tokens, -1, dims=1))
             sync(device)
             if i:
                 times.append(time.perf_counter() - t0)
         eval_s = _slowest(statistics.median(times), device)
         train_tps = batch_rows * seq / train_s / world
-        eval_tps = seq / eval_s / world
+        eval_tps = eval_rows * state.dp * seq / eval_s / world
         if rank == 0:
             print(f"{case:6s} {seq:6d} {train_s:12.3f} {train_tps:15,.0f} {eval_s:10.3f} {eval_tps:14,.0f} "
                   f"{eval_tps / train_tps:6.2f}", flush=True)  # fmt: skip
             rows.append({
                 "case": case, "world": world, "seq_len": seq, "train_rows_per_step": batch_rows,
-                "train_step_s": train_s, "train_tokens_per_s_per_device": train_tps, "eval_forward_s": eval_s,
+                "train_step_s": train_s, "train_tokens_per_s_per_device": train_tps, "eval_rows": eval_rows,
+                "eval_forward_s": eval_s,
                 "eval_tokens_per_s_per_device": eval_tps, "ratio": eval_tps / train_tps, "steps": steps,
             })  # fmt: skip
         del model

@@ -91,6 +91,11 @@ class NeedleReport:
     def effective_context(self) -> int:
         return effective_context(self.by_length)
 
+    @property
+    def answer_loss(self) -> float:
+        """Mean loss per answer token (nats): a graded view of the same answers."""
+        return sum(o.answer_loss for o in self.outcomes) / max(1, sum(o.answer_tokens for o in self.outcomes))
+
     def table(self) -> str:
         """The depth x length grid as text, with the effective context."""
         grid = self.grid
@@ -108,7 +113,8 @@ class NeedleReport:
         eff = self.effective_context
         lines.append(
             f"effective context: {length_label(eff) if eff else 'none'} (retrieval >= {EFFECTIVE_THRESHOLD:.0%} at "
-            f"every length up to it); overall {self.accuracy:.3f} over {len(self.outcomes)} needles"
+            f"every length up to it); overall {self.accuracy:.3f} over {len(self.outcomes)} needles, "
+            f"answer loss {self.answer_loss:.3f} nats per token"
         )
         return "\n".join(lines)
 
@@ -120,6 +126,7 @@ class NeedleReport:
             "depths": self.depths,
             "chance": self.chance,
             "accuracy": self.accuracy,
+            "answer_loss": self.answer_loss,
             "effective_context": self.effective_context,
             "threshold": EFFECTIVE_THRESHOLD,
             "accuracy_by_length": {str(k): v for k, v in self.by_length.items()},

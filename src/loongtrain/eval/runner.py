@@ -1,10 +1,11 @@
-"""The evaluation's forwards: one sequence at a time on the sequence-parallel group, sharded
-exactly as training shards it, with no autograd state and in the model's compute dtype.
+"""The evaluation's forwards on the sequence-parallel group, sharded exactly as training
+shards it, with no autograd state and in the model's compute dtype.
 
-:func:`score_sequence` is the one forward: it returns every position's loss and whether its
+:func:`score_batch` is the one forward: it returns every position's loss and whether its
 argmax is the label, gathered back into global order ([S] scalars per sequence: never the
-``[S, vocab]`` logits, never hidden states). Data-parallel replicas take every dp-th
-sequence; every rank runs the same number of forwards (FSDP gathers weights over all ranks),
+``[S, vocab]`` logits, never hidden states). Sequences shorter than the longest share a
+forward (rows of one length, at most the longest's tokens). Data-parallel replicas take every
+dp-th forward; every rank runs the same number of forwards (FSDP gathers weights over all ranks),
 a replica without a sequence left repeating its last one and dropping the result.
 """
 
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from loongtrain.attention.layout import unshard_sequence
 from loongtrain.data.batch import Microbatch
+from loongtrain.data.recall import IGNORE_INDEX
 from loongtrain.data.tokens import TokenFile
 from loongtrain.eval.needles import NeedleContext
 from loongtrain.eval.plan import EvalPlan, NeedleBuilder
@@ -38,23 +40,44 @@ def _no_progress(done: int, total: int) -> None:
 
 
 @torch.no_grad()
+def score_batch(
+    model: torch.nn.Module, state: ParallelState | None, tokens: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward of ``tokens``/``labels`` [B, S] (rows of one length) on ``state``'s sp group
+    (None: this process alone): per-position loss (float32; 0 where the label is ignored) and
+    whether the argmax is the label (bool), both [B, S] in global order on the CPU, the same
+    on every rank of the sp group. Collective over the sp group (and FSDP's group)."""
+    device = next(model.parameters()).device if state is None else state.device
+    batch = Microbatch(tokens.to(device), labels.to(device))
+    if state is None:
+        loss, correct = model(batch.tokens, batch.positions(), None, labels=batch.labels, reduction="none")
+        return loss.float().cpu(), correct.cpu()
+    shard = shard_microbatch(batch, state)
+    loss, correct = model(shard.tokens, shard.positions, shard.layout, labels=shard.labels, reduction="none")
+    both = torch.stack([loss.float(), correct.float()])  # [2, B, S/sp]: one gather for both
+    full = unshard_sequence(both, state, dim=2, layout=shard.layout)
+    return full[0].cpu(), full[1].cpu().bool()
+
+
 def score_sequence(
     model: torch.nn.Module, state: ParallelState | None, tokens: torch.Tensor, labels: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward of one sequence (``tokens``/``labels`` [S]) on ``state``'s sp group (None:
-    this process alone): per-position loss (float32; 0 where the label is ignored) and
-    whether the argmax is the label (bool), both [S] in global order on the CPU, the same on
-    every rank of the sp group. Collective over the sp group (and FSDP's group)."""
-    device = next(model.parameters()).device if state is None else state.device
-    batch = Microbatch(tokens.view(1, -1).to(device), labels.view(1, -1).to(device))
-    if state is None:
-        loss, correct = model(batch.tokens, batch.positions(), None, labels=batch.labels, reduction="none")
-        return loss[0].float().cpu(), correct[0].cpu()
-    shard = shard_microbatch(batch, state)
-    loss, correct = model(shard.tokens, shard.positions, shard.layout, labels=shard.labels, reduction="none")
-    both = torch.stack([loss.float(), correct.float()])  # [2, 1, S/sp]: one gather for both
-    full = unshard_sequence(both, state, dim=2, layout=shard.layout)
-    return full[0, 0].cpu(), full[1, 0].cpu().bool()
+    """:func:`score_batch` of one sequence ``tokens``/``labels`` [S]: loss and hits [S]."""
+    loss, correct = score_batch(model, state, tokens.view(1, -1), labels.view(1, -1))
+    return loss[0], correct[0]
+
+
+def batches(items: Sequence[T], length_of: Callable[[T], int], tokens: int) -> list[list[T]]:
+    """Consecutive items of the same length grouped into forwards of at most ``tokens`` tokens
+    (at least one item each): a function of the items alone, so every layout groups alike."""
+    out: list[list[T]] = []
+    for item in items:
+        n = length_of(item)
+        if out and length_of(out[-1][0]) == n and (len(out[-1]) + 1) * n <= tokens:
+            out[-1].append(item)
+        else:
+            out.append([item])
+    return out
 
 
 def for_my_replica(
@@ -110,16 +133,20 @@ def run_needles(
     model: torch.nn.Module, state: ParallelState | None, plan: EvalPlan, builder: NeedleBuilder | None = None,
     progress: Progress = _no_progress,
 ) -> NeedleReport:  # fmt: skip
-    """The needle grid of ``plan``: one forward per context. Collective."""
+    """The needle grid of ``plan``: contexts shorter than ``plan.max_len`` share a forward, up
+    to ``plan.max_len`` tokens each (one row per context). Collective."""
     builder = builder or NeedleBuilder(plan)
     t0 = time.perf_counter()
 
-    def work(i: int, cell: tuple[int, float, int]) -> list[NeedleOutcome]:
-        ctx = builder.context(*cell)
-        loss, correct = score_sequence(model, state, ctx.tokens, ctx.labels)
-        return needle_outcomes(ctx, loss, correct)
+    def work(i: int, cells: list[tuple[int, float, int]]) -> list[NeedleOutcome]:
+        contexts = [builder.context(*cell) for cell in cells]
+        tokens = torch.stack([c.tokens for c in contexts])
+        labels = torch.stack([c.labels for c in contexts])
+        loss, correct = score_batch(model, state, tokens, labels)
+        return [o for row, ctx in enumerate(contexts) for o in needle_outcomes(ctx, loss[row], correct[row])]
 
-    results = gather_results(for_my_replica(plan.cells, state, work, progress), state)
+    groups = batches(plan.cells, lambda cell: cell[0], plan.max_len)
+    results = gather_results(for_my_replica(groups, state, work, progress), state)
     return NeedleReport(
         outcomes=[o for part in results for o in part], lengths=list(plan.lengths), depths=list(plan.depths),
         needles=plan.needles, chance=plan.chance, task=plan.task, seconds=time.perf_counter() - t0,
@@ -146,14 +173,17 @@ def run_loss_by_position(
     windows = loss_windows(plan)
     edges = bucket_edges(plan.loss_len, plan.buckets)
 
-    def work(i: int, window: Window) -> LossByPosition:
-        loss, _ = score_sequence(model, state, window.tokens, window.labels)
+    def work(i: int, group: list[Window]) -> LossByPosition:
+        tokens, labels = torch.stack([w.tokens for w in group]), torch.stack([w.labels for w in group])
+        loss, _ = score_batch(model, state, tokens, labels)
         one = LossByPosition(edges)
-        one.add(loss, window.labels != -100)
+        for row, window in enumerate(group):
+            one.add(loss[row], window.labels != IGNORE_INDEX)
         return one
 
+    groups = batches(windows, lambda w: w.tokens.shape[0], max(plan.max_len, plan.loss_len))
     total = LossByPosition(edges)
-    for part in gather_results(for_my_replica(windows, state, work, progress), state):
+    for part in gather_results(for_my_replica(groups, state, work, progress), state):
         total.sums = [a + b for a, b in zip(total.sums, part.sums)]
         total.counts = [a + b for a, b in zip(total.counts, part.counts)]
         total.windows += part.windows
