@@ -1,5 +1,5 @@
-"""The ``loongtrain`` command: ``train``, ``export``, ``plan``, ``prepare``, ``demo``,
-``gpu-check``, and ``bench attention|documents|memory|train|prepare``.
+"""The ``loongtrain`` command: ``train``, ``eval``, ``export``, ``plan``, ``prepare``, ``demo``,
+``gpu-check``, and ``bench attention|documents|memory|train|prepare|eval``.
 
 Each command's module is imported only when that command runs (or shows its help), so
 ``loongtrain plan`` does not pay for torch.
@@ -13,7 +13,9 @@ import sys
 
 # command -> (module with add_arguments/main, one-line help, main takes the unparsed extra args)
 COMMANDS: dict[str, tuple[str, str, bool]] = {
-    "train": ("loongtrain.train.cli", "train a model from a TOML config (torchrun or --nproc)", True),
+    # train comes through loongtrain.eval.training, which adds the [eval] section's evaluations
+    "train": ("loongtrain.eval.training", "train a model from a TOML config (torchrun or --nproc)", True),
+    "eval": ("loongtrain.eval.cli", "needle retrieval grid and loss by position of a checkpoint or HF folder", True),
     "export": ("loongtrain.train.export", "write a training checkpoint as a Hugging Face model folder", False),
     "plan": ("loongtrain.plan_cli", "rank layouts for a cluster, model and length (cost model)", False),
     "prepare": ("loongtrain.data.prepare", "tokenize text, chat or prompt+completion records into a token file", False),
@@ -26,6 +28,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "memory": ("loongtrain.bench.memory", "peak memory per rank by sp degree, checkpoint mode, ZeRO scope"),
     "train": ("loongtrain.bench.train", "the trainer's step: tokens/s eager vs compiled, and its time breakdown"),
     "prepare": ("loongtrain.bench.prepare", "prepare on generated chats: tokens/s by workers, memory by size"),
+    "eval": ("loongtrain.bench.eval", "the evaluation's forward vs a training step: tokens/s at the same length"),
 }
 
 

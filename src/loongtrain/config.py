@@ -216,6 +216,60 @@ class CheckpointSection:
     )
 
 
+EVAL_TASKS = ("auto", "recall", "text")
+
+
+@dataclass
+class EvalSection:
+    every: int = _f(
+        0, "run the long-context evaluation (needle grid, loss by position) every this many steps (0: never)"
+    )
+    lengths: str = _f(
+        "", "needle context lengths, comma-separated, K = 1024 (e.g. '1K,2K,4K'); empty: max_len/8, /4, /2 and max_len"
+    )
+    depths: int = _f(5, "needle depths per length, evenly spaced from 0% to 100% of the filler")
+    needles: int = _f(4, "needles per context (distinct keys), each asked at the end and scored")
+    samples: int = _f(1, "contexts per (length, depth) cell, with other keys, values and filler")
+    max_len: int = _f(
+        0, "longest context evaluated (0: the model's context length when it records one, else data.seq_len)"
+    )
+    task: str = _f(
+        "auto",
+        "needle format: recall (the synthetic recall task's tokens), text (tokenized sentences) or auto "
+        "(recall for a model trained on data.source=recall, else text)",
+        EVAL_TASKS,
+    )
+    tokens: str = _f(
+        "",
+        "token file (`loongtrain prepare`) of real text: the needles' filler and the loss by position; empty: "
+        "the run's data.path (its held-out windows for the loss) or synthetic filler",
+    )
+    tokenizer: str = _f(
+        "", "text needles: tokenizer (HF folder or tokenizer.json); empty: model.init_from's or the run's imported one"
+    )
+    chat: str = _f("auto", "text needles: wrap the prompt in the tokenizer's chat template", ("auto", "on", "off"))
+    position_buckets: int = _f(14, "buckets of the loss-by-position curve: position 0, then log-spaced up to the end")
+    loss_windows: int = _f(4, "held-out windows in the loss by position (0: skip it)")
+    loss_len: int = _f(
+        0, "tokens per loss-by-position window (0: the longest needle length; data.seq_len for held-out windows)"
+    )
+    seed: int = _f(0, "seed of the needles (keys, values) and of where the filler is taken")
+
+
+def parse_lengths(text: str) -> tuple[int, ...]:
+    """``"1K,2048, 4k"`` -> ``(1024, 2048, 4096)`` (K = 1024, M = 1024**2); raises ConfigError."""
+    out = []
+    for item in (part.strip() for part in text.split(",")):
+        scale = {"k": 1024, "m": 1024**2}.get(item[-1:].lower(), 1)
+        digits = item[:-1] if scale > 1 else item
+        if not digits.isdigit() or int(digits) < 1:
+            raise ConfigError(f"eval.lengths={text!r}: {item!r} is not a positive length (e.g. 4096, 4K, 1M)")
+        out.append(int(digits) * scale)
+    if len(set(out)) != len(out):
+        raise ConfigError(f"eval.lengths={text!r} names a length twice")
+    return tuple(sorted(out))
+
+
 @dataclass
 class TrainConfig:
     run: RunSection = field(default_factory=RunSection)
@@ -225,6 +279,7 @@ class TrainConfig:
     data: DataSection = field(default_factory=DataSection)
     optim: OptimSection = field(default_factory=OptimSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    eval: EvalSection = field(default_factory=EvalSection)
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(TrainConfig)}
@@ -349,6 +404,7 @@ def validate(cfg: TrainConfig) -> None:
         ),
         "checkpoint": ("keep",),
         "optim": ("lr", "eps"),
+        "eval": ("depths", "needles", "samples", "position_buckets"),
     }
     for sec_name, names in positive.items():
         for name in names:
@@ -368,6 +424,7 @@ def validate(cfg: TrainConfig) -> None:
         "memory": ("loss_chunk", "mlp_tile"),
         "optim": ("warmup_steps", "weight_decay", "grad_clip", "min_lr_ratio"),
         "checkpoint": ("every",),
+        "eval": ("every", "max_len", "loss_windows", "loss_len"),
     }
     for sec_name, names in non_negative.items():
         for name in names:
@@ -404,6 +461,8 @@ def validate(cfg: TrainConfig) -> None:
             f"{cfg.data.source!r} makes sequences of seq_len itself: remove data.long_documents"
         )
     _validate_model_section(cfg.model)
+    if cfg.eval.lengths:
+        parse_lengths(cfg.eval.lengths)
     if cfg.data.recall_facts > cfg.data.recall_keys:
         raise ConfigError(
             f"data.recall_facts={cfg.data.recall_facts} exceeds data.recall_keys={cfg.data.recall_keys}: "

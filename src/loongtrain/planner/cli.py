@@ -326,4 +326,3 @@ def run(args: argparse.Namespace, check_groups: GroupCheck | None = None) -> Non
     """Plan as ``args`` ask (a table, a sweep, a layout, a timeline, the longest sequence);
     ``check_groups`` builds the chosen layout's groups for ``--check-groups``."""
     _plan(args, check_groups)
-

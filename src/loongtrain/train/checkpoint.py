@@ -380,11 +380,35 @@ class CheckpointManager:
         Raises :class:`CheckpointError` before touching the model if the checkpoint was
         written for a different model shape or cannot be read.
         """
+        trainer_state = self._checked_state(path, model_shape)
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        self._read(path, state)
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, optimizer, state["optim"])
+        return trainer_state
+
+    def load_model(self, path: Path, model: torch.nn.Module, model_shape: dict | None = None) -> dict:
+        """Collective: load only the model weights of ``path`` into ``model`` (evaluation: the
+        optimizer states are never read); returns the trainer state. ``model_shape``: checked
+        as :meth:`load` does (None: the caller compared the shapes). Verify the checkpoint
+        first with :meth:`problem`, as a resume does."""
+        trainer_state = self._checked_state(path, model_shape)
+        state = {"model": get_model_state_dict(model)}
+        self._read(path, state)
+        set_model_state_dict(model, state["model"])
+        return trainer_state
+
+    @staticmethod
+    def _checked_state(path: Path, model_shape: dict | None) -> dict:
         trainer_state = read_state(path)
         if trainer_state is None:
             raise CheckpointError(f"checkpoint {path}: {STATE_FILE} is missing or unreadable")
-        check_model_shape(path, trainer_state, model_shape)
-        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        if model_shape is not None:
+            check_model_shape(path, trainer_state, model_shape)
+        return trainer_state
+
+    @staticmethod
+    def _read(path: Path, state: dict) -> None:
         try:
             dcp.load(state, checkpoint_id=str(path))
         except BaseException as e:  # noqa: BLE001 - DCP raises CheckpointException (a BaseException)
@@ -393,6 +417,3 @@ class CheckpointManager:
             message = f"checkpoint {path} cannot be loaded: {_describe_failure(e)}"
             del e
             raise CheckpointError(message) from None
-        set_model_state_dict(model, state["model"])
-        set_optimizer_state_dict(model, optimizer, state["optim"])
-        return trainer_state

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import threading
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 from loongtrain.config import ConfigError, TrainConfig, describe, load_config
@@ -33,7 +34,11 @@ from loongtrain.train.faults import (
 )
 from loongtrain.train.preflight import RunSpec, preflight
 from loongtrain.train.run_folder import discard_new_run, holds_run
+from loongtrain.train.trainer import AfterStep
 from loongtrain.train.worker import USER_ERRORS, main_under_torchrun, run_worker
+
+#: A check of a config, for this world size, that raises a user error before any process starts.
+Check = Callable[[TrainConfig, RunSpec, int], None]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -114,7 +119,9 @@ class _SigintBlocked:
         signal.pthread_sigmask(signal.SIG_SETMASK, self._old)
 
 
-def supervise(cfg: TrainConfig, spec: RunSpec, args: argparse.Namespace, argv: list[str]) -> int:
+def supervise(
+    cfg: TrainConfig, spec: RunSpec, args: argparse.Namespace, argv: list[str], after_step: AfterStep | None = None
+) -> int:
     """Run every local rank under the elastic agent; print one line for however it ends.
     Returns the exit code: 0 done, 1 a worker failed, 2 a user-facing error, 128+n a signal.
 
@@ -138,8 +145,9 @@ def supervise(cfg: TrainConfig, spec: RunSpec, args: argparse.Namespace, argv: l
         os.environ[REPORT_DIR_ENV] = report_dir
         with _SigintBlocked():
             results = elastic_run(
-                run_worker, cfg, spec, nproc=args.nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
-                rdzv_id=args.rdzv_id, max_restarts=args.max_restarts, quiet=not debug_enabled(),
+                run_worker, cfg, spec, after_step, nproc=args.nproc, nnodes=args.nnodes,
+                rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, max_restarts=args.max_restarts,
+                quiet=not debug_enabled(),
             )  # fmt: skip
     except (SignalException, KeyboardInterrupt) as e:
         sig = signal.Signals(e.sigval) if isinstance(e, SignalException) else signal.SIGINT
@@ -174,7 +182,11 @@ def supervise(cfg: TrainConfig, spec: RunSpec, args: argparse.Namespace, argv: l
     return 0
 
 
-def main(args: argparse.Namespace, extra: list[str]) -> None:
+def main(
+    args: argparse.Namespace, extra: list[str], after_step: AfterStep | None = None, check: Check | None = None
+) -> None:
+    """``loongtrain train``; ``after_step`` (picklable: a module-level function) runs in every
+    worker as :func:`~loongtrain.train.trainer.train` says, ``check`` before any process starts."""
     if args.help_config:
         print(describe())
         return
@@ -189,6 +201,8 @@ def main(args: argparse.Namespace, extra: list[str]) -> None:
             check_launch_arguments(args)
             world, local = args.nproc * args.nnodes, args.nproc
         spec = preflight(cfg, world, local)
+        if check is not None:
+            check(cfg, spec, world)
     except USER_ERRORS as e:
         say(str(e))
         raise SystemExit(2) from None
@@ -199,10 +213,10 @@ def main(args: argparse.Namespace, extra: list[str]) -> None:
         for notice in spec.notices:
             say(f"notice: {notice}")
     if under_torchrun():
-        main_under_torchrun(cfg, spec)
+        main_under_torchrun(cfg, spec, after_step)
         return
     try:
-        code = supervise(cfg, spec, args, sys.argv[1:])
+        code = supervise(cfg, spec, args, sys.argv[1:], after_step)
     except KeyboardInterrupt:  # before the agent took over Ctrl-C (it handles it from then on)
         say("interrupted before training started")
         code = 130

@@ -93,6 +93,11 @@ class Reporter:
             print(f"step {m.step:5d}/{self.total_steps} {m.line()}", flush=True)
         self._progress.update(m.step, f"loss {m.loss:.4f} acc {m.accuracy:.3f}")
 
+    def record(self, record: dict) -> None:
+        """One more record (``kind``, ``step``, numbers) in ``metrics.jsonl`` and TensorBoard."""
+        if self.enabled:
+            self._writer.write(record)
+
     def evaluation(self, step: int, loss: float, accuracy: float, echo: bool = True) -> None:
         """Record an evaluation (and print it, unless ``echo`` is False: the summary prints the final one)."""
         if self.enabled:

@@ -46,6 +46,9 @@ from loongtrain.train.step import forward_backward
 __all__ = ["Run", "RunSpec", "StepOutput", "TrainResult", "build_run", "preflight", "train", "train_step"]
 
 Beat = Callable[[int, str], None]  # the watchdog's progress(step, phase)
+#: Called by :func:`train` with (run, steps done, reporter, beat) before the first step of a
+#: fresh run (0) and after every step: what a layer above adds to training (``loongtrain.eval``).
+AfterStep = Callable[["Run", int, Reporter, Beat], None]
 
 
 def _no_beat(step: int, phase: str) -> None:
@@ -232,11 +235,14 @@ class TrainResult:
     tokens_per_s_per_device: float
 
 
-def train(device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat | None = None) -> TrainResult:
+def train(
+    device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat | None = None, after_step: AfterStep | None = None
+) -> TrainResult:
     """Run (or resume) the configured training on this rank; collective over all ranks.
 
     ``spec`` comes from :func:`preflight` for this world size; ``beat(step, phase)`` is
-    told whenever the rank moves on (the stalled-rank watchdog).
+    told whenever the rank moves on (the stalled-rank watchdog); ``after_step`` (collective)
+    runs before the first step of a fresh run and after every step.
     """
     beat = beat or _no_beat
     run = build_run(device, cfg, spec, beat)
@@ -253,6 +259,8 @@ def train(device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat | No
         peak = r.peak_tflops or device_peak_tflops(device, spec.param_dtype)
         losses: list[float] = []
         step_times: list[float] = []
+        if after_step is not None and run.start == 0:
+            after_step(run, 0, reporter, beat)
         wall0 = time.perf_counter()
         for step in range(run.start, r.steps):
             beat(step, "train")
@@ -278,6 +286,8 @@ def train(device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat | No
             if r.eval_every and (step + 1) % r.eval_every == 0 and step + 1 < r.steps:
                 beat(step + 1, "evaluation")
                 reporter.evaluation(step + 1, *evaluate(run, r.eval_batches))
+            if after_step is not None:
+                after_step(run, step + 1, reporter, beat)
             if run.save_due(step + 1):
                 beat(step + 1, "checkpoint save")
                 run.save(step + 1)

@@ -31,7 +31,7 @@ from loongtrain.train.faults import (
     write_report,
 )
 from loongtrain.train.preflight import RunSpec
-from loongtrain.train.trainer import train
+from loongtrain.train.trainer import AfterStep, train
 from loongtrain.train.watchdog import Watchdog, connect_store
 
 # errors every rank raises alike, whose message names the fix: reported once, never restarted
@@ -61,8 +61,9 @@ def _start_watchdog(cfg: TrainConfig, rank: int, world: int) -> Watchdog | None:
     return Watchdog(store, rank, world, cfg.run.timeout_s, report).start()
 
 
-def run_worker(cfg: TrainConfig, spec: RunSpec) -> dict:
-    """Train on this rank. Returns ``{"final_step": n}``, or ``{"fatal": message}`` for an
+def run_worker(cfg: TrainConfig, spec: RunSpec, after_step: AfterStep | None = None) -> dict:
+    """Train on this rank (``after_step``: see :func:`~loongtrain.train.trainer.train`).
+    Returns ``{"final_step": n}``, or ``{"fatal": message}`` for an
     error every rank agrees on (the process then exits cleanly, so the agent does not
     restart a run that would fail again); any other failure is reported and the process
     exits with code 1 at once."""
@@ -80,7 +81,8 @@ def run_worker(cfg: TrainConfig, spec: RunSpec) -> dict:
         # the process group's timeout is the backstop behind the watchdog's diagnosis
         device = init_distributed(timeout_s=cfg.run.timeout_s + max(cfg.run.timeout_s, 30.0), device=cfg.run.device)
         watchdog = _start_watchdog(cfg, rank, dist.get_world_size())
-        result = train(device, cfg, spec, beat=watchdog.progress if watchdog is not None else None)
+        beat = watchdog.progress if watchdog is not None else None
+        result = train(device, cfg, spec, beat=beat, after_step=after_step)
         outcome = {"final_step": result.final_step}
     except USER_ERRORS as e:
         if debug_enabled():
@@ -108,7 +110,7 @@ def run_worker(cfg: TrainConfig, spec: RunSpec) -> dict:
     return outcome
 
 
-def main_under_torchrun(cfg: TrainConfig, spec: RunSpec) -> None:
+def main_under_torchrun(cfg: TrainConfig, spec: RunSpec, after_step: AfterStep | None = None) -> None:
     """``loongtrain train`` started by an external torchrun: this process is one rank."""
-    if "fatal" in run_worker(cfg, spec):
+    if "fatal" in run_worker(cfg, spec, after_step):
         sys.exit(2)

@@ -1,0 +1,244 @@
+"""What an evaluation reports: the needle grid (accuracy by depth and length, the effective
+context), the loss by position, as text tables, JSON and PNG figures. Pure (no torch)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+#: Retrieval accuracy that counts as "effective" (RULER compares with a fixed threshold too).
+EFFECTIVE_THRESHOLD = 0.9
+
+
+@dataclass(frozen=True)
+class NeedleOutcome:
+    """One needle of one context: where it was and whether every answer token was the argmax."""
+
+    length: int
+    depth: float  # asked depth, 0..1
+    sample: int
+    key: str
+    value: str
+    position: int  # its first token in the context
+    placed_depth: float  # where it really starts, 0..1 of the filler
+    correct: bool  # exact match: every answer token is the argmax
+    answer_loss: float  # summed loss of its answer tokens (nats)
+    answer_tokens: int
+
+
+def accuracy_grid(outcomes: list[NeedleOutcome]) -> dict[tuple[float, int], float]:
+    """Fraction of needles retrieved per (depth, length)."""
+    cells: dict[tuple[float, int], list[bool]] = {}
+    for o in outcomes:
+        cells.setdefault((o.depth, o.length), []).append(o.correct)
+    return {cell: sum(hits) / len(hits) for cell, hits in sorted(cells.items())}
+
+
+def accuracy_by_length(outcomes: list[NeedleOutcome]) -> dict[int, float]:
+    by: dict[int, list[bool]] = {}
+    for o in outcomes:
+        by.setdefault(o.length, []).append(o.correct)
+    return {length: sum(h) / len(h) for length, h in sorted(by.items())}
+
+
+def effective_context(by_length: dict[int, float], threshold: float = EFFECTIVE_THRESHOLD) -> int:
+    """The longest evaluated length up to which retrieval stays at or above ``threshold`` at
+    every evaluated length (0: already below it at the shortest)."""
+    best = 0
+    for length in sorted(by_length):
+        if by_length[length] < threshold:
+            break
+        best = length
+    return best
+
+
+def length_label(n: int) -> str:
+    """``1024`` -> ``1K``, ``1536`` -> ``1.5K``, ``256`` -> ``256``."""
+    if n >= 1024**2 and n % (1024**2 // 2) == 0:
+        return f"{n / 1024**2:g}M"
+    if n >= 1024 and n % 512 == 0:
+        return f"{n / 1024:g}K"
+    return str(n)
+
+
+@dataclass(frozen=True)
+class NeedleReport:
+    """The needle grid of one model: every outcome and the summary figures."""
+
+    outcomes: list[NeedleOutcome]
+    lengths: list[int]
+    depths: list[float]
+    needles: int  # per context
+    chance: float
+    task: str
+    seconds: float = 0.0
+
+    @property
+    def grid(self) -> dict[tuple[float, int], float]:
+        return accuracy_grid(self.outcomes)
+
+    @property
+    def by_length(self) -> dict[int, float]:
+        return accuracy_by_length(self.outcomes)
+
+    @property
+    def accuracy(self) -> float:
+        return sum(o.correct for o in self.outcomes) / max(1, len(self.outcomes))
+
+    @property
+    def effective_context(self) -> int:
+        return effective_context(self.by_length)
+
+    @property
+    def answer_loss(self) -> float:
+        """Mean loss per answer token (nats): a graded view of the same answers."""
+        return sum(o.answer_loss for o in self.outcomes) / max(1, sum(o.answer_tokens for o in self.outcomes))
+
+    def table(self) -> str:
+        """The depth x length grid as text, with the effective context."""
+        grid = self.grid
+        width = max(6, *(len(length_label(n)) + 1 for n in self.lengths))
+        lines = [
+            f"needle retrieval ({self.task}, {self.needles} needle(s) per context, exact match of every answer "
+            f"token; chance {self.chance:.3g}): depth x length",
+            "depth " + "".join(f"{length_label(n):>{width}}" for n in self.lengths),
+        ]
+        for d in self.depths:
+            cells = "".join(f"{grid.get((d, n), math.nan):>{width}.2f}" for n in self.lengths)
+            lines.append(f"{d:5.0%} {cells}")
+        by_length = self.by_length
+        lines.append("all   " + "".join(f"{by_length.get(n, math.nan):>{width}.2f}" for n in self.lengths))
+        eff = self.effective_context
+        lines.append(
+            f"effective context: {length_label(eff) if eff else 'none'} (retrieval >= {EFFECTIVE_THRESHOLD:.0%} at "
+            f"every length up to it); overall {self.accuracy:.3f} over {len(self.outcomes)} needles, "
+            f"answer loss {self.answer_loss:.3f} nats per token"
+        )
+        return "\n".join(lines)
+
+    def summary(self) -> dict:
+        return {
+            "task": self.task,
+            "needles_per_context": self.needles,
+            "lengths": self.lengths,
+            "depths": self.depths,
+            "chance": self.chance,
+            "accuracy": self.accuracy,
+            "answer_loss": self.answer_loss,
+            "effective_context": self.effective_context,
+            "threshold": EFFECTIVE_THRESHOLD,
+            "accuracy_by_length": {str(k): v for k, v in self.by_length.items()},
+            "grid": [{"depth": d, "length": n, "accuracy": a} for (d, n), a in self.grid.items()],
+            "seconds": self.seconds,
+        }
+
+    def to_json(self) -> dict:
+        return {**self.summary(), "outcomes": [asdict(o) for o in self.outcomes]}
+
+
+@dataclass(frozen=True)
+class LossReport:
+    """The loss by position over held-out windows."""
+
+    rows: list[dict]  # per bucket: lo, hi, mean_loss, tokens
+    length: int
+    windows: int
+    source: str
+    overall: float | None
+    crosses_documents: bool
+    seconds: float = 0.0
+
+    def table(self) -> str:
+        lines = [
+            f"loss by position ({self.windows} window(s) of {length_label(self.length)} tokens from {self.source}"
+            f"{'; windows cross documents' if self.crosses_documents else ''}): mean next-token loss",
+            f"{'positions':>17s} {'loss':>7s} {'tokens':>8s}",
+        ]
+        for r in self.rows:
+            loss = "    -  " if r["mean_loss"] is None else f"{r['mean_loss']:7.3f}"
+            lines.append(f"{r['lo']:>8d}-{r['hi'] - 1:<8d} {loss} {r['tokens']:>8d}")
+        if self.overall is not None:
+            lines.append(f"overall {self.overall:.4f} nats per token")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_needles(report: NeedleReport, path: Path, title: str = "") -> None:
+    """The depth x length heatmap (green: retrieved) into a small PNG."""
+    plt = _pyplot()
+    grid = report.grid
+    data = [[grid.get((d, n), math.nan) for n in report.lengths] for d in report.depths]
+    fig, ax = plt.subplots(figsize=(1.2 + 0.75 * len(report.lengths), 1.3 + 0.42 * len(report.depths)))
+    image = ax.imshow(data, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+    for i, row in enumerate(data):
+        for j, value in enumerate(row):
+            if not math.isnan(value):
+                ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7)
+    ax.set_xticks(range(len(report.lengths)), [length_label(n) for n in report.lengths])
+    ax.set_yticks(range(len(report.depths)), [f"{d:.0%}" for d in report.depths])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("needle depth")
+    eff = report.effective_context
+    head = title or "needle retrieval"
+    ax.set_title(
+        f"{head}\nexact match; effective context {length_label(eff) if eff else 'none'}; chance {report.chance:.2g}",
+        fontsize=8,
+    )
+    fig.colorbar(image, ax=ax, fraction=0.05, pad=0.03)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def plot_loss(reports: list[tuple[str, LossReport]], path: Path, title: str = "") -> None:
+    """Mean loss per position bucket (log position axis), one line per labelled report."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5.2, 3.4))
+    for label, report in reports:
+        xs = [math.sqrt(max(1, r["lo"]) * max(1, r["hi"] - 1)) for r in report.rows if r["mean_loss"] is not None]
+        ys = [r["mean_loss"] for r in report.rows if r["mean_loss"] is not None]
+        ax.plot(xs, ys, "o-", ms=3, label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("position in the window (token)")
+    ax.set_ylabel("mean next-token loss (nats)")
+    ax.set_title(title or "loss by position", fontsize=9)
+    if len(reports) > 1 or reports[0][0]:
+        ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def write_outputs(out: Path, needles: NeedleReport | None, loss: LossReport | None, meta: dict, title: str) -> dict:
+    """``eval.json``, ``needles.png``/``needles.txt``, ``loss_by_position.png``/``.txt`` into
+    ``out``; returns the paths written by name."""
+    out.mkdir(parents=True, exist_ok=True)
+    written: dict[str, str] = {}
+    data = {"meta": meta}
+    if needles is not None:
+        data["needles"] = needles.to_json()
+        (out / "needles.txt").write_text(needles.table() + "\n")
+        plot_needles(needles, out / "needles.png", title)
+        written["needles"] = str(out / "needles.png")
+    if loss is not None:
+        data["loss_by_position"] = loss.to_json()
+        (out / "loss_by_position.txt").write_text(loss.table() + "\n")
+        plot_loss([("", loss)], out / "loss_by_position.png", title)
+        written["loss"] = str(out / "loss_by_position.png")
+    (out / "eval.json").write_text(json.dumps(data, indent=1) + "\n")
+    written["json"] = str(out / "eval.json")
+    return written

@@ -1,0 +1,194 @@
+"""The evaluation's forwards on the sequence-parallel group, sharded exactly as training
+shards it, with no autograd state and in the model's compute dtype.
+
+:func:`score_batch` is the one forward: it returns every position's loss and whether its
+argmax is the label, gathered back into global order ([S] scalars per sequence: never the
+``[S, vocab]`` logits, never hidden states). Sequences shorter than the longest share a
+forward (rows of one length, at most the longest's tokens). Data-parallel replicas take every
+dp-th forward; every rank runs the same number of forwards (FSDP gathers weights over all ranks),
+a replica without a sequence left repeating its last one and dropping the result.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from loongtrain.attention.layout import unshard_sequence
+from loongtrain.data.batch import Microbatch
+from loongtrain.data.recall import IGNORE_INDEX
+from loongtrain.data.tokens import TokenFile
+from loongtrain.eval.needles import NeedleContext
+from loongtrain.eval.plan import EvalPlan, NeedleBuilder
+from loongtrain.eval.positions import LossByPosition, Window, bucket_edges, file_windows, heldout_windows
+from loongtrain.eval.report import LossReport, NeedleOutcome, NeedleReport
+from loongtrain.parallel import ParallelState
+from loongtrain.train.step import shard_microbatch
+
+T = TypeVar("T")
+R = TypeVar("R")
+Progress = Callable[[int, int], None]  # (done, total)
+
+
+def _no_progress(done: int, total: int) -> None:
+    pass
+
+
+@torch.no_grad()
+def score_batch(
+    model: torch.nn.Module, state: ParallelState | None, tokens: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward of ``tokens``/``labels`` [B, S] (rows of one length) on ``state``'s sp group
+    (None: this process alone): per-position loss (float32; 0 where the label is ignored) and
+    whether the argmax is the label (bool), both [B, S] in global order on the CPU, the same
+    on every rank of the sp group. Collective over the sp group (and FSDP's group)."""
+    device = next(model.parameters()).device if state is None else state.device
+    batch = Microbatch(tokens.to(device), labels.to(device))
+    if state is None:
+        loss, correct = model(batch.tokens, batch.positions(), None, labels=batch.labels, reduction="none")
+        return loss.float().cpu(), correct.cpu()
+    shard = shard_microbatch(batch, state)
+    loss, correct = model(shard.tokens, shard.positions, shard.layout, labels=shard.labels, reduction="none")
+    both = torch.stack([loss.float(), correct.float()])  # [2, B, S/sp]: one gather for both
+    full = unshard_sequence(both, state, dim=2, layout=shard.layout)
+    return full[0].cpu(), full[1].cpu().bool()
+
+
+def score_sequence(
+    model: torch.nn.Module, state: ParallelState | None, tokens: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`score_batch` of one sequence ``tokens``/``labels`` [S]: loss and hits [S]."""
+    loss, correct = score_batch(model, state, tokens.view(1, -1), labels.view(1, -1))
+    return loss[0], correct[0]
+
+
+def batches(items: Sequence[T], length_of: Callable[[T], int], tokens: int) -> list[list[T]]:
+    """Consecutive items of the same length grouped into forwards of at most ``tokens`` tokens
+    (at least one item each): a function of the items alone, so every layout groups alike."""
+    out: list[list[T]] = []
+    for item in items:
+        n = length_of(item)
+        if out and length_of(out[-1][0]) == n and (len(out[-1]) + 1) * n <= tokens:
+            out[-1].append(item)
+        else:
+            out.append([item])
+    return out
+
+
+def for_my_replica(
+    items: Sequence[T], state: ParallelState | None, work: Callable[[int, T], R], progress: Progress = _no_progress
+) -> list[tuple[int, R]]:
+    """``work(i, item)`` for every item of this rank's data-parallel replica (every dp-th), in
+    ``ceil(n / dp)`` rounds on every rank; returns ``(index, result)`` pairs of this replica."""
+    dp = 1 if state is None else state.dp
+    mine = 0 if state is None else state.coords.dp
+    rounds = math.ceil(len(items) / dp)
+    out = []
+    for r in range(rounds):
+        i = r * dp + mine
+        real = i < len(items)
+        j = i if real else (out[-1][0] if out else 0)  # the same amount of work on every rank
+        result = work(j, items[j])
+        if real:
+            out.append((i, result))
+        progress(min(len(items), (r + 1) * dp), len(items))
+    return out
+
+
+def gather_results(pairs: list[tuple[int, R]], state: ParallelState | None) -> list[R]:
+    """Collective: every replica's ``(index, result)`` pairs -> all results in index order."""
+    if state is None or not dist.is_initialized() or dist.get_world_size() == 1:
+        merged = pairs
+    else:
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, pairs)
+        merged = [p for part in gathered for p in part]
+    by_index = {}
+    for i, result in merged:
+        by_index.setdefault(i, result)  # the ranks of an sp group hold the same result
+    return [by_index[i] for i in sorted(by_index)]
+
+
+def needle_outcomes(ctx: NeedleContext, loss: torch.Tensor, correct: torch.Tensor) -> list[NeedleOutcome]:
+    """Every needle of ``ctx`` scored from its forward's per-position results."""
+    out = []
+    for needle in ctx.needles:
+        at = list(needle.scored)
+        out.append(
+            NeedleOutcome(
+                length=ctx.length, depth=ctx.depth, sample=ctx.sample, key=needle.key, value=needle.value,
+                position=needle.start, placed_depth=round(ctx.placed_depth, 4), correct=bool(correct[at].all()),
+                answer_loss=float(loss[at].double().sum()), answer_tokens=len(at),
+            )
+        )  # fmt: skip
+    return out
+
+
+def run_needles(
+    model: torch.nn.Module, state: ParallelState | None, plan: EvalPlan, builder: NeedleBuilder | None = None,
+    progress: Progress = _no_progress,
+) -> NeedleReport:  # fmt: skip
+    """The needle grid of ``plan``: contexts shorter than ``plan.max_len`` share a forward, up
+    to ``plan.max_len`` tokens each (one row per context). Collective."""
+    builder = builder or NeedleBuilder(plan)
+    t0 = time.perf_counter()
+
+    def work(i: int, cells: list[tuple[int, float, int]]) -> list[NeedleOutcome]:
+        contexts = [builder.context(*cell) for cell in cells]
+        tokens = torch.stack([c.tokens for c in contexts])
+        labels = torch.stack([c.labels for c in contexts])
+        loss, correct = score_batch(model, state, tokens, labels)
+        return [o for row, ctx in enumerate(contexts) for o in needle_outcomes(ctx, loss[row], correct[row])]
+
+    groups = batches(plan.cells, lambda cell: cell[0], plan.max_len)
+    results = gather_results(for_my_replica(groups, state, work, progress), state)
+    return NeedleReport(
+        outcomes=[o for part in results for o in part], lengths=list(plan.lengths), depths=list(plan.depths),
+        needles=plan.needles, chance=plan.chance, task=plan.task, seconds=time.perf_counter() - t0,
+    )  # fmt: skip
+
+
+def loss_windows(plan: EvalPlan) -> list[Window]:
+    """The plan's held-out windows (the same on every rank)."""
+    file = TokenFile(plan.loss_file)
+    if plan.loss_heldout:
+        from loongtrain.data.loader import TokenFileSource
+
+        return heldout_windows(TokenFileSource(file, plan.loss_len, plan.data_seed, pack=False), plan.loss_windows)
+    return file_windows(file, plan.loss_len, plan.loss_windows, plan.seed)
+
+
+def run_loss_by_position(
+    model: torch.nn.Module, state: ParallelState | None, plan: EvalPlan, progress: Progress = _no_progress
+) -> LossReport | None:
+    """The loss by position of ``plan`` (None when it has none). Collective."""
+    if not plan.loss_windows:
+        return None
+    t0 = time.perf_counter()
+    windows = loss_windows(plan)
+    edges = bucket_edges(plan.loss_len, plan.buckets)
+
+    def work(i: int, group: list[Window]) -> LossByPosition:
+        tokens, labels = torch.stack([w.tokens for w in group]), torch.stack([w.labels for w in group])
+        loss, _ = score_batch(model, state, tokens, labels)
+        one = LossByPosition(edges)
+        for row, window in enumerate(group):
+            one.add(loss[row], window.labels != IGNORE_INDEX)
+        return one
+
+    groups = batches(windows, lambda w: w.tokens.shape[0], max(plan.max_len, plan.loss_len))
+    total = LossByPosition(edges)
+    for part in gather_results(for_my_replica(groups, state, work, progress), state):
+        total.sums = [a + b for a, b in zip(total.sums, part.sums)]
+        total.counts = [a + b for a, b in zip(total.counts, part.counts)]
+        total.windows += part.windows
+    source = f"{plan.loss_file} ({'held-out windows' if plan.loss_heldout else 'token file'})"
+    return LossReport(
+        rows=total.rows(), length=plan.loss_len, windows=total.windows, source=source, overall=total.overall(),
+        crosses_documents=any(w.crosses_documents for w in windows), seconds=time.perf_counter() - t0,
+    )  # fmt: skip

@@ -1,0 +1,98 @@
+"""``loongtrain train`` with the ``[eval]`` section: the long-context evaluation every
+``eval.every`` steps (and once before the first step of a fresh run), on the training
+model as it is sharded, under ``torch.no_grad``.
+
+Rank 0 writes ``<run>/eval/step-N/`` (heatmap, loss curve, tables, JSON), one
+``{"kind": "long_context", ...}`` record per evaluation in ``metrics.jsonl`` (and
+TensorBoard), and prints one line. The trainer knows nothing of this module: the
+``train`` command comes here (:data:`loongtrain.cli.COMMANDS`) and hands
+:func:`after_step` and :func:`check` to :func:`loongtrain.train.cli.main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from loongtrain.config import TrainConfig
+from loongtrain.eval.plan import EvalPlan, NeedleBuilder, make_plan
+from loongtrain.eval.report import length_label, write_outputs
+from loongtrain.eval.runner import run_loss_by_position, run_needles
+from loongtrain.train import cli as train_cli
+from loongtrain.train.preflight import RunSpec
+from loongtrain.train.report import Reporter
+from loongtrain.train.trainer import Beat, Run
+
+EVAL_DIR = "eval"
+
+# one plan and context builder per training run in this process (the tokenizer is read once)
+_PLANS: dict[int, tuple[EvalPlan, NeedleBuilder]] = {}
+
+
+def check(cfg: TrainConfig, spec: RunSpec, world: int) -> None:
+    """The ``[eval]`` section's checks for this layout, before any process starts."""
+    if cfg.eval.every:
+        make_plan(cfg, spec.model, spec.parallel.hp, spec.parallel.cp, Path(cfg.run.output_dir))
+
+
+def _plan(run: Run) -> tuple[EvalPlan, NeedleBuilder]:
+    key = id(run)
+    if key not in _PLANS:
+        _PLANS.clear()
+        cfg, spec = run.cfg, run.spec
+        plan = make_plan(cfg, spec.model, spec.parallel.hp, spec.parallel.cp, Path(cfg.run.output_dir))
+        _PLANS[key] = (plan, NeedleBuilder(plan))
+    return _PLANS[key]
+
+
+def after_step(run: Run, done: int, reporter: Reporter, beat: Beat) -> None:
+    """Collective: the evaluation when ``done`` steps are a multiple of ``eval.every``."""
+    every = run.cfg.eval.every
+    if not every or done % every:
+        return
+    plan, builder = _plan(run)
+
+    def progress(i: int, n: int) -> None:
+        beat(done, f"long-context evaluation {i}/{n}")
+
+    beat(done, "long-context evaluation")
+    was_training = run.model.training
+    run.model.eval()
+    try:
+        needles = run_needles(run.model, run.state, plan, builder, progress)
+        loss = run_loss_by_position(run.model, run.state, plan, progress)
+    finally:
+        run.model.train(was_training)
+    if not reporter.enabled:
+        return
+    out = Path(run.cfg.run.output_dir) / EVAL_DIR / f"step-{done}"
+    meta = {"step": done, "plan": plan.describe(), "layout": str(run.spec.parallel)}
+    paths = write_outputs(out, needles, loss, meta, f"step {done}")
+    record = {
+        "kind": "long_context", "step": done, "needle_accuracy": needles.accuracy,
+        "effective_context": needles.effective_context,
+        **{f"needle_accuracy_{length_label(n)}": a for n, a in needles.by_length.items()},
+    }  # fmt: skip
+    if loss is not None and loss.overall is not None:
+        record["loss_by_position_overall"] = loss.overall
+        means = [r["mean_loss"] for r in loss.rows if r["mean_loss"] is not None]
+        record["loss_by_position_first"], record["loss_by_position_last"] = means[0], means[-1]
+    reporter.record(record)
+    by_length = ", ".join(f"{length_label(n)} {a:.2f}" for n, a in needles.by_length.items())
+    eff = needles.effective_context
+    reporter.say(
+        f"step {done} long-context eval: needle retrieval {by_length} (chance {needles.chance:.2g}), effective "
+        f"context {length_label(eff) if eff else 'none'}"
+        + (f"; loss by position {record['loss_by_position_first']:.3f} -> {record['loss_by_position_last']:.3f}"
+           if "loss_by_position_first" in record else "")
+        + f" ({needles.seconds + (loss.seconds if loss else 0):.1f} s) -> {paths['needles']}"
+    )  # fmt: skip
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    train_cli.add_arguments(parser)
+
+
+def main(args: argparse.Namespace, extra: list[str]) -> None:
+    """``loongtrain train``, with the ``[eval]`` section's evaluation."""
+    train_cli.main(args, extra, after_step=after_step, check=check)
