@@ -27,9 +27,13 @@ Parts:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
+import os
 import statistics
+import sys
+import warnings
 from dataclasses import replace
 
 import torch
@@ -73,8 +77,11 @@ HEADLINE_OPTIONS: list[tuple[str, dict]] = [
 def live_tensor_bytes() -> int:
     """Bytes of the distinct storages of every live tensor (the CPU's "allocated" figure)."""
     seen: dict[int, int] = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+    with warnings.catch_warnings():  # isinstance() on torch.distributed's deprecated aliases warns
+        warnings.simplefilter("ignore", FutureWarning)
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for obj in tensors:
+        if not obj.is_meta:
             try:
                 storage = obj.untyped_storage()
                 if storage.device.type == "cpu" and storage.nbytes():
@@ -82,6 +89,22 @@ def live_tensor_bytes() -> int:
             except (RuntimeError, NotImplementedError):  # wrapper subclasses (DTensor), freed storages
                 continue
     return sum(seen.values())
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """File descriptor 2 to /dev/null for the block: the profiler's C++ side (kineto) writes
+    two lines per start and stop there, which no setting turns off."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def _mark(name: str) -> None:
@@ -129,7 +152,8 @@ class TensorPeak:
             self._install(self.model)
         self.base = live_tensor_bytes()
         self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-        self._prof.__enter__()
+        with _quiet_stderr():
+            self._prof.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -139,7 +163,8 @@ class TensorPeak:
             torch.accelerator.synchronize(self.device)
             self.bytes = torch.accelerator.max_memory_allocated(self.device)
             return
-        self._prof.__exit__(*exc)
+        with _quiet_stderr():
+            self._prof.__exit__(*exc)
         events = [e for e in self._prof.profiler.kineto_results.events() if e.name() == "[memory]"
                   or e.name().startswith(PHASE)]  # fmt: skip
         running = peak = 0
