@@ -113,7 +113,7 @@ def _train_with_eval(out: str) -> list:
 def test_eval_section_runs_inside_training(dist_pool, tmp_path):
     out = tmp_path / "run"
     folders = dist_pool(4).run(_train_with_eval, str(out))[0]
-    assert folders == ["step-0", "step-2"]  # before the first step and every eval.every steps
+    assert folders == ["progress.png", "step-0", "step-2"]  # before the first step and every eval.every steps
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if r["kind"] == "long_context"]
     assert [r["step"] for r in evals] == [0, 2]

@@ -23,6 +23,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from loongtrain.config import ConfigError, TrainConfig, load_config
 from loongtrain.data.tokens import TokenFileError
@@ -31,6 +32,9 @@ from loongtrain.eval.plan import EvalPlan, make_plan
 from loongtrain.launch import check_device, under_torchrun
 from loongtrain.train.checkpoint import CheckpointError
 from loongtrain.train.cli import split_overrides
+
+if TYPE_CHECKING:
+    from loongtrain.train.preflight import RunSpec
 
 PREFIX = "loongtrain eval: "
 USER_ERRORS = (ConfigError, TokenFileError, CheckpointError)
@@ -45,7 +49,7 @@ class Job:
     """Everything the workers need (picklable)."""
 
     cfg: TrainConfig
-    spec: object  # RunSpec
+    spec: RunSpec
     plan: EvalPlan
     weights: Weights
     out: str
@@ -69,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _spec(cfg: TrainConfig, world: int, local: int):
+def _spec(cfg: TrainConfig, world: int, local: int) -> RunSpec:
     """What ``preflight`` resolves for training, less what only training needs (data, run
     folder, optimizer, resume)."""
     from loongtrain.apply import check_model_fits
@@ -173,11 +177,9 @@ def evaluate_job(device, job: Job) -> dict:
         print(needles.table(), flush=True)
         if loss is not None:
             print(loss.table(), flush=True)
-        print(
-            f"{tokens:,} needle tokens in {needles.seconds:.1f} s ({meta['tokens_per_s_per_device']:,.0f} tokens/s per "
-            f"device); wrote {', '.join(paths.values())}",
-            flush=True,
-        )
+        rate = f" ({meta['tokens_per_s_per_device']:,.0f} tokens/s per device)" if needles.seconds else ""
+        written = ", ".join(paths.values())
+        print(f"{tokens:,} needle tokens in {needles.seconds:.1f} s{rate}; wrote {written}", flush=True)
     return {"effective_context": needles.effective_context, "accuracy": needles.accuracy}
 
 

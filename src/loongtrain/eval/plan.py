@@ -180,7 +180,8 @@ def make_plan(
         buckets=e.position_buckets, data_seed=cfg.data.seed,
     )  # fmt: skip
     _check_files(plan, model, tokenizer)
-    builder = NeedleBuilder(plan, tokenizer=tokenizer, filler=None)
+    builder = NeedleBuilder(plan, tokenizer=tokenizer)
+    filler_need = 0
     for length, depth, sample in plan.cells:  # every prompt fits its context (the filler is not read)
         prompt = builder.prompt(length, depth, sample)
         if prompt.fixed_tokens >= length:
@@ -188,13 +189,13 @@ def make_plan(
                 f"eval: {plan.needles} needle(s) with their question(s) take {prompt.fixed_tokens} tokens, no room "
                 f"for filler in a context of {length}; use longer eval.lengths or fewer eval.needles"
             )
+        filler_need = max(filler_need, length - prompt.fixed_tokens)
     if plan.filler:
-        longest = max(plan.lengths) - min(builder.prompt(max(plan.lengths), d, 0).fixed_tokens for d in plan.depths)
         count = TokenFile(plan.filler).count
-        if count < longest:
+        if count < filler_need:
             raise TokenFileError(
-                f"{plan.filler}: {count} tokens, but the filler of a context of {max(plan.lengths)} needs {longest}; "
-                f"use a longer token file (eval.tokens) or shorter eval.lengths"
+                f"{plan.filler}: {count} tokens, but the filler of a context of {max(plan.lengths)} needs "
+                f"{filler_need}; use a longer token file (eval.tokens) or shorter eval.lengths"
             )
     return plan
 
@@ -220,10 +221,9 @@ def _check_files(plan: EvalPlan, model: ModelConfig, tokenizer) -> None:
 class NeedleBuilder:
     """Builds the contexts of a plan (the same on every rank: a function of the plan alone)."""
 
-    def __init__(self, plan: EvalPlan, tokenizer=None, filler: TokenFile | None | bool = True) -> None:
+    def __init__(self, plan: EvalPlan, tokenizer=None) -> None:
         self.plan = plan
         self._tokenizer = tokenizer
-        self._filler_file = filler
         if plan.task == "text" and tokenizer is None:
             self._tokenizer = _load_tokenizer(plan.tokenizer)
 
@@ -235,9 +235,10 @@ class NeedleBuilder:
 
     @cached_property
     def _file(self) -> tuple[np.ndarray, np.ndarray | None] | None:
-        if not self.plan.filler or self._filler_file is None:
+        """The filler file's tokens (memory-mapped) and document starts, read on first use."""
+        if not self.plan.filler:
             return None
-        file = self._filler_file if isinstance(self._filler_file, TokenFile) else TokenFile(self.plan.filler)
+        file = TokenFile(self.plan.filler)
         return file.tokens, file.document_starts() if file.knows_documents else None
 
     def prompt(self, length: int, depth: float, sample: int):

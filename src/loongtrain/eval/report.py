@@ -223,6 +223,30 @@ def plot_loss(reports: list[tuple[str, LossReport]], path: Path, title: str = ""
     plt.close(fig)
 
 
+def plot_progress(records: list[dict], path: Path, chance: float | None = None) -> None:
+    """Needle retrieval by length against the training step (the ``long_context`` records of
+    ``metrics.jsonl``): what a context-extension run shows rising."""
+    plt = _pyplot()
+    records = sorted(records, key=lambda r: r["step"])
+    keys = sorted(
+        {k for r in records for k in r if k.startswith("needle_accuracy_")},
+        key=lambda k: float(k.rsplit("_", 1)[1].replace("K", "e3").replace("M", "e6")),
+    )
+    fig, ax = plt.subplots(figsize=(5.2, 3.4))
+    for key in keys:
+        points = [(r["step"], r[key]) for r in records if key in r]
+        ax.plot(*zip(*points), "o-", ms=3, label=f"{key.rsplit('_', 1)[1]} tokens")
+    if chance:
+        ax.axhline(chance, color="grey", ls="--", lw=1, label=f"chance {chance:.2g}")
+    ax.set(xlabel="training step", ylabel="needles retrieved (exact match)", ylim=(0, 1.02))
+    ax.set_title("needle retrieval during training", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def write_outputs(out: Path, needles: NeedleReport | None, loss: LossReport | None, meta: dict, title: str) -> dict:
     """``eval.json``, ``needles.png``/``needles.txt``, ``loss_by_position.png``/``.txt`` into
     ``out``; returns the paths written by name."""

@@ -4,7 +4,8 @@ model as it is sharded, under ``torch.no_grad``.
 
 Rank 0 writes ``<run>/eval/step-N/`` (heatmap, loss curve, tables, JSON), one
 ``{"kind": "long_context", ...}`` record per evaluation in ``metrics.jsonl`` (and
-TensorBoard), and prints one line. The trainer knows nothing of this module: the
+TensorBoard), ``<run>/eval/progress.png`` (retrieval by length against the step), and
+prints one line. The trainer knows nothing of this module: the
 ``train`` command comes here (:data:`loongtrain.cli.COMMANDS`) and hands
 :func:`after_step` and :func:`check` to :func:`loongtrain.train.cli.main`.
 """
@@ -16,11 +17,13 @@ from pathlib import Path
 
 from loongtrain.config import TrainConfig
 from loongtrain.eval.plan import EvalPlan, NeedleBuilder, make_plan
-from loongtrain.eval.report import length_label, write_outputs
+from loongtrain.eval.report import length_label, plot_progress, write_outputs
 from loongtrain.eval.runner import run_loss_by_position, run_needles
 from loongtrain.train import cli as train_cli
+from loongtrain.train.metrics import read_metrics
 from loongtrain.train.preflight import RunSpec
 from loongtrain.train.report import Reporter
+from loongtrain.train.run_folder import METRICS_FILE
 from loongtrain.train.trainer import Beat, Run
 
 EVAL_DIR = "eval"
@@ -78,6 +81,9 @@ def after_step(run: Run, done: int, reporter: Reporter, beat: Beat) -> None:
         means = [r["mean_loss"] for r in loss.rows if r["mean_loss"] is not None]
         record["loss_by_position_first"], record["loss_by_position_last"] = means[0], means[-1]
     reporter.record(record)
+    run_dir = Path(run.cfg.run.output_dir)
+    history = [r for r in read_metrics(run_dir / METRICS_FILE) if r.get("kind") == "long_context"]
+    plot_progress(history, run_dir / EVAL_DIR / "progress.png", needles.chance)
     by_length = ", ".join(f"{length_label(n)} {a:.2f}" for n, a in needles.by_length.items())
     eff = needles.effective_context
     reporter.say(

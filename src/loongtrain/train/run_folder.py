@@ -2,8 +2,8 @@
 what a killed run left half-written.
 
 A run folder holds one run: ``run.json`` (its id), ``config.toml``, ``metrics.jsonl``,
-``curves.png``, ``tensorboard/``, ``checkpoints/`` and ``hf-source/`` (an imported model's
-config and tokenizer files, for export). Starting fresh
+``curves.png``, ``tensorboard/``, ``checkpoints/``, ``hf-source/`` (an imported model's
+config and tokenizer files, for export) and ``eval/`` (long-context evaluations). Starting fresh
 (``checkpoint.resume = false``) in a folder that holds a run moves those files into
 ``<run>/previous/<n>/`` (nothing is deleted) and starts a new run with a new id. A
 resumed run keeps the id, and a worker group restarted by torchrun's elastic agent
@@ -25,9 +25,9 @@ from pathlib import Path
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
 PREVIOUS_DIR = "previous"
-# what a run writes into its folder ("hf-source" is hf.run.SOURCE_DIR, not imported: this
-# module needs no torch); anything else there (e.g. a token file) is left alone
-RUN_FILES = (RUN_FILE, "config.toml", METRICS_FILE, "curves.png", "tensorboard", "checkpoints", "hf-source")
+# what a run writes into its folder ("hf-source" is train.model_setup.SOURCE_DIR, "eval" the
+# evaluations' folder, not imported: this module needs no torch); anything else there (e.g. a token file) is left alone
+RUN_FILES = (RUN_FILE, "config.toml", METRICS_FILE, "curves.png", "tensorboard", "checkpoints", "hf-source", "eval")
 
 
 @dataclass(frozen=True)
