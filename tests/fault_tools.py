@@ -33,6 +33,13 @@ class Finished:
         return [line for line in self.stderr.splitlines() if line.strip()]
 
 
+def _as_in_a_terminal() -> None:
+    """SIGINT handled by default, as for a command typed in a terminal: a test suite started
+    in the background (``cmd &``, nohup) passes SIGINT on ignored, and Python then keeps it
+    ignored, so the Ctrl-C tests would see the job go on (measured: it ran to the end)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Job:
     """One ``loongtrain train`` (or any command) running in the background."""
 
@@ -42,7 +49,7 @@ class Job:
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
             argv, cwd=REPO, stdout=self._out, stderr=self._err, env={**os.environ, **(env or {})},
-            start_new_session=True,
+            start_new_session=True, preexec_fn=_as_in_a_terminal,
         )  # fmt: skip
 
     @classmethod

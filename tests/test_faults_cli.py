@@ -83,29 +83,37 @@ def test_ctrl_c_and_sigterm_stop_every_worker_and_say_how_to_resume(tmp_path):
     train_losses(run_dir)  # no step logged twice
 
 
-@pytest.mark.parametrize("rank", [1, 0])  # rank 0 also serves the job's store
-def test_a_frozen_rank_is_named_within_the_timeout(tmp_path, rank):
-    run_dir = tmp_path / "run"
+def test_a_frozen_rank_is_named_within_the_timeout(tmp_path):
+    """Rank 1 frozen in one job and rank 0 (which also serves the job's store) in another,
+    the two jobs at once (each spends most of its time waiting out the timeout)."""
     timeout_s = 6
-    job = Job.train(["--nproc", "2", *SMALL, "--run.steps", "100000", "--run.timeout_s", str(timeout_s),
-                     "--run.output_dir", str(run_dir)], tmp_path)  # fmt: skip
+    jobs = {}
     try:
-        job.wait_for_step(run_dir, 3)
-        frozen = job.workers()[rank]
-        t0 = time.monotonic()
-        subprocess.run(["kill", "-STOP", str(frozen)], check=True)
-        done = job.wait(since=t0, timeout=120)
+        for rank in (1, 0):
+            run_dir = tmp_path / f"run{rank}"
+            args = ["--nproc", "2", *SMALL, "--run.steps", "100000", "--run.timeout_s", str(timeout_s),
+                    "--run.output_dir", str(run_dir)]  # fmt: skip
+            jobs[rank] = run_dir, Job.train(args, tmp_path / f"log{rank}")
+        stopped = {}
+        for rank, (run_dir, job) in jobs.items():
+            job.wait_for_step(run_dir, 3)
+            stopped[rank] = job.workers()[rank], time.monotonic()
+            subprocess.run(["kill", "-STOP", str(stopped[rank][0])], check=True)
+        for rank, (_, job) in jobs.items():
+            frozen, t0 = stopped[rank]
+            done = job.wait(since=t0, timeout=120)
+            _show(f"SIGSTOP rank {rank}", done)
+            assert done.returncode == 1
+            _assert_few_lines(done, 1)
+            line = done.stderr_lines()[0]
+            assert line.startswith(f"loongtrain train: rank {rank} stopped answering"), line
+            assert "raise run.timeout_s (now 6 s)" in line and "resume with: loongtrain train" in line
+            # detected after the timeout plus a few heartbeats; the reporting rank kills the frozen one
+            assert timeout_s < done.seconds < timeout_s + 15
+            assert not alive(frozen)
     finally:
-        job.kill()
-    _show(f"SIGSTOP rank {rank}", done)
-    assert done.returncode == 1
-    _assert_few_lines(done, 1)
-    line = done.stderr_lines()[0]
-    assert line.startswith(f"loongtrain train: rank {rank} stopped answering"), line
-    assert "raise run.timeout_s (now 6 s)" in line and "resume with: loongtrain train" in line
-    # detected after the timeout plus a few heartbeats; the reporting rank kills the frozen one
-    assert timeout_s < done.seconds < timeout_s + 15
-    assert not alive(frozen)
+        for _, job in jobs.values():
+            job.kill()
 
 
 def test_a_killed_worker_ends_the_job_with_one_line(tmp_path):
@@ -131,15 +139,21 @@ def test_a_killed_worker_ends_the_job_with_one_line(tmp_path):
 @pytest.mark.slow
 def test_max_restarts_resumes_and_matches_an_uninterrupted_run(tmp_path):
     steps = ["--run.steps", "24", "--checkpoint.every", "4", "--data.seq_len", "128"]
+    # the uninterrupted reference runs at the same time (the losses do not depend on timing)
     reference = Job.train(["--nproc", "2", *SMALL, *steps, "--run.output_dir", str(tmp_path / "ref")],
-                          tmp_path / "ref-log").wait()  # fmt: skip
-    assert reference.returncode == 0, reference.stderr
+                          tmp_path / "ref-log")  # fmt: skip
     run_dir = tmp_path / "run"
     job = Job.train(["--nproc", "2", "--max-restarts", "1", *SMALL, *steps, "--run.output_dir", str(run_dir)],
                     tmp_path / "log")  # fmt: skip
-    job.wait_for_step(run_dir, 6)  # the kill lands somewhere after step-4 was saved
-    subprocess.run(["kill", "-KILL", str(job.workers()[1])], check=True)
-    done = job.wait(timeout=240)
+    try:
+        job.wait_for_step(run_dir, 6)  # the kill lands somewhere after step-4 was saved
+        subprocess.run(["kill", "-KILL", str(job.workers()[1])], check=True)
+        done = job.wait(timeout=240)
+        ref_done = reference.wait(timeout=240)
+    finally:
+        job.kill()
+        reference.kill()
+    assert ref_done.returncode == 0, ref_done.stderr
     _show("SIGKILL rank 1 with --max-restarts 1", done)
     assert done.returncode == 0, done.stderr
     assert "restarted by the elastic agent (restart 1 of 1) after: " in done.stdout
@@ -173,24 +187,42 @@ def test_full_disk_stops_with_one_line_and_the_previous_checkpoint_intact(tmp_pa
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def test_bad_values_are_refused_before_spawning(tmp_path):
+class _Spawned(Exception):
+    pass
+
+
+@pytest.mark.unit
+def test_bad_values_are_refused_before_spawning(tmp_path, monkeypatch, capsys):
+    """The command's own code in process; spawning is replaced by an exception, so a value
+    that got through would be seen at once."""
+    import loongtrain.train.cli as train_cli
+    from loongtrain.cli import main
+
+    def spawn(*args, **kwargs):
+        raise _Spawned
+
+    monkeypatch.setattr(train_cli, "supervise", spawn)
+    for name in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
     for override, message in [
         (["--optim.beta1", "1.5"], "optim.beta1=1.5 must be in [0, 1)"),
         (["--optim.eps", "-1"], "optim.eps=-1.0 must be positive"),
         (["--run.device", "cuda"], "run.device=cuda needs one GPU per local rank"),
         (["--max-restarts", "-1"], "--max-restarts must not be negative"),
     ]:
-        t0 = time.monotonic()
-        proc = subprocess.run(
-            [sys.executable, "-m", "loongtrain", "train", "--nproc", "2", *override, "--run.output_dir",
-             str(tmp_path)], capture_output=True, text=True,
-        )  # fmt: skip
-        seconds = time.monotonic() - t0
-        print(f"\n[{' '.join(override)}] exit {proc.returncode} after {seconds:.1f} s: {proc.stderr.strip()}")
-        if override == ["--run.device", "cuda"] and proc.returncode == 0:
+        try:
+            main(["train", "--nproc", "2", *override, "--run.output_dir", str(tmp_path)])
+        except _Spawned:
+            assert override == ["--run.device", "cuda"], f"{override} was not refused"
             continue  # a machine with GPUs
-        assert proc.returncode == 2 and proc.stderr.startswith(f"loongtrain train: {message}"), proc.stderr
-        assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+        except SystemExit as e:
+            code = e.code
+        else:
+            code = 0
+        err = capsys.readouterr().err
+        print(f"\n[{' '.join(override)}] exit {code}: {err.strip()}")
+        assert code == 2 and err.startswith(f"loongtrain train: {message}"), err
+        assert err.count("\n") == 1 and "Traceback" not in err
 
 
 @pytest.mark.slow
@@ -199,10 +231,10 @@ def test_two_nodes_train_like_one_node(tmp_path):
     ``loongtrain train --nnodes 2`` launchers, reach the same losses as one node with two
     processes (same world size and layout)."""
     common = [*SMALL, "--run.steps", "6", "--checkpoint.every", "3"]
+    # the one-node reference and both two-node jobs run at the same time (losses do not depend on timing)
     one = Job.train(["--nproc", "2", *common, "--run.output_dir", str(tmp_path / "one")], tmp_path / "one-log")
-    assert one.wait().returncode == 0
-    single_node = train_losses(tmp_path / "one")
     env = {"LOONGTRAIN_THREADS_PER_RANK": "1"}  # as in one node of 2 processes on 2 cores
+    started = {}
     for launcher in ("torchrun", "loongtrain"):
         run_dir, port, job_id = tmp_path / launcher, _free_port(), uuid.uuid4().hex
         if launcher == "torchrun":
@@ -218,12 +250,19 @@ def test_two_nodes_train_like_one_node(tmp_path):
                 [sys.executable, "-m", "loongtrain", "train", "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint",
                  f"127.0.0.1:{port}", "--rdzv-id", job_id, *common, "--run.output_dir", str(run_dir)]
             ] * 2  # fmt: skip
-        nodes = [Job(a, tmp_path / f"{launcher}-node{i}", env) for i, a in enumerate(argv)]
-        for node in nodes:
-            done = node.wait(timeout=240)
-            assert done.returncode == 0, done.stderr
-        assert train_losses(run_dir) == single_node, launcher
-        assert _checkpoints(run_dir) == ["step-3", "step-6"]
+        started[launcher] = run_dir, [Job(a, tmp_path / f"{launcher}-node{i}", env) for i, a in enumerate(argv)]
+    try:
+        assert one.wait(timeout=240).returncode == 0
+        single_node = train_losses(tmp_path / "one")
+        for launcher, (run_dir, nodes) in started.items():
+            for node in nodes:
+                done = node.wait(timeout=240)
+                assert done.returncode == 0, done.stderr
+            assert train_losses(run_dir) == single_node, launcher
+            assert _checkpoints(run_dir) == ["step-3", "step-6"]
+    finally:
+        for job in [one, *(node for _, nodes in started.values() for node in nodes)]:
+            job.kill()
 
 
 def _free_port() -> int:

@@ -275,5 +275,6 @@ def test_ctrl_c_at_any_moment_prints_one_line(tmp_path):
     for name, when in moments.items():
         code, lines, seconds = _interrupt(tmp_path, name.replace(" ", "-"), when)
         print(f"\n[{name}] exit {code} after {seconds:.1f} s: {lines}")
-        assert code == 130 and len(lines) == 1, (name, lines)
+        # 130, or ended by the SIGINT itself (-2): the shell shows 130 for either
+        assert code in (130, -signal.SIGINT) and len(lines) == 1, (name, code, lines)
         assert lines[0].startswith(("loongtrain train: stopped by SIGINT", "loongtrain train: interrupted")), lines

@@ -42,4 +42,7 @@ def test_extend_cpu_config_end_to_end(tmp_path):
     assert config["rope_parameters"]["original_max_position_embeddings"] == 128
     text = _run([sys.executable, str(ROOT / "examples" / "generate.py"), "runs/extend_cpu/hf", "--tokens", "8"],
                 tmp_path)  # fmt: skip
-    assert "max_position_embeddings 512" in text and text.strip().splitlines()[-1].startswith("'The ring")
+    lines = text.strip().splitlines()
+    assert "max_position_embeddings 512" in lines[0] and "'rope_type': 'yarn'" in lines[0]
+    # 8 greedy tokens from transformers itself (their text depends on the machine's arithmetic)
+    assert lines[-1].startswith("answer (") and lines[-1].split(": ", 1)[1] not in ("''", '""'), lines

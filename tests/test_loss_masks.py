@@ -167,7 +167,7 @@ def _masked_chat_equivalence(path: str, layout: dict, micro: int) -> dict:
     windows = []
     for slot in range(BATCH):
         inputs = source.sample(slot)[0].numpy()
-        found = [w for w in range(source.windows) if np.array_equal(stream[w * SEQ : (w + 1) * SEQ], inputs)]
+        found = [w for w in range(source.sequences) if np.array_equal(stream[w * SEQ : (w + 1) * SEQ], inputs)]
         windows.append(found[0])
     rows = BATCH // (state.dp * micro)
     held = []  # slot * SEQ + offset
