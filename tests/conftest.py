@@ -6,13 +6,14 @@ subprocesses). The suite runs the cheapest modules first: those with unit tests 
 those with dist tests, then those with end-to-end ones (a module's tests stay together, so
 its pools are spawned once). ``bash scripts/test.sh -m unit`` is the one-minute subset.
 
-The fixture: one spawned gloo worker pool per world size and test module, reused by the
-module's tests.
-
-Pools live for one module, not the whole session: every gloo process group a worker
-creates keeps transport threads that wake up while idle, and the pools of a whole session
-(hundreds of groups over the layouts the tests touch) were measured burning ~0.85 of the
-two cores while other modules' tests ran.
+The fixture: the dist modules, which run one after the other, share one spawned gloo
+worker pool per world size (a pool start costs 1.1 s for 2 ranks, 2.7 s for 4, 5.0 s for 8,
+measured); the shared pools are closed before the first end-to-end module, and an
+end-to-end module that needs a pool gets its own, closed when it ends. Every gloo process
+group keeps transport threads that wake up while idle: pools holding the groups of a
+whole session's layouts were measured burning ~0.85 of the two cores while the
+subprocesses of end-to-end tests ran; destroying the groups instead (to keep the pools)
+left later modules with DeviceMeshes of destroyed groups.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class _Pools:
     def close(self) -> None:
         for pool in self._pools.values():
             pool.close()
+        self._pools.clear()
 
 
 COSTS = ("unit", "dist", "e2e")
@@ -48,21 +50,47 @@ def _cost(item: pytest.Item) -> str:
     return "unit"
 
 
+#: cost index of each module (its most expensive test), filled at collection
+MODULE_COST: dict[str, int] = {}
+#: pools shared by the dist modules (which run one after the other); closed before the first
+#: end-to-end module, whose subprocesses need the cores
+SHARED = _Pools()
+
+
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::")[0]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark unit tests and order modules by their most expensive test (stable otherwise)."""
-    module_cost: dict[str, int] = {}
     for item in items:
         cost = _cost(item)
         if cost != "e2e" and item.get_closest_marker(cost) is None:
             item.add_marker(getattr(pytest.mark, cost))
-        key = item.nodeid.split("::")[0]
-        module_cost[key] = max(module_cost.get(key, 0), COSTS.index(cost))
-    items.sort(key=lambda item: module_cost[item.nodeid.split("::")[0]])
+        MODULE_COST[_module(item)] = max(MODULE_COST.get(_module(item), 0), COSTS.index(cost))
+    items.sort(key=lambda item: MODULE_COST[_module(item)])
+
+
+def _in_e2e_module(node: pytest.Item | pytest.Module) -> bool:
+    return MODULE_COST.get(node.nodeid.split("::")[0], 0) == COSTS.index("e2e")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if _in_e2e_module(item):
+        SHARED.close()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    SHARED.close()
 
 
 @pytest.fixture(scope="module")
-def dist_pool():
-    """``dist_pool(world)`` -> a WorkerPool of ``world`` gloo ranks (spawned once per module)."""
+def dist_pool(request: pytest.FixtureRequest):
+    """``dist_pool(world)`` -> a WorkerPool of ``world`` gloo ranks: shared by the dist modules
+    (spawned once for all of them), the module's own in an end-to-end module."""
+    if not _in_e2e_module(request.node):
+        yield SHARED
+        return
     pools = _Pools()
     yield pools
     pools.close()

@@ -129,11 +129,11 @@ def head_context_attention(
             raise ValueError(f"head_context_attention: {e}") from None
         check_layout(state, q.shape[1] * state.sp, layout, "head_context_attention")
         cu = None if layout is None else layout.cu_seqlens
-    window = sliding_window or 0
+    sliding = sliding_window or 0  # the ops take an int (0: none)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     if state.hp == 1:
-        out, _lse = ops.ring_attention(q, torch.stack((k, v)), state.key, causal, scale, True, cu, window)
+        out, _lse = ops.ring_attention(q, torch.stack((k, v)), state.key, causal, scale, True, cu, sliding)
         return out
-    q_h, kv_h = ops.head_scatter(q, k, v, state.key, causal, cu, window)
-    out_h, _lse = ops.ring_attention(q_h, kv_h, state.key, causal, scale, False, cu, window)
+    q_h, kv_h = ops.head_scatter(q, k, v, state.key, causal, cu, sliding)
+    out_h, _lse = ops.ring_attention(q_h, kv_h, state.key, causal, scale, False, cu, sliding)
     return ops.head_gather(out_h, state.key)
