@@ -1,4 +1,4 @@
-"""transformers models on loongtrain attention (AttentionInterface): the README recipe on
+"""transformers models on loongtrain attention (AttentionInterface): the recipe of docs/attention.md on
 4 processes (2D layout hp=2 x cp=2, zigzag shards with position ids) gives the loss and
 every gradient of the same HF model run unsharded, for every supported family."""
 

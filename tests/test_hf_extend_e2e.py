@@ -1,4 +1,4 @@
-"""configs/extend_cpu.toml end to end, as the README shows it: a tiny local HF Llama
+"""configs/extend_cpu.toml end to end, as docs/training.md shows it: a tiny local HF Llama
 (128-token context), its tokenizer on local text, context x4 with YaRN, training on 4
 processes, export, and generation with plain transformers from the exported folder."""
 

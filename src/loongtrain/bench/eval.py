@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,12 +24,10 @@ import torch
 import torch.distributed as dist
 
 from loongtrain.apply import materialize
-from loongtrain.bench.train import CASES, MAIN_CONFIG, case_config
-from loongtrain.config import ConfigError
+from loongtrain.bench.train import CASES, MAIN_CONFIG, case_config, launch_cases
 from loongtrain.eval.model import build_eval_model
 from loongtrain.eval.runner import score_batch
 from loongtrain.harness import sync
-from loongtrain.launch import launch
 from loongtrain.train.preflight import preflight
 from loongtrain.train.trainer import build_run, to_device, train_step
 
@@ -105,17 +101,7 @@ def main(args: argparse.Namespace) -> None:
     unknown = [c for c in args.cases if c not in CASES]
     if unknown:
         raise SystemExit(f"bench eval: unknown case {unknown}; cases {list(CASES)}")
-    folder = Path(tempfile.mkdtemp(prefix="loongtrain-bench-eval-"))
-    try:
-        for case in args.cases:
-            case_config(case, "eager", args.config, folder / case)
-    except ConfigError as e:
-        shutil.rmtree(folder, ignore_errors=True)
-        raise SystemExit(f"bench eval: {e}") from None
-    try:
-        launch(_bench_rank, args.nproc, args, folder)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    launch_cases("bench eval", [(case, "eager", case) for case in args.cases], _bench_rank, args)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

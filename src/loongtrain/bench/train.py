@@ -144,16 +144,23 @@ def main(args: argparse.Namespace) -> None:
     unknown = [c for c in args.cases if c not in CASES] + [m for m in args.modes if m not in MODES]
     if unknown:
         raise SystemExit(f"bench train: unknown case or mode {unknown}; cases {list(CASES)}, modes {list(MODES)}")
-    folder = Path(tempfile.mkdtemp(prefix="loongtrain-bench-train-"))
-    try:  # a bad --config fails here, in one line, before any process is spawned
-        for case in args.cases:
-            for mode in args.modes:
-                case_config(case, mode, args.config, folder / f"{case}-{mode}")
+    runs = [(case, mode, f"{case}-{mode}") for case in args.cases for mode in args.modes]
+    launch_cases("bench train", runs, _bench_rank, args)
+
+
+def launch_cases(command: str, runs: list[tuple[str, str, str]], rank_fn, args: argparse.Namespace) -> None:
+    """Write each ``(case, mode, name)``'s config into ``<tmp>/<name>`` (a bad ``--config``
+    fails here, in one line, before any process is spawned), run ``rank_fn(device, args,
+    tmp)`` on ``args.nproc`` ranks, and remove the folder."""
+    folder = Path(tempfile.mkdtemp(prefix=f"loongtrain-{command.replace(' ', '-')}-"))
+    try:
+        for case, mode, name in runs:
+            case_config(case, mode, args.config, folder / name)
     except ConfigError as e:
         shutil.rmtree(folder, ignore_errors=True)
-        raise SystemExit(f"bench train: {e}") from None
+        raise SystemExit(f"{command}: {e}") from None
     try:
-        launch(_bench_rank, args.nproc, args, folder)
+        launch(rank_fn, args.nproc, args, folder)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
