@@ -3,8 +3,8 @@
 Every test is ``unit`` (no processes; marked here when it has no other mark), ``dist`` (bodies
 on the spawned gloo pool below) or ``e2e`` (a command, script or training run in
 subprocesses). The suite runs the cheapest modules first: those with unit tests only, then
-those with dist tests, then those with end-to-end ones (a module's tests stay together, so
-its pools are spawned once). ``bash scripts/test.sh -m unit`` is the one-minute subset.
+those with dist tests, then those with end-to-end ones (a module's tests stay together).
+``bash scripts/test.sh -m unit`` is the one-minute subset.
 
 The fixture: the dist modules, which run one after the other, share one spawned gloo
 worker pool per world size (a pool start costs 1.1 s for 2 ranks, 2.7 s for 4, 5.0 s for 8,
