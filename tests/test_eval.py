@@ -385,3 +385,21 @@ def test_eval_section_validation():
             load_config(None, [bad])
     cfg = load_config(None, ["eval.every=5", "eval.lengths=1K,2K"])
     assert cfg.eval.every == 5 and math.isfinite(cfg.eval.position_buckets)
+
+
+def test_heldout_loss_windows_are_the_training_sources_eval_sequences(tmp_path):
+    """A run on a token file scores loss by position on its own held-out sequences: each
+    window is ``TokenFileSource.sample(i, "eval")``, tokens and labels, as training sees it."""
+    from loongtrain.data.loader import TokenFileSource
+    from loongtrain.data.tokens import TokenFile
+    from loongtrain.eval.positions import heldout_windows
+
+    rng = np.random.default_rng(0)
+    write_tokens(tmp_path / "t.tok", rng.integers(1, 200, 40_000), 256, eos=0)
+    source = TokenFileSource(TokenFile(tmp_path / "t.tok"), 128, seed=3)
+    windows = heldout_windows(source, 3)
+    assert len(windows) == min(3, source.eval_sequences) > 0
+    for i, window in enumerate(windows):
+        tokens, labels = source.sample(i, "eval")[:2]
+        assert torch.equal(window.tokens, tokens) and torch.equal(window.labels, labels)
+        assert window.start == (source.train_sequences + i) * 128 and not window.crosses_documents

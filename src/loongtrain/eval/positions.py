@@ -116,9 +116,9 @@ def heldout_windows(source, count: int) -> list[Window]:
     """Up to ``count`` of a training source's held-out windows (``TokenFileSource.sample(i,
     "eval")``: its labels, with non-targets ignored)."""
     out = []
-    for i in range(min(count, source.eval_windows)):
+    for i in range(min(count, source.eval_sequences)):
         tokens, labels = source.sample(i, "eval")[:2]
-        out.append(Window(tokens, labels, (source.train_windows + i) * source.seq_len, False))
+        out.append(Window(tokens, labels, (source.train_sequences + i) * source.seq_len, False))
     return out
 
 

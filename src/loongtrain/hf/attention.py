@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from loongtrain.attention import head_context_attention, sequence_layout
+from loongtrain.attention import head_context_attention
+from loongtrain.attention.layout import layout_of_op
 from loongtrain.hf.families import require_transformers
 from loongtrain.parallel import ParallelState
 
@@ -51,7 +52,8 @@ def make_attention(state: ParallelState):
             raise ValueError(f"loongtrain attention: softcap={kwargs['softcap']} is not supported")
         sliding_window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
         cu = kwargs.get("cu_seq_lens_q")
-        layout = None if cu is None else sequence_layout(query.shape[2] * state.sp, state, cu)
+        # every layer of a forward gets the same boundaries: validated on the first, found again after
+        layout = None if cu is None else layout_of_op(state.config, query.shape[2] * state.sp, torch.as_tensor(cu))
         out = head_context_attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), state,
             causal=getattr(module, "is_causal", True), softmax_scale=scaling,
