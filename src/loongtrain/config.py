@@ -17,6 +17,7 @@ from loongtrain.options import (
     ACTIVATION_CHECKPOINT_MODES,
     BALANCES,
     CONTEXT_ORDERS,
+    LONG_DOCUMENTS,
     PLACEMENTS,
     ZERO_SCOPES,
     MemoryOptions,
@@ -178,7 +179,7 @@ class DataSection:
         "split",
         "source=tokens: a document longer than seq_len is split (continued in the next sequence) or drop (left "
         "out; the start-up line counts what was dropped)",
-        ("split", "drop"),
+        LONG_DOCUMENTS,
     )
     doc_len: int = _f(64, "pack with source=recall: mean document length (documents of doc_len/2 to 3*doc_len/2)")
     global_batch: int = _f(8, "sequences per optimizer step over all data-parallel replicas")

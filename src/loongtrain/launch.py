@@ -82,6 +82,11 @@ def _local_env(rank: int, world: int, port: int) -> None:
     )
 
 
+def single_process_env() -> None:
+    """Set the rendezvous variables of a one-rank job that runs in this process."""
+    _local_env(0, 1, _free_port())
+
+
 def _run_rank(fn: Callable, args: tuple, device: str) -> None:
     dev = init_distributed(device=device)
     try:

@@ -24,6 +24,8 @@ ACTIVATION_CHECKPOINT_MODES: tuple[str, ...] = get_args(ActivationCheckpoint)
 ZERO_SCOPES: tuple[str, ...] = get_args(ZeroScope)
 #: how sequence chunks are assigned to context ranks (see ``loongtrain.attention.balance``).
 BALANCES: tuple[str, ...] = get_args(Balance)
+#: what the token-file loader does with a document longer than a sequence (data.long_documents)
+LONG_DOCUMENTS: tuple[str, ...] = ("split", "drop")
 
 
 def check_activation_checkpoint(mode: str, every: int = 1) -> None:

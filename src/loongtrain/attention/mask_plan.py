@@ -239,9 +239,3 @@ class MaskPlan:
                 if not any(self.calls(c, ring_source(c, config, j, s)) for c in range(cp))
             )
         return found
-
-
-@functools.lru_cache(maxsize=32)
-def mask_plan(sharding: SequenceSharding, boundaries: Boundaries, causal: bool, sliding_window: int | None) -> MaskPlan:
-    """The (cached) :class:`MaskPlan`; build it once per batch layout."""
-    return MaskPlan(sharding, boundaries, causal, sliding_window)

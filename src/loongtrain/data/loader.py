@@ -22,6 +22,7 @@ import torch
 from loongtrain.data.batch import Microbatch, pack_rows
 from loongtrain.data.recall import IGNORE_INDEX, RecallTask, sample_seed
 from loongtrain.data.tokens import DOC_START, SCAN_CHUNK, TARGET, TokenFile, TokenFileError
+from loongtrain.options import LONG_DOCUMENTS
 
 Sample = tuple[torch.Tensor, ...]  # (tokens [S], labels [S]) or, packed, (tokens, labels, cu_seqlens)
 
@@ -57,9 +58,6 @@ def flag_labels(flags: np.ndarray, labels: torch.Tensor, pack: bool) -> torch.Te
     inner = np.flatnonzero(flags[1:-1] & DOC_START) + 1
     seq = flags.shape[0] - 1
     return torch.from_numpy(np.concatenate([[0], inner, [seq]]).astype(np.int64))
-
-
-LONG_DOCUMENTS = ("split", "drop")
 
 
 class TokenFileSource:

@@ -29,7 +29,7 @@ from loongtrain.config import ConfigError, TrainConfig, load_config
 from loongtrain.data.tokens import TokenFileError
 from loongtrain.eval.model import Weights, checkpoint_candidates
 from loongtrain.eval.plan import EvalPlan, make_plan
-from loongtrain.launch import check_device, under_torchrun
+from loongtrain.launch import check_device, single_process_env, under_torchrun
 from loongtrain.train.checkpoint import CheckpointError
 from loongtrain.train.cli import split_overrides
 
@@ -255,17 +255,6 @@ def main(args: argparse.Namespace, extra: list[str]) -> None:
     if under_torchrun():
         raise SystemExit(2 if "fatal" in eval_worker(job) else 0)
     if world == 1:  # in this process: no launcher start-up
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-            LOCAL_WORLD_SIZE="1",
-        )  # fmt: skip
+        single_process_env()
         raise SystemExit(2 if "fatal" in eval_worker(job) else 0)
     raise SystemExit(_supervise(job, world))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -28,8 +28,7 @@ from loongtrain.eval.needles import (
 )
 from loongtrain.model.config import ModelConfig
 from loongtrain.train.model_setup import SOURCE_DIR
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+from loongtrain.train.preflight import TOKENIZER_FILES
 
 
 @dataclass(frozen=True)

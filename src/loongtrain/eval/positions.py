@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from loongtrain.data.recall import IGNORE_INDEX, sample_seed
+from loongtrain.data.recall import sample_seed
 from loongtrain.data.tokens import TokenFile, TokenFileError
 
 
@@ -120,7 +120,3 @@ def heldout_windows(source, count: int) -> list[Window]:
         tokens, labels = source.sample(i, "eval")[:2]
         out.append(Window(tokens, labels, (source.train_sequences + i) * source.seq_len, False))
     return out
-
-
-def scored_mask(labels: torch.Tensor) -> torch.Tensor:
-    return labels != IGNORE_INDEX

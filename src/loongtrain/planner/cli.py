@@ -218,7 +218,8 @@ def _sweep(args: argparse.Namespace, cluster, model) -> None:
                 rows.append({"seq_len": seq, "devices": devices, "error": str(exc)})
                 lines.append(f"{format_length(seq):>5s} {devices:4d}  {exc}")
                 continue
-            rows.append(json_report(result, args.model, args.top))
+            if args.json:
+                rows.append(json_report(result, args.model, args.top))
             lines.append(sweep_row(result))
     if args.json:
         print(json.dumps(rows, indent=1))

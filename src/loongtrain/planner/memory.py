@@ -292,9 +292,3 @@ def predict_peak_memory(
     batch = candidate.parallel.dp * micro_batch
     w = Workload(model, seq_len, batch=batch, micro_batch=micro_batch, dtype_bytes=dtype_bytes)
     return memory_bytes(w, candidate, optimizer)
-
-
-def host_bytes_per_node(w: Workload, layout: Candidate, devices_per_node: int) -> float:
-    """Pinned host bytes of one node: the offloaded bytes of the ranks it holds."""
-    ranks = min(layout.devices, devices_per_node)
-    return ranks * memory_bytes(w, layout).host

@@ -387,12 +387,11 @@ class CheckpointManager:
         set_optimizer_state_dict(model, optimizer, state["optim"])
         return trainer_state
 
-    def load_model(self, path: Path, model: torch.nn.Module, model_shape: dict | None = None) -> dict:
+    def load_model(self, path: Path, model: torch.nn.Module) -> dict:
         """Collective: load only the model weights of ``path`` into ``model`` (evaluation: the
-        optimizer states are never read); returns the trainer state. ``model_shape``: checked
-        as :meth:`load` does (None: the caller compared the shapes). Verify the checkpoint
-        first with :meth:`problem`, as a resume does."""
-        trainer_state = self._checked_state(path, model_shape)
+        optimizer states are never read; the caller compared the shapes); returns the trainer
+        state. Verify the checkpoint first with :meth:`problem`, as a resume does."""
+        trainer_state = self._checked_state(path, None)
         state = {"model": get_model_state_dict(model)}
         self._read(path, state)
         set_model_state_dict(model, state["model"])
