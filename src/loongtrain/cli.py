@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 
 # command -> (module with add_arguments/main, one-line help, main takes the unparsed extra args)
 COMMANDS: dict[str, tuple[str, str, bool]] = {
@@ -61,7 +63,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        parser = build_parser(argv)  # imports the command's module (torch, for most): seconds
+        parser = _holding_ctrl_c(build_parser, argv)  # imports the command's module (torch, for most): seconds
         args, extra = parser.parse_known_args(argv)
         if getattr(args, "takes_extra", False):
             args.run(args, extra)
@@ -73,6 +75,29 @@ def main(argv: list[str] | None = None) -> None:
         command = " ".join(["loongtrain", *[a for a in argv if not a.startswith("-")][:1]])
         print(f"{command}: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
+
+
+def _holding_ctrl_c(fn, *args):
+    """``fn(*args)`` with a Ctrl-C held until it returns, then raised as KeyboardInterrupt.
+
+    Importing torch runs C++ initialisers; a KeyboardInterrupt raised inside one of them
+    aborts the process with a C++ message ("terminate called after throwing an instance of
+    'pybind11::error_already_set'", measured with a Ctrl-C 0.5 s after start). A Python-level
+    handler that only records the signal never raises there."""
+    if threading.current_thread() is not threading.main_thread():
+        return fn(*args)
+    pressed: list[int] = []
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is signal.SIG_IGN:  # started with Ctrl-C ignored (nohup, `cmd &`): keep it so
+        return fn(*args)
+    signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    try:
+        result = fn(*args)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pressed:
+        raise KeyboardInterrupt
+    return result
 
 
 if __name__ == "__main__":
