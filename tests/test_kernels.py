@@ -137,3 +137,48 @@ def test_masked_block_equals_float64_with_the_same_mask(causal):
     ref = attention_with_grads(q, k, v, dout, False, 0.3, keep)
     for got, want in zip((out, *grads), ref):
         assert rel_errors(got, want)[1] < 1e-5
+
+
+def test_backward_heads_per_call_bounds_each_call():
+    from loongtrain.attention import workspace
+    from loongtrain.attention.workspace import BACKWARD_ROW_HEADS, backward_heads_per_call
+
+    limit = BACKWARD_ROW_HEADS
+    assert backward_heads_per_call(1024, 32, 8) == 32  # fits: one call
+    assert backward_heads_per_call(limit // 8, 32, 8) == 8  # two whole groups of 4 query heads
+    assert backward_heads_per_call(limit // 4, 32, 8) == 4  # one group
+    assert backward_heads_per_call(limit // 2, 32, 8) == 2  # half a group
+    assert backward_heads_per_call(limit * 4, 32, 8) == 1  # one head, more rows than the limit
+    assert backward_heads_per_call(limit // 3, 6, 2) == 3  # divisors only
+    assert backward_heads_per_call(limit // 2, 6, 2) == 1
+    with pytest.raises(ValueError, match="not a multiple"):
+        backward_heads_per_call(10, 6, 4)
+    # FlashAttention-2's backward: fp32 dq accumulator, and dk/dv at the query heads with GQA
+    assert workspace.backward_workspace_bytes(10, 12, 8, 2, 128, 2) == 4 * 10 * 8 * 128 + 2 * 2 * 12 * 8 * 128
+    assert workspace.backward_workspace_bytes(10, 12, 8, 8, 128, 2) == 4 * 10 * 8 * 128
+
+
+@pytest.mark.parametrize("limit_heads", [8, 4, 2, 1])
+@pytest.mark.parametrize("masked", [False, True])
+def test_backward_over_head_groups_equals_one_call_and_float64(monkeypatch, limit_heads, masked):
+    """A block's backward split over heads (whole key/value groups, or part of one group with
+    its dk/dv summed) gives the gradients of one call, and float64's."""
+    from loongtrain.attention import workspace
+
+    q, k, v = _qkv(batch=2, sq=20, sk=20, heads=8, groups=2)
+    dout = torch.randn_like(q)
+    mask = keep = None
+    if masked:
+        keep = torch.rand(20, 20, generator=torch.Generator().manual_seed(1)) < 0.6
+        keep[:, 0] = True
+        mask = torch.zeros(20, 20).masked_fill(~keep, float("-inf"))
+    out, lse = block_forward(q, k, v, causal=not masked, scale=0.3, mask=mask)
+    whole = block_backward(dout, q, k, v, out, lse, causal=not masked, scale=0.3, mask=mask)
+    monkeypatch.setattr(workspace, "BACKWARD_ROW_HEADS", 2 * 20 * limit_heads)  # rows x heads of one call
+    assert workspace.backward_heads_per_call(40, 8, 2) == limit_heads
+    split = block_backward(dout, q, k, v, out, lse, causal=not masked, scale=0.3, mask=mask)
+    ref = attention_with_grads(q, k, v, dout, not masked, 0.3, keep)[1:]
+    for got, one, want in zip(split, whole, ref):
+        assert got.shape == one.shape
+        assert rel_errors(got, one)[1] < 1e-6
+        assert rel_errors(got, want)[1] < 1e-5

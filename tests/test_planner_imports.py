@@ -23,6 +23,7 @@ PURE_MODULES = [
     "loongtrain.parallel.layout",
     "loongtrain.parallel.zero_grid",
     "loongtrain.attention.schedule",
+    "loongtrain.attention.workspace",
     "loongtrain.planner",
     "loongtrain.planner.cli",
     "loongtrain.planner.specs",
@@ -50,6 +51,7 @@ PLANNER_MAY_IMPORT = (
     "loongtrain.parallel.zero_grid",
     "loongtrain.model.config",
     "loongtrain.attention.schedule",
+    "loongtrain.attention.workspace",
     "loongtrain.planner",
 )
 

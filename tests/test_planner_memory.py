@@ -43,15 +43,17 @@ def test_layer_bytes_by_hand():
     assert (full.kept, full.recompute) == (128, 1944 - 128)  # norm1's saved input is the kept block input
     assert full.mlp_backward == 2 * 2 * 128  # the product's gradient, then silu's and w3's
     assert full.attention_saved == 132 + 128 + 128 + 128 + 128 + 16
-    # ring backward: dout 128 + fp32 dq 256 + fp32 dK/dV partial 256 + block dq/dk/dv 256; + the residual's 128
-    assert full.attention_backward == 128 + 128 + 256 + 256 + 256
+    # one rank of context: one kernel call whose gradients are the result: dout 128, dq 128,
+    # dk/dv 128 and their stack into dkv 128; + the residual's 128
+    assert full.attention_backward == 128 + 128 + 128 + 128 + 128
     sc = layer_bytes(M, 1, 1, 2, "sc++", tiled=False)
     assert sc.kept == 128 + 128 + 16 and sc.recompute == 1944 - 128 - 144  # the ring's out and lse are kept
     # fp32 too: norm1's saved input is the kept block input itself, not counted again
     assert layer_bytes(M, 1, 1, 4, "full", tiled=False).recompute == layer_bytes(M, 1, 1, 4, "none", False).saved - 256
-    # a ring of cp > 1 adds two KV blocks (2 x 128) and two fp32 dK/dV partials (2 x 256) in flight
+    # a ring of cp > 1: dout 128, fp32 dq 256, fp32 dK/dV partial 256, the block's dq/dk/dv 256, and
+    # two KV blocks (2 x 128) and two fp32 dK/dV partials (2 x 256) in flight; + the residual's 128
     ring = layer_bytes(M, 1, 4, 2, "full", tiled=False)
-    assert ring.attention_backward == full.attention_backward + 2 * 128 + 2 * 256
+    assert ring.attention_backward == 128 + 128 + 256 + 256 + 256 + 2 * 128 + 2 * 256
 
 
 def test_chunked_loss_changes_only_the_loss_terms():
@@ -77,9 +79,10 @@ def test_tiled_mlp_changes_only_the_layer_working_set():
     # six [16, ffn] tensors (6 * 2 * 128 * 16 bytes, i.e. 384 per token)
     untiled_work = (1816 + 512 + 128) * T
     tiled_mlp = (1816 - 1024 + 128 + 128) * T + 6 * 2 * 128 * 16
-    # ... which now falls below the attention's backward: its saved part (660) + dout 128, fp32 dq
-    # 256, fp32 dK/dV 256, the kernel's dq/dk/dv 256 and the residual's gradient 128
-    attention_phase = (660 + 128 + 256 + 256 + 256 + 128) * T
+    # ... which now falls below the attention's backward: its saved part (660) + dout 128, the
+    # kernel's dq 128 and dk/dv 128, their stack 128, the residual's gradient 128, and
+    # FlashAttention-2's workspace: fp32 dq accumulator 256, dk/dv at the 4 query heads 256
+    attention_phase = (660 + 128 + 128 + 128 + 128 + 128 + 256 + 256) * T
     tiled_work = max(tiled_mlp, attention_phase)
     assert tiled_work == attention_phase
     assert differing(plain, tiled) == {
@@ -118,6 +121,30 @@ def test_state_offload_moves_the_model_states_to_the_host():
         if phase == "backward, last layer":  # the other layers' gradient shards went to the host
             assert diff.pop("grads") == (4 * P_LAYER, 0.0)
         assert diff == {}
+
+
+def test_the_attention_backward_runs_over_head_groups_at_long_sequences():
+    """Llama-3-8B on one device at 1M tokens: a backward call over all 32 heads would allocate
+    FlashAttention-2's fp32 dq accumulator (16 GiB) and dk/dv at the query heads (16 GiB);
+    one head a call (1M rows x 1 head) allocates its dq accumulator (512 MiB), its dq/dk/dv
+    (768 MiB), flash_attn's contiguous copies of dout/q/out/k/v (1280 MiB) and the group's fp32
+    dk/dv sums (1 GiB). On the CPU kernel only the last three."""
+    from loongtrain.attention.workspace import backward_heads_per_call, backward_workspace_bytes
+    from loongtrain.planner.memory import backward_call_bytes
+
+    m, rows, mib = model_config("llama3-8b"), 2**20, 2**20
+    assert backward_heads_per_call(rows, 32, 8) == 1
+    assert backward_workspace_bytes(rows, rows, 32, 8, 128, 2) == 32 * 1024 * mib
+    assert backward_call_bytes(m, 1, rows, 2, gpu=True) == (512 + 768 + 1280 + 1024) * mib
+    assert backward_call_bytes(m, 1, rows, 2, gpu=False) == (768 + 1024) * mib
+    assert backward_call_bytes(m, 1, 4096, 2, gpu=False) == 0  # one call: nothing beside its gradients
+    # in the peak: the layers' backward (its attention phase) grows by the GPU's part and nothing else does
+    w, x = Workload(m, seq_len=rows), Candidate.of(activation_checkpoint="full", mlp_tile=8192)
+    gpu, cpu = memory_phases(w, x)[0], memory_phases(w, x, gpu=False)[0]
+    assert differing(cpu, gpu) == {
+        phase: {"layer backward": (cpu[phase]["layer backward"], cpu[phase]["layer backward"] + (512 + 1280) * mib)}
+        for phase in ("backward, first layer", "backward, last layer")
+    }
 
 
 def test_peak_is_the_largest_phase_and_predict_peak_memory_is_memory_bytes():
@@ -160,7 +187,7 @@ def test_memory_model_matches_peaks_tracked_on_the_real_code():
     errors = []
     for world, hp, cp, ckpt, zero, e, seq, measured in TRACKED:
         x = Candidate.of(dp=world // (hp * cp), hp=hp, cp=cp, zero=zero, activation_checkpoint=ckpt, loss_chunk=0)
-        predicted = predict_peak_memory(BENCH_MODEL, seq, 1, e, x, optimizer=False).total / 2**20
+        predicted = predict_peak_memory(BENCH_MODEL, seq, 1, e, x, optimizer=False, gpu=False).total / 2**20
         errors.append(abs(predicted / measured - 1))
     errors.sort()
     assert errors[len(errors) // 2] <= 0.05 and errors[-1] <= 0.10, errors

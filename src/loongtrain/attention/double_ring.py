@@ -36,8 +36,9 @@ from loongtrain.attention.blocks import (
     forward_work,
 )
 from loongtrain.attention.comm import Pending, Ready, ring_exchange
+from loongtrain.attention.kernels import block_backward
 from loongtrain.attention.mask_plan import MaskPlan
-from loongtrain.attention.schedule import block_kind, ring_source
+from loongtrain.attention.schedule import BlockKind, block_kind, ring_source
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.state import ParallelState, RingLink
 from loongtrain.parallel.stats import AttentionStats
@@ -126,8 +127,17 @@ def ring_forward(plan: RingSetup, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor
 def ring_backward(
     plan: RingSetup, dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """Gradients ``(dq, dkv)`` of :func:`ring_forward`, in the dtypes of ``q`` and ``kv``."""
+    """Gradients ``(dq, dkv)`` of :func:`ring_forward`, in the dtypes of ``q`` and ``kv``.
+
+    One rank of context (``cp == 1``) without a mask is one kernel call, whose gradients are
+    the result: no fp32 accumulators (they would hold the same values).
+    """
     n, w = plan.config.n_ring_windows, plan.config.ring_window
+    if n * w == 1 and (work := plan.work(0, 0)) in (BlockKind.DIAGONAL, BlockKind.FULL):
+        plan.count("bwd", True, 0, 0)
+        causal = work is BlockKind.DIAGONAL
+        dq, dk, dv = block_backward(dout, q, kv[0], kv[1], out, lse, causal=causal, scale=plan.scale)
+        return dq, torch.stack((dk, dv))
     dq = torch.zeros(q.shape, dtype=accum_dtype(q.dtype), device=q.device)
     base = kv
     tail: tuple[int, Pending] | None = None  # (outer step, its window total in flight)

@@ -33,6 +33,8 @@ from typing import Protocol
 
 import torch
 
+from loongtrain.attention.workspace import backward_heads_per_call
+
 Tensor = torch.Tensor
 
 
@@ -318,6 +320,36 @@ def block_backward(
 
     With ``out``/``lse`` of the full (merged) attention, the block's probabilities are
     the global ones, so summing the returned gradients over blocks gives the exact
-    gradient of the whole attention.
+    gradient of the whole attention. A block of many rows runs over groups of heads
+    (:func:`~loongtrain.attention.workspace.backward_heads_per_call`), which bounds the
+    kernel's own workspace; heads are independent, so the gradients are the same.
     """
-    return backend_for(q.device, q.dtype).backward(dout, q, k, v, out, lse, causal, scale, mask)
+    backend = backend_for(q.device, q.dtype)
+    b, rows, heads, _ = q.shape
+    groups = k.shape[2]
+    per_call = backward_heads_per_call(b * rows, heads, groups)
+    if per_call == heads:
+        return backend.backward(dout, q, k, v, out, lse, causal, scale, mask)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    ratio = heads // groups
+    if per_call >= ratio:  # whole key/value groups a call
+        kv_per_call = per_call // ratio
+        for g in range(0, groups, kv_per_call):
+            qh, kh = slice(g * ratio, (g + kv_per_call) * ratio), slice(g, g + kv_per_call)
+            dq[:, :, qh], dk[:, :, kh], dv[:, :, kh] = backend.backward(
+                dout[:, :, qh], q[:, :, qh], k[:, :, kh], v[:, :, kh], out[:, :, qh], lse[:, :, qh], causal, scale, mask
+            )
+        return dq, dk, dv
+    for g in range(groups):  # part of one group a call: its dk/dv summed in fp32, as the kernel's GQA sum does
+        kh = slice(g, g + 1)
+        dk_sum = torch.zeros(dk[:, :, kh].shape, dtype=torch.promote_types(k.dtype, torch.float32), device=k.device)
+        dv_sum = torch.zeros_like(dk_sum)
+        for h in range(g * ratio, (g + 1) * ratio, per_call):
+            qh = slice(h, h + per_call)
+            dq[:, :, qh], dk_part, dv_part = backend.backward(
+                dout[:, :, qh], q[:, :, qh], k[:, :, kh], v[:, :, kh], out[:, :, qh], lse[:, :, qh], causal, scale, mask
+            )
+            dk_sum += dk_part
+            dv_sum += dv_part
+        dk[:, :, kh], dv[:, :, kh] = dk_sum, dv_sum
+    return dq, dk, dv

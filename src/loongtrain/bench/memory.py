@@ -265,7 +265,8 @@ def predicted_bytes(mcfg: ModelConfig, seq: int, config: ParallelConfig, options
     from loongtrain.planner.memory import predict_peak_memory
 
     candidate = Candidate(parallel=config, zero="dp_sp", memory=options)
-    return predict_peak_memory(mcfg, seq, 1, 4, candidate, optimizer=train).total
+    # fp32 compute: never the flash kernel whose backward workspace gpu=True prices
+    return predict_peak_memory(mcfg, seq, 1, 4, candidate, optimizer=train, gpu=False).total
 
 
 # -- the two parts ----------------------------------------------------------------------

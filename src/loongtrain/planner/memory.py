@@ -20,7 +20,11 @@ accumulation dtype's (4: fp32). Where each term comes from:
   backward first recomputes its forward, so one layer's saved set exists again.
 - ``attention/double_ring.py``: backward holds an fp32 ``dq`` accumulator, an fp32 dK/dV
   partial, the block kernel's dq/dk/dv, and with ``cp > 1`` the KV blocks and dK/dV
-  partials in flight.
+  partials in flight; with ``cp == 1`` (and no document mask, which the planner does not
+  price) one kernel call whose dq/dk/dv are the result.
+- ``attention/kernels.py``: a block's backward call over more than
+  ``attention.workspace.BACKWARD_ROW_HEADS`` rows x heads runs over head groups; on a GPU
+  each call also allocates FlashAttention-2's workspace (``backward_call_bytes``).
 - ``model/loss.py``: with ``loss_chunk = 0`` the loss is ``F.cross_entropy(logits.float())``
   inside the model's forward (log-softmax output saved; its backward adds the gradient and
   the input gradient, fp32); the logits themselves are freed when the forward returns. With
@@ -49,6 +53,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from loongtrain.attention.workspace import backward_heads_per_call, backward_workspace_bytes
 from loongtrain.model.config import ModelConfig
 from loongtrain.planner.cost import Candidate, Workload, replicated_kv_heads
 from loongtrain.planner.zero import shard_degree
@@ -107,14 +112,39 @@ def layer_bytes(m: ModelConfig, hp: int, cp: int, e: int, mode: str, tiled: bool
     # backward of w2 then of the product: its gradient and the gradients of silu's and w3's outputs
     mlp_backward = 0.0 if tiled else 2 * e * f
     # ring backward (double_ring.ring_backward): dout, fp32 dq accumulator and dK/dV partial,
-    # the block kernel's dq/dk/dv; with cp > 1 two KV blocks and two dK/dV partials in flight
+    # the block kernel's dq/dk/dv; with cp > 1 two KV blocks and two dK/dV partials in flight;
+    # with cp == 1 one kernel call whose dq/dk/dv are the result (dk/dv stacked into dkv)
     ring = out + a * h * hd + a * kv / e + (q + kv)
     if cp > 1:
         ring += 2 * kv + 2 * a * kv / e
+    else:
+        ring = out + q + 2 * kv
     # head_scatter's backward (hp > 1): dq_h/dkv_h and the all-to-all's packed send and receive
     scatter = 3 * (q + kv) if hp > 1 else 0.0
     attention_backward = e * d + max(ring, scatter)  # + the residual stream's gradient
     return LayerBytes(saved, kept, recompute, mlp_backward, attention_saved, attention_backward)
+
+
+def backward_call_bytes(m: ModelConfig, hp: int, rows: int, e: int, gpu: bool, a: int = 4) -> float:
+    """Bytes of one block's backward kernel call of ``rows`` query (and key) rows beside the
+    gradients it returns (``attention/kernels.block_backward``): over head groups
+    (:func:`~loongtrain.attention.workspace.backward_heads_per_call`) each call's gradients
+    before they are copied into place, the fp32 dk/dv sums when a call covers part of a
+    key/value group, and on a GPU the copies ``flash_attn`` makes of the call's inputs and
+    FlashAttention-2's own workspace (:func:`~loongtrain.attention.workspace.backward_workspace_bytes`;
+    the CPU kernel keeps per-thread tiles only)."""
+    hd, heads, groups = m.head_dim, m.n_heads // hp, replicated_kv_heads(m, hp) // hp
+    per_call = backward_heads_per_call(rows, heads, groups)
+    ratio = heads // groups
+    kv_per_call = max(1, per_call // ratio)
+    total = backward_workspace_bytes(rows, rows, per_call, kv_per_call, hd, e) if gpu else 0.0
+    if per_call < heads:
+        total += e * rows * hd * (per_call + 2 * kv_per_call)  # the call's dq, dk, dv
+        if gpu:
+            total += e * rows * hd * (3 * per_call + 2 * kv_per_call)  # dout, q, out, k, v made contiguous
+        if per_call < ratio:
+            total += 2 * a * rows * hd  # the group's fp32 dk/dv sums
+    return total
 
 
 @dataclass(frozen=True)
@@ -168,15 +198,18 @@ def _breakdown(phase: str, terms: dict[str, float], host: float) -> MemoryBreakd
     return MemoryBreakdown(**parts, host=host, phase=phase, terms=tuple(terms.items()))
 
 
-def memory_bytes(w: Workload, layout: Candidate, optimizer: bool = True) -> MemoryBreakdown:
+def memory_bytes(w: Workload, layout: Candidate, optimizer: bool = True, gpu: bool = True) -> MemoryBreakdown:
     """Peak memory of one device for ``layout`` running ``w`` (micro-batch ``w.micro_batch``);
-    ``optimizer=False``: a forward and backward without an optimizer (no moments, no step)."""
-    phases, host = memory_phases(w, layout, optimizer)
+    ``optimizer=False``: a forward and backward without an optimizer (no moments, no step);
+    ``gpu=False``: the CPU attention kernel (no FlashAttention workspace)."""
+    phases, host = memory_phases(w, layout, optimizer, gpu)
     phase, terms = max(phases.items(), key=lambda kv: sum(kv[1].values()))
     return _breakdown(phase, terms, host)
 
 
-def memory_phases(w: Workload, layout: Candidate, optimizer: bool = True) -> tuple[dict[str, dict[str, float]], float]:
+def memory_phases(
+    w: Workload, layout: Candidate, optimizer: bool = True, gpu: bool = True
+) -> tuple[dict[str, dict[str, float]], float]:
     """Every phase's named terms (bytes on one device) and the host bytes the rank pins:
     ``({phase: {term: bytes}}, host)``. The peak is the phase with the largest sum."""
     m, e, a = w.model, w.dtype_bytes, w.accum_bytes
@@ -234,9 +267,11 @@ def memory_phases(w: Workload, layout: Candidate, optimizer: bool = True) -> tup
         loss["loss"] = (final + 12.0 * m.vocab_size + cast) * tokens
 
     # -- one layer's backward (the first one reached, and the last)
+    call = backward_call_bytes(m, p.hp, w.micro_batch * w.seq_len // p.cp, e, gpu, a) / tokens  # the largest block
+
     def working(lb: LayerBytes, recompute: float) -> float:
         mlp_phase = recompute + lb.mlp_backward + e * m.dim  # + the gradient flowing in
-        attn_phase = min(recompute, lb.attention_saved) + lb.attention_backward
+        attn_phase = min(recompute, lb.attention_saved) + lb.attention_backward + call
         if tile:  # one tile's SwiGLU intermediates and gradients; the tiled input's gradient [T, d]
             mlp_phase += e * m.dim + 6.0 * e * m.ffn_dim * tile / tokens
         return max(mlp_phase, attn_phase) * tokens
@@ -280,6 +315,7 @@ def predict_peak_memory(
     dtype_bytes: int,
     candidate: Candidate,
     optimizer: bool = True,
+    gpu: bool = True,
 ) -> MemoryBreakdown:
     """The peak memory of one rank for ``candidate`` training ``model`` on sequences of
     ``seq_len`` tokens, ``micro_batch`` at a time, computing in ``dtype_bytes``-byte floats.
@@ -287,8 +323,9 @@ def predict_peak_memory(
     For ``loongtrain bench memory`` to compare with measured peaks (torch-free). ``total``
     is the device peak with AdamW moments; ``step`` leaves out what exists before a step
     (sharded parameters and moments); ``terms`` names every part. ``optimizer=False``: a
-    forward and backward without an optimizer (no moments, no optimizer step).
+    forward and backward without an optimizer (no moments, no optimizer step). ``gpu``: the
+    attention backward runs FlashAttention-2 (its workspace counted); ``False``: the CPU kernel.
     """
     batch = candidate.parallel.dp * micro_batch
     w = Workload(model, seq_len, batch=batch, micro_batch=micro_batch, dtype_bytes=dtype_bytes)
-    return memory_bytes(w, candidate, optimizer)
+    return memory_bytes(w, candidate, optimizer, gpu)
