@@ -1,6 +1,7 @@
 """A pool of long-lived gloo worker processes shared by many test bodies.
 
-Spawning a process group costs seconds per world size, so each world size is spawned
+Starting a process group costs seconds per world size (a spawned worker imports torch), so
+workers are forked from one server that imported torch once, and each world size is started
 once per test module (the ``dist_pool`` fixture of ``conftest.py``: pools end with their
 module, since idle gloo groups keep threads that wake up) and every test sends it a body
 to run on all ranks: a module-level function called as ``fn(*args, **kwargs)`` on every
@@ -57,11 +58,20 @@ def _worker(rank: int, world: int, port: int, jobs, results) -> None:
     os._exit(0)
 
 
+def _context():
+    """Workers forked from one server process that imported torch and this module once (a
+    spawned worker imports torch again: 2.5 s of CPU per rank); nothing else runs in the
+    server, so its children start as clean as spawned ones."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "dist_pool", "loongtrain.apply", "loongtrain.train.step"])
+    return ctx
+
+
 class WorkerPool:
-    """``world`` spawned ranks with an initialised gloo default group."""
+    """``world`` ranks (forked from the fork server) with an initialised gloo default group."""
 
     def __init__(self, world: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.world = world
         self._results = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(world)]
