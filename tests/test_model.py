@@ -104,3 +104,48 @@ def test_model_must_fit_the_layout(heads, kv_heads, message):
     cfg = model_config("debug", dim=16 * heads, n_heads=heads, n_kv_heads=kv_heads)
     with pytest.raises(ValueError, match=message):
         check_model_fits(cfg, 4)
+
+
+@pytest.mark.parametrize("tile", [4096, 2])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_normed_projections_equal_autograd_of_norm_then_linears(monkeypatch, tile, bias, dtype):
+    """RMSNorm + the q/k/v projections as one function that keeps only the norm's input (its
+    backward in one tile of the 5 tokens, or three): output and every gradient equal autograd
+    through the plain formula (float64 reference)."""
+    from loongtrain.model import llama
+    from loongtrain.model.llama import _NormedProjections
+
+    monkeypatch.setattr(llama, "PROJECTION_BACKWARD_TILE", tile)
+
+    g = torch.Generator().manual_seed(0)
+    d, eps = 16, 1e-5
+    x = torch.randn(2, 5, d, generator=g)
+    norm_w = 1 + 0.1 * torch.randn(d, generator=g)
+    ws = [torch.randn(o, d, generator=g) / 4 for o in (16, 8, 8)]
+    bs = [torch.randn(o, generator=g) if bias else None for o in (16, 8, 8)]
+    douts = [torch.randn(2, 5, o, generator=g) for o in (16, 8, 8)]
+    inputs = [x, norm_w, *ws, *(b for b in bs if b is not None)]
+
+    def leaves(dt):
+        return [t.detach().to(dt).requires_grad_() for t in inputs]
+
+    got = leaves(dtype)
+    bias_of = iter(got[5:])
+    gb = [next(bias_of) if bias else None for _ in range(3)]
+    outs = _NormedProjections.apply(got[0], got[1], eps, got[2], gb[0], got[3], gb[1], got[4], gb[2])
+    torch.autograd.backward(outs, [t.to(dtype) for t in douts])
+
+    ref = leaves(torch.float64)
+    xr = ref[0]
+    h = xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + eps) * ref[1]
+    bias_of = iter(ref[5:])
+    rb = [next(bias_of) if bias else None for _ in range(3)]
+    want = [torch.nn.functional.linear(h, w, b) for w, b in zip(ref[2:5], rb)]
+    torch.autograd.backward(want, [t.double() for t in douts])
+
+    tol = 1e-6 if dtype == torch.float64 else 2e-2  # the norm statistics are float32 by design
+    for a, b in zip(outs, want):
+        assert ((a.double() - b).norm() / b.norm()).item() < tol
+    for a, b in zip(got, ref):
+        assert ((a.grad.double() - b.grad).norm() / b.grad.norm()).item() < tol

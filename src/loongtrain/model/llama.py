@@ -49,26 +49,92 @@ def sdpa_attention(
     return out.transpose(1, 2)
 
 
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``((x / rms(x)).type_as(x) * weight, 1 / rms)``, the statistics in float32."""
+    x32 = x.float()
+    rstd = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (x32 * rstd).type_as(x) * weight, rstd
+
+
+def _rms_norm_backward(
+    grad_out: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, weight_grad: bool, normed: Tensor | None = None
+):
+    """``(grad_x, grad_weight or None)`` of :func:`_rms_norm`; ``normed``: the float32
+    normalised ``x`` when the caller has it (else recomputed)."""
+    if normed is None:
+        normed = x.float() * rstd
+    grad_weight = (grad_out * normed.type_as(x)).flatten(0, -2).sum(0) if weight_grad else None
+    g = (grad_out * weight).float()
+    dot = (g * normed).mean(dim=-1, keepdim=True)
+    grad_x = g.sub_(normed * dot).mul_(rstd)  # in place: one float32 [T, dim] temporary fewer
+    return grad_x.type_as(x), grad_weight
+
+
 class _RMSNormFunction(torch.autograd.Function):
-    """``(x / rms(x)).type_as(x) * weight`` in float32, saving only ``x`` (the caller's tensor,
-    usually kept anyway) and the per-token ``1 / rms`` for backward, which recomputes the rest:
-    autograd would keep a float32 copy of ``x`` and the normalised output per norm."""
+    """:func:`_rms_norm` saving only ``x`` (the caller's tensor, usually kept anyway) and the
+    per-token ``1 / rms`` for backward, which recomputes the rest: autograd would keep a
+    float32 copy of ``x`` and the normalised output per norm."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        x32 = x.float()
-        rstd = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+        out, rstd = _rms_norm(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
-        return (x32 * rstd).type_as(x) * weight
+        return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         x, weight, rstd = ctx.saved_tensors
-        normed = x.float() * rstd
-        grad_weight = (grad_out * normed.type_as(x)).flatten(0, -2).sum(0) if ctx.needs_input_grad[1] else None
-        g = (grad_out * weight).float()
-        grad_x = rstd * (g - normed * (g * normed).mean(dim=-1, keepdim=True))
-        return grad_x.type_as(x), grad_weight, None
+        return *_rms_norm_backward(grad_out, x, weight, rstd, ctx.needs_input_grad[1]), None
+
+
+#: tokens of the sequence per step of :class:`_NormedProjections`' backward
+PROJECTION_BACKWARD_TILE = 4096
+
+
+def _add(total: Tensor | None, part: Tensor | None) -> Tensor | None:
+    """``total + part``, in float32 from the second part on (None: not needed)."""
+    if part is None:
+        return None
+    return part if total is None else total.float() + part
+
+
+class _NormedProjections(torch.autograd.Function):
+    """RMSNorm then the q, k, v projections of its output, saving only the norm's input (the
+    block input, kept anyway) and its fp32 ``1 / rms``: the normalised input, ``[T, dim]``,
+    is not alive through the attention's backward. Backward recomputes it and runs the
+    projections' and the norm's backward over tiles of :data:`PROJECTION_BACKWARD_TILE`
+    tokens, so their float32 temporaries exist for one tile at a time (weight gradients
+    summed in float32 over tiles)."""
+
+    @staticmethod
+    def forward(ctx, x, norm_weight, eps, wq, bq, wk, bk, wv, bv):
+        h, rstd = _rms_norm(x, norm_weight, eps)
+        ctx.save_for_backward(x, norm_weight, rstd, wq, wk, wv)
+        return F.linear(h, wq, bq), F.linear(h, wk, bk), F.linear(h, wv, bv)
+
+    @staticmethod
+    def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor):
+        x, norm_weight, rstd, wq, wk, wv = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        grad_x = torch.empty_like(x)
+        sums: list[Tensor | None] = [None] * 7  # norm weight, then (weight, bias) of q, k, v
+        for start in range(0, x.shape[1], PROJECTION_BACKWARD_TILE):
+            rows = slice(start, start + PROJECTION_BACKWARD_TILE)
+            xt, rt = x[:, rows], rstd[:, rows]
+            normed = xt.float() * rt
+            h = (normed.type_as(x) * norm_weight).flatten(0, -2)
+            grads = [g[:, rows].flatten(0, -2) for g in (dq, dk, dv)]
+            grad_h = grads[0].mm(wq)
+            grad_h.addmm_(grads[1], wk).addmm_(grads[2], wv)  # accumulated in place
+            parts: list[Tensor | None] = [None]
+            for g, i in zip(grads, (3, 5, 7)):
+                parts += [g.t().mm(h) if needs[i] else None, g.sum(0) if needs[i + 1] else None]
+            del h
+            grad_x[:, rows], parts[0] = _rms_norm_backward(grad_h.view_as(xt), xt, norm_weight, rt, needs[1], normed)
+            sums = [_add(total, part) for total, part in zip(sums, parts)]
+        dtypes = [norm_weight.dtype] + [w.dtype for w in (wq, wk, wv) for _ in range(2)]
+        typed = [None if t is None else t.to(dtype) for t, dtype in zip(sums, dtypes)]
+        return grad_x, typed[0], None, *typed[1:]
 
 
 class RMSNorm(nn.Module):
@@ -114,14 +180,25 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.attention_fn: AttentionFn = sdpa_attention
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: SequenceLayout | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, layout: SequenceLayout | None = None, norm: RMSNorm | None = None
+    ) -> Tensor:
+        """Attention of ``x`` [B, S, dim], or of ``norm(x)`` when ``norm`` is given (the norm and
+        the projections then keep only ``x`` for backward: :class:`_NormedProjections`)."""
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, self.n_heads, self.head_dim)
-        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim)
+        if norm is None:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        else:
+            q, k, v = _NormedProjections.apply(
+                x, norm.weight, norm.eps, self.wq.weight, self.wq.bias, self.wk.weight, self.wk.bias,
+                self.wv.weight, self.wv.bias,
+            )  # fmt: skip
+        q = q.view(b, s, self.n_heads, self.head_dim)
+        k = k.view(b, s, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
+        v = v.view(b, s, self.n_kv_heads, self.head_dim)
         out = self.attention_fn(q, k, v, layout=layout, sliding_window=self.sliding_window)
         return self.wo(out.reshape(b, s, -1))
 
@@ -149,7 +226,7 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(cfg)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: SequenceLayout | None = None) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, layout)
+        h = x + self.attention(x, cos, sin, layout, norm=self.attention_norm)
         return h + self.feed_forward(self.ffn_norm(h))
 
 

@@ -6,7 +6,9 @@ before the head all-to-all); ``e`` is the compute dtype's bytes (2 for bf16), ``
 accumulation dtype's (4: fp32). Where each term comes from:
 
 - ``model/llama.py``: ``RMSNorm`` saves its input and the fp32 ``1 / rms`` (``e * width + 4``;
-  its backward recomputes the fp32 upcast and the normalised copy); every linear saves its input;
+  its backward recomputes the fp32 upcast and the normalised copy); the attention's norm and
+  the q/k/v projections are one function saving the same two (``_NormedProjections``: the
+  normalised input is recomputed in backward); every other linear saves its input;
   RoPE saves only the shared cos/sin tables; ``FeedForward`` saves w1's output, silu's
   output, w3's output and their product (``4 * e * ffn``); a block's output is the next
   block's input.
@@ -94,7 +96,8 @@ def layer_bytes(m: ModelConfig, hp: int, cp: int, e: int, mode: str, tiled: bool
     gathered_out = e * h * hd if hp > 1 else 0.0  # head_gather's output, wo's input
     qk_norms = norm_saved(h * hd, e) + norm_saved(m.n_kv_heads * hd, e) if m.qk_norm else 0.0
     norm1 = norm_saved(d, e)
-    attention_saved = norm1 + e * d + qk_norms + q + kv + out + lse + gathered_out  # norm1, wq/wk/wv input, ring op
+    # norm1 + wq/wk/wv (one function: the block input and 1/rms), q/k norms, the ring op
+    attention_saved = norm1 + qk_norms + q + kv + out + lse + gathered_out
     mlp_part = norm_saved(d, e) + e * d + (0.0 if tiled else 4 * e * f)  # norm2, w1/w3 input, SwiGLU
     saved = attention_saved + mlp_part
     input_alias = e * d  # norm1 saves its input: the block input itself
