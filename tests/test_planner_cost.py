@@ -193,8 +193,9 @@ def test_kept_bytes_by_checkpoint_mode_by_hand():
     assert layer_bytes(M, 1, 1, 2, "sc++", False).kept == 128 + 2 * 4 * 16 + 4 * 4
     # ... and with hp > 1 also the head-scattered q, kv (G=2 -> 2 heads) and the gathered output
     assert layer_bytes(M, 2, 1, 2, "sc++", False).kept == 272 + 2 * (4 + 2 * 2) * 16 + 2 * 4 * 16
-    # none: two norms (bf16 input, fp32 1/rms), two projection inputs, q/kv/out/lse, four SwiGLU tensors
-    assert layer_bytes(M, 1, 1, 2, "none", False).kept == 2 * (2 * 64 + 4) + 2 * 2 * 64 + 400 + 4 * 2 * 128
+    # none: two norms (bf16 input, fp32 1/rms), the MLP's projection input (norm1 and wq/wk/wv are one
+    # function keeping only the norm's input), q/kv/out/lse, four SwiGLU tensors
+    assert layer_bytes(M, 1, 1, 2, "none", False).kept == 2 * (2 * 64 + 4) + 2 * 64 + 400 + 4 * 2 * 128
     for name in ("7b-mha", "7b-gqa"):
         m = PRESETS[name]
         none, sc, full = (layer_bytes(m, 4, 1, 2, mode, False).kept for mode in ("none", "sc++", "full"))
