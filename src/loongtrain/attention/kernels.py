@@ -330,26 +330,26 @@ def block_backward(
     per_call = backward_heads_per_call(b * rows, heads, groups)
     if per_call == heads:
         return backend.backward(dout, q, k, v, out, lse, causal, scale, mask)
+
+    def call(qh: slice, kh: slice) -> tuple[Tensor, Tensor, Tensor]:
+        return backend.backward(dout[:, :, qh], q[:, :, qh], k[:, :, kh], v[:, :, kh], out[:, :, qh], lse[:, :, qh],
+                                causal, scale, mask)  # fmt: skip
+
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     ratio = heads // groups
     if per_call >= ratio:  # whole key/value groups a call
         kv_per_call = per_call // ratio
         for g in range(0, groups, kv_per_call):
             qh, kh = slice(g * ratio, (g + kv_per_call) * ratio), slice(g, g + kv_per_call)
-            dq[:, :, qh], dk[:, :, kh], dv[:, :, kh] = backend.backward(
-                dout[:, :, qh], q[:, :, qh], k[:, :, kh], v[:, :, kh], out[:, :, qh], lse[:, :, qh], causal, scale, mask
-            )
+            dq[:, :, qh], dk[:, :, kh], dv[:, :, kh] = call(qh, kh)
         return dq, dk, dv
     for g in range(groups):  # part of one group a call: its dk/dv summed in fp32, as the kernel's GQA sum does
         kh = slice(g, g + 1)
-        dk_sum = torch.zeros(dk[:, :, kh].shape, dtype=torch.promote_types(k.dtype, torch.float32), device=k.device)
-        dv_sum = torch.zeros_like(dk_sum)
+        sums = torch.zeros((2, *dk[:, :, kh].shape), dtype=torch.promote_types(k.dtype, torch.float32), device=k.device)
         for h in range(g * ratio, (g + 1) * ratio, per_call):
             qh = slice(h, h + per_call)
-            dq[:, :, qh], dk_part, dv_part = backend.backward(
-                dout[:, :, qh], q[:, :, qh], k[:, :, kh], v[:, :, kh], out[:, :, qh], lse[:, :, qh], causal, scale, mask
-            )
-            dk_sum += dk_part
-            dv_sum += dv_part
-        dk[:, :, kh], dv[:, :, kh] = dk_sum, dv_sum
+            dq[:, :, qh], dk_part, dv_part = call(qh, kh)
+            sums[0] += dk_part
+            sums[1] += dv_part
+        dk[:, :, kh], dv[:, :, kh] = sums[0], sums[1]
     return dq, dk, dv

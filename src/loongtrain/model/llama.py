@@ -181,18 +181,15 @@ class Attention(nn.Module):
         self.attention_fn: AttentionFn = sdpa_attention
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, layout: SequenceLayout | None = None, norm: RMSNorm | None = None
+        self, x: Tensor, norm: RMSNorm, cos: Tensor, sin: Tensor, layout: SequenceLayout | None = None
     ) -> Tensor:
-        """Attention of ``x`` [B, S, dim], or of ``norm(x)`` when ``norm`` is given (the norm and
-        the projections then keep only ``x`` for backward: :class:`_NormedProjections`)."""
+        """Attention of ``norm(x)`` for ``x`` [B, S, dim]; the norm and the q/k/v projections keep
+        only ``x`` for backward (:class:`_NormedProjections`)."""
         b, s, _ = x.shape
-        if norm is None:
-            q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        else:
-            q, k, v = _NormedProjections.apply(
-                x, norm.weight, norm.eps, self.wq.weight, self.wq.bias, self.wk.weight, self.wk.bias,
-                self.wv.weight, self.wv.bias,
-            )  # fmt: skip
+        q, k, v = _NormedProjections.apply(
+            x, norm.weight, norm.eps, self.wq.weight, self.wq.bias, self.wk.weight, self.wk.bias,
+            self.wv.weight, self.wv.bias,
+        )  # fmt: skip
         q = q.view(b, s, self.n_heads, self.head_dim)
         k = k.view(b, s, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
@@ -226,7 +223,7 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(cfg)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: SequenceLayout | None = None) -> Tensor:
-        h = x + self.attention(x, cos, sin, layout, norm=self.attention_norm)
+        h = x + self.attention(x, self.attention_norm, cos, sin, layout)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
