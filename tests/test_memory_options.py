@@ -181,6 +181,41 @@ def test_every_option_on_trains_like_every_option_off(dist_pool, tmp_path, cfg):
         assert max(report["grad"]) <= 1e-5, report
 
 
+@pytest.mark.parametrize("mode", ["full", "sc++"])
+def test_offload_frees_the_device_copy_of_each_block_input(mode):
+    """After the forward, no checkpointed block's input is alive in compute memory: its only
+    copy is the host one (a hook that held the original, as the pack hook's closure once
+    did, would keep every layer's input on the device). Backward then equals no offload."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from loongtrain.apply.activation_checkpoint import apply_activation_checkpoint
+    from loongtrain.apply.offload import ActivationOffload
+    from loongtrain.model import build_model, model_config
+    from loongtrain.apply import materialize
+
+    mcfg = model_config("debug", n_layers=3)
+    tokens = torch.randint(0, mcfg.vocab_size, (1, 33), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for offload in (False, True):
+        model = build_model(mcfg)
+        materialize(model, torch.device("cpu"), 3)
+        apply_activation_checkpoint(model, mode, offload=ActivationOffload(torch.device("cpu")) if offload else None)
+        inputs = []
+        hooks = [layer.register_forward_pre_hook(lambda m, args: inputs.append(StorageWeakRef(args[0].untyped_storage())))
+                 for layer in model.layers]  # fmt: skip
+        loss, _ = model(tokens[:, :-1], torch.arange(32), labels=tokens[:, 1:])
+        for h in hooks:
+            h.remove()
+        if offload:
+            assert [ref.expired() for ref in inputs] == [True] * 3
+        else:  # the check can fail: without offload the checkpoints keep every input
+            assert not any(ref.expired() for ref in inputs)
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        assert torch.equal(grads[1][name], g), name
+
+
 def _offloaded_bytes(cfg: dict) -> dict:
     """Host bytes the offload holds after a forward (before its backward) and after the backward."""
     from loongtrain.apply import materialize, parallelize

@@ -183,8 +183,12 @@ class ActivationOffload:
         """Offload ``block_input`` when the checkpoint saves it (the hooks see every tensor
         saved in this scope; all others are kept as they are)."""
 
+        # a weak reference: autograd keeps the pack hook with each tensor saved in this scope,
+        # so a closure over the tensor itself would keep its device copy alive until backward
+        target = weakref.ref(block_input)
+
         def pack(t: Tensor):
-            return stash.pack_input(t) if t is block_input else t
+            return stash.pack_input(t) if t is target() else t
 
         def unpack(saved):
             if isinstance(saved, _Entry):
