@@ -162,7 +162,7 @@ def test_backward_heads_per_call_bounds_each_call():
 @pytest.mark.parametrize("masked", [False, True])
 def test_backward_over_head_groups_equals_one_call_and_float64(monkeypatch, limit_heads, masked):
     """A block's backward split over heads (whole key/value groups, or part of one group with
-    its dk/dv summed) gives the gradients of one call, and float64's."""
+    its dk/dv summed) gives the gradients of one call, and float64's; stacked or not."""
     from loongtrain.attention import workspace
 
     q, k, v = _qkv(batch=2, sq=20, sk=20, heads=8, groups=2)
@@ -182,3 +182,8 @@ def test_backward_over_head_groups_equals_one_call_and_float64(monkeypatch, limi
         assert got.shape == one.shape
         assert rel_errors(got, one)[1] < 1e-6
         assert rel_errors(got, want)[1] < 1e-5
+    # stacked: dk and dv in one [2, ...] tensor (written in place over head groups), same values
+    dq, dkv = block_backward(dout, q, k, v, out, lse, causal=not masked, scale=0.3, mask=mask, stacked=True)
+    assert dkv.shape == (2, *k.shape)
+    for got, want in zip((dq, dkv[0], dkv[1]), split):
+        assert torch.equal(got, want)

@@ -22,7 +22,8 @@ from torch.distributed.tensor import DTensor
 
 from loongtrain.config import ConfigError, load_config
 from loongtrain.model.loss import lm_loss, token_scores
-from loongtrain.model.tiled_mlp import swiglu, tiled_swiglu
+from loongtrain.model.norm import RMSNorm
+from loongtrain.model.tiled_mlp import normed_swiglu, swiglu
 from loongtrain.options import MemoryOptions
 
 from dist_pool import cached_state
@@ -69,18 +70,30 @@ def test_chunked_loss_without_targets_is_zero_and_has_zero_gradients():
 
 
 @pytest.mark.parametrize("tile", [1, 3, 8, 64])
-def test_tiled_mlp_equals_the_plain_mlp(tile):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_mlp_equals_the_plain_norm_and_mlp(tile, dtype):
+    """RMSNorm + SwiGLU over tiles (the norm recomputed per tile in backward) against float64
+    autograd through the plain formulas: output and every gradient, the norm's weight included."""
     gen = torch.Generator().manual_seed(tile)
-    x = torch.randn(2, 13, 8, generator=gen, requires_grad=True)
-    weights = [torch.randn(s, generator=gen, requires_grad=True) for s in ((24, 8), (24, 8), (8, 24))]
+    x = torch.randn(2, 13, 8, generator=gen)
+    norm_w = 1 + 0.1 * torch.randn(8, generator=gen)
+    weights = [torch.randn(s, generator=gen) for s in ((24, 8), (24, 8), (8, 24))]
     dout = torch.randn(2, 13, 8, generator=gen)
-    want = swiglu(x, *weights)
-    want_grads = torch.autograd.grad(want, (x, *weights), dout)
-    got = tiled_swiglu(x, *weights, tile)
-    got_grads = torch.autograd.grad(got, (x, *weights), dout)
-    assert _rel(got, want) <= 1e-6
-    for g, w in zip(got_grads, want_grads):
-        assert _rel(g, w) <= 1e-6
+    ref = [t.double().requires_grad_() for t in (x, norm_w, *weights)]
+    h = ref[0] * torch.rsqrt(ref[0].pow(2).mean(-1, keepdim=True) + 1e-5) * ref[1]
+    want = swiglu(h, *ref[2:])
+    want.backward(dout.double())
+
+    norm = RMSNorm(8, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(norm_w)
+    got_in = [t.to(dtype).requires_grad_() for t in (x, *weights)]
+    got = normed_swiglu(got_in[0], norm, *got_in[1:], tile)
+    got.backward(dout.to(dtype))
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert _rel(got, want) <= tol
+    for g, r in zip((got_in[0].grad, norm.weight.grad, *(w.grad for w in got_in[1:])), ref):
+        assert _rel(g, r.grad) <= tol
 
 
 def test_memory_options_refuse_what_cannot_apply():

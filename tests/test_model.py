@@ -111,12 +111,12 @@ def test_model_must_fit_the_layout(heads, kv_heads, message):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_normed_projections_equal_autograd_of_norm_then_linears(monkeypatch, tile, bias, dtype):
     """RMSNorm + the q/k/v projections as one function that keeps only the norm's input (its
-    backward in one tile of the 5 tokens, or three): output and every gradient equal autograd
+    forward and backward in one tile of the 5 tokens, or three): output and every gradient equal autograd
     through the plain formula (float64 reference)."""
-    from loongtrain.model import llama
+    from loongtrain.model import norm
     from loongtrain.model.llama import _NormedProjections
 
-    monkeypatch.setattr(llama, "PROJECTION_BACKWARD_TILE", tile)
+    monkeypatch.setattr(norm, "TOKEN_TILE", tile)
 
     g = torch.Generator().manual_seed(0)
     d, eps = 16, 1e-5
@@ -149,3 +149,48 @@ def test_normed_projections_equal_autograd_of_norm_then_linears(monkeypatch, til
         assert ((a.double() - b).norm() / b.norm()).item() < tol
     for a, b in zip(got, ref):
         assert ((a.grad.double() - b.grad).norm() / b.grad.norm()).item() < tol
+
+
+@pytest.mark.parametrize("tile", [4096, 2])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_tiled_rms_norm_and_rope_equal_autograd_of_their_formulas(monkeypatch, tile, dtype):
+    """The RMSNorm and RoPE functions, in one tile of the 5 tokens or three: output and every
+    gradient equal float64 autograd through the plain formulas (the norm over [B, S, dim] and
+    over heads [B, S, H, d] as Qwen3's q/k norms; RoPE as a complex rotation)."""
+    from loongtrain.model import norm
+    from loongtrain.model.norm import RMSNorm
+
+    monkeypatch.setattr(norm, "TOKEN_TILE", tile)
+    g = torch.Generator().manual_seed(1)
+    tol = 1e-6 if dtype == torch.float64 else 2e-2  # the norm statistics and the rotation are float32 by design
+    for shape in ((2, 5, 16), (2, 5, 3, 8)):
+        x = torch.randn(shape, generator=g)
+        w = 1 + 0.1 * torch.randn(shape[-1], generator=g)
+        dout = torch.randn(shape, generator=g)
+        norm = RMSNorm(shape[-1], 1e-5).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(w)
+        xg = x.to(dtype).requires_grad_()
+        out = norm(xg)
+        out.backward(dout.to(dtype))
+        xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+        want = xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + 1e-5) * wr
+        want.backward(dout.double())
+        for a, b in ((out, want), (xg.grad, xr.grad), (norm.weight.grad, wr.grad)):
+            assert ((a.double() - b).norm() / b.norm()).item() < tol
+
+    pos = torch.tensor([[0, 7, 3, 100, 2], [1, 1, 1, 1, 1]])
+    cos, sin = rope_tables(pos, 8, 10000.0)
+    x = torch.randn(2, 5, 3, 8, generator=g)
+    dout = torch.randn(2, 5, 3, 8, generator=g)
+    xg = x.to(dtype).requires_grad_()
+    out = apply_rope(xg, cos, sin)
+    out.backward(dout.to(dtype))
+    inv = 1.0 / (10000.0 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8))
+    angle = pos.double()[..., None] * inv
+    xr = x.double().requires_grad_()
+    z = torch.view_as_complex(xr.reshape(2, 5, 3, 4, 2))
+    want = torch.view_as_real(z * torch.polar(torch.ones_like(angle), angle)[:, :, None]).reshape(2, 5, 3, 8)
+    want.backward(dout.double())
+    for a, b in ((out, want), (xg.grad, xr.grad)):
+        assert ((a.double() - b).norm() / b.norm()).item() < tol

@@ -43,11 +43,17 @@ def test_layer_bytes_by_hand():
     assert (full.kept, full.recompute) == (128, 1816 - 128)  # norm1's saved input is the kept block input
     assert full.mlp_backward == 2 * 2 * 128  # the product's gradient, then silu's and w3's
     assert full.attention_saved == 132 + 128 + 128 + 128 + 16
-    # one rank of context: one kernel call whose gradients are the result: dout 128, dq 128,
-    # dk/dv 128 and their stack into dkv 128; + the residual's 128
-    assert full.attention_backward == 128 + 128 + 128 + 128 + 128
+    # alive in the attention's backward and recomputed: all of that but the (kept) block input
+    assert full.attention_recompute == 4 + 128 + 128 + 128 + 16
+    # one rank of context: one block whose gradients are the result: dout 128, dq 128, the
+    # stacked dk/dv 128; + the residual's 128 (dk/dv before their stack: priced with the call)
+    assert full.attention_backward == 128 + 128 + 128 + 128
     sc = layer_bytes(M, 1, 1, 2, "sc++", tiled=False)
     assert sc.kept == 128 + 128 + 16 and sc.recompute == 1816 - 128 - 144  # the ring's out and lse are kept
+    assert sc.attention_recompute == 4 + 128 + 128  # the norm's 1/rms, q, k/v: out and lse are kept
+    assert layer_bytes(M, 1, 1, 2, "none", tiled=False).attention_recompute == 0  # all of it is kept
+    # tiled: the MLP saves its input (the residual stream) and norm2's 1/rms only
+    assert layer_bytes(M, 1, 1, 2, "none", tiled=True).saved == 1816 - 1024 - 128
     # fp32 too: norm1's saved input is the kept block input itself, not counted again
     assert layer_bytes(M, 1, 1, 4, "full", tiled=False).recompute == layer_bytes(M, 1, 1, 4, "none", False).saved - 256
     # a ring of cp > 1: dout 128, fp32 dq 256, fp32 dK/dV partial 256, the block's dq/dk/dv 256, and
@@ -75,24 +81,26 @@ def test_tiled_mlp_changes_only_the_layer_working_set():
     plain, _ = phases(activation_checkpoint="full")
     tiled, _ = phases(activation_checkpoint="full", mlp_tile=16)
     # untiled: the recomputed layer (1816 - 128 kept) + MLP backward (512) + the incoming gradient (128)
-    # tiled: no [T, ffn] tensors (1688 - 1024), the tiled input's gradient (128), one tile's
-    # six [16, ffn] tensors (6 * 2 * 128 * 16 bytes, i.e. 384 per token)
+    # tiled: no [T, ffn] tensors (1688 - 1024) and no normed MLP input (128: norm2 is inside the
+    # tiles), the tiled input's gradient (128), one tile's normed input (fp32 and bf16: 6 * 64)
+    # and six [16, ffn] tensors (6 * 2 * 128)
     untiled_work = (1688 + 512 + 128) * T
-    tiled_mlp = (1688 - 1024 + 128 + 128) * T + 6 * 2 * 128 * 16
-    # ... which now falls below the attention's backward: its saved part (532) + dout 128, the
-    # kernel's dq 128 and dk/dv 128, their stack 128, the residual's gradient 128, and
-    # FlashAttention-2's workspace: fp32 dq accumulator 256, dk/dv at the 4 query heads 256
-    attention_phase = (532 + 128 + 128 + 128 + 128 + 128 + 256 + 256) * T
+    tiled_mlp = (1688 - 1024 - 128 + 128 + 128) * T + (6 * 64 + 6 * 2 * 128) * 16
+    # ... which now falls below the attention's backward: its recomputed part (532 less the
+    # block input 128) + dout 128, the kernel's dq 128, the stacked dk/dv 128, the residual's
+    # gradient 128, and the call's: dk/dv before their stack 128, FlashAttention-2's fp32 dq
+    # accumulator 256 and dk/dv at the 4 query heads 256
+    attention_phase = (404 + 128 + 128 + 128 + 128 + 128 + 256 + 256) * T
     tiled_work = max(tiled_mlp, attention_phase)
     assert tiled_work == attention_phase
     assert differing(plain, tiled) == {
         "backward, first layer": {"layer backward": (untiled_work, tiled_work)},
         "backward, last layer": {"layer backward": (untiled_work, tiled_work)},
     }
-    # without checkpointing the SwiGLU intermediates leave every layer's kept tensors
+    # without checkpointing the SwiGLU intermediates and the normed MLP input leave every layer's kept tensors
     none, _ = phases(activation_checkpoint="none")
     none_tiled, _ = phases(activation_checkpoint="none", mlp_tile=16)
-    assert none["loss"]["kept"] - none_tiled["loss"]["kept"] == 2 * 4 * 2 * 128 * T
+    assert none["loss"]["kept"] - none_tiled["loss"]["kept"] == 2 * (4 * 2 * 128 + 2 * 64) * T
 
 
 def test_activation_offload_keeps_two_layers_on_the_device():

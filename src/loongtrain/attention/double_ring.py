@@ -136,8 +136,7 @@ def ring_backward(
     if n * w == 1 and (work := plan.work(0, 0)) in (BlockKind.DIAGONAL, BlockKind.FULL):
         plan.count("bwd", True, 0, 0)
         causal = work is BlockKind.DIAGONAL
-        dq, dk, dv = block_backward(dout, q, kv[0], kv[1], out, lse, causal=causal, scale=plan.scale)
-        return dq, torch.stack((dk, dv))
+        return block_backward(dout, q, kv[0], kv[1], out, lse, causal=causal, scale=plan.scale, stacked=True)
     dq = torch.zeros(q.shape, dtype=accum_dtype(q.dtype), device=q.device)
     base = kv
     tail: tuple[int, Pending] | None = None  # (outer step, its window total in flight)

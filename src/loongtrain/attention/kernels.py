@@ -315,41 +315,48 @@ def block_backward(
     causal: bool,
     scale: float,
     mask: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients ``(dq, dk, dv)`` of one block given the *final* ``out`` and ``lse`` rows.
+    stacked: bool = False,
+) -> tuple[Tensor, ...]:
+    """Gradients ``(dq, dk, dv)`` of one block given the *final* ``out`` and ``lse`` rows;
+    with ``stacked``, ``(dq, dkv)``: dk and dv as one ``[2, *k.shape]`` tensor.
 
     With ``out``/``lse`` of the full (merged) attention, the block's probabilities are
     the global ones, so summing the returned gradients over blocks gives the exact
     gradient of the whole attention. A block of many rows runs over groups of heads
     (:func:`~loongtrain.attention.workspace.backward_heads_per_call`), which bounds the
-    kernel's own workspace; heads are independent, so the gradients are the same.
+    kernel's own workspace; heads are independent, so the gradients are the same. Over head
+    groups each call's dk/dv go straight into their place in the stacked tensor (one call
+    returns them apart, and stacking copies them).
     """
     backend = backend_for(q.device, q.dtype)
     b, rows, heads, _ = q.shape
     groups = k.shape[2]
     per_call = backward_heads_per_call(b * rows, heads, groups)
     if per_call == heads:
-        return backend.backward(dout, q, k, v, out, lse, causal, scale, mask)
+        dq, dk, dv = backend.backward(dout, q, k, v, out, lse, causal, scale, mask)
+        return (dq, torch.stack((dk, dv))) if stacked else (dq, dk, dv)
 
     def call(qh: slice, kh: slice) -> tuple[Tensor, Tensor, Tensor]:
         return backend.backward(dout[:, :, qh], q[:, :, qh], k[:, :, kh], v[:, :, kh], out[:, :, qh], lse[:, :, qh],
                                 causal, scale, mask)  # fmt: skip
 
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dkv = torch.empty_like(q), k.new_empty((2, *k.shape))
+    dk, dv = dkv[0], dkv[1]
     ratio = heads // groups
     if per_call >= ratio:  # whole key/value groups a call
         kv_per_call = per_call // ratio
         for g in range(0, groups, kv_per_call):
             qh, kh = slice(g * ratio, (g + kv_per_call) * ratio), slice(g, g + kv_per_call)
             dq[:, :, qh], dk[:, :, kh], dv[:, :, kh] = call(qh, kh)
-        return dq, dk, dv
-    for g in range(groups):  # part of one group a call: its dk/dv summed in fp32, as the kernel's GQA sum does
-        kh = slice(g, g + 1)
-        sums = torch.zeros((2, *dk[:, :, kh].shape), dtype=torch.promote_types(k.dtype, torch.float32), device=k.device)
-        for h in range(g * ratio, (g + 1) * ratio, per_call):
-            qh = slice(h, h + per_call)
-            dq[:, :, qh], dk_part, dv_part = call(qh, kh)
-            sums[0] += dk_part
-            sums[1] += dv_part
-        dk[:, :, kh], dv[:, :, kh] = sums[0], sums[1]
-    return dq, dk, dv
+    else:
+        for g in range(groups):  # part of one group a call: its dk/dv summed in fp32, as the kernel's GQA sum does
+            kh = slice(g, g + 1)
+            sums = torch.zeros((2, *dk[:, :, kh].shape), dtype=torch.promote_types(k.dtype, torch.float32),
+                               device=k.device)  # fmt: skip
+            for h in range(g * ratio, (g + 1) * ratio, per_call):
+                qh = slice(h, h + per_call)
+                dq[:, :, qh], dk_part, dv_part = call(qh, kh)
+                sums[0] += dk_part
+                sums[1] += dv_part
+            dk[:, :, kh], dv[:, :, kh] = sums[0], sums[1]
+    return (dq, dkv) if stacked else (dq, dk, dv)

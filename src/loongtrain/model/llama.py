@@ -29,8 +29,9 @@ from loongtrain.attention.layout import SequenceLayout
 from loongtrain.attention.local import masked_attention
 from loongtrain.model.config import ModelConfig, RopeScaling
 from loongtrain.model.loss import lm_loss, token_scores
+from loongtrain.model.norm import RMSNorm, over_tiles, rms_norm, rms_norm_backward, sum_parts, tiles
 from loongtrain.model.rope import rope_frequencies
-from loongtrain.model.tiled_mlp import tiled_swiglu
+from loongtrain.model.tiled_mlp import normed_swiglu
 
 Tensor = torch.Tensor
 AttentionFn = Callable[..., Tensor]
@@ -49,68 +50,23 @@ def sdpa_attention(
     return out.transpose(1, 2)
 
 
-def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """``((x / rms(x)).type_as(x) * weight, 1 / rms)``, the statistics in float32."""
-    x32 = x.float()
-    rstd = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return (x32 * rstd).type_as(x) * weight, rstd
-
-
-def _rms_norm_backward(
-    grad_out: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, weight_grad: bool, normed: Tensor | None = None
-):
-    """``(grad_x, grad_weight or None)`` of :func:`_rms_norm`; ``normed``: the float32
-    normalised ``x`` when the caller has it (else recomputed)."""
-    if normed is None:
-        normed = x.float() * rstd
-    grad_weight = (grad_out * normed.type_as(x)).flatten(0, -2).sum(0) if weight_grad else None
-    g = (grad_out * weight).float()
-    dot = (g * normed).mean(dim=-1, keepdim=True)
-    grad_x = g.sub_(normed * dot).mul_(rstd)  # in place: one float32 [T, dim] temporary fewer
-    return grad_x.type_as(x), grad_weight
-
-
-class _RMSNormFunction(torch.autograd.Function):
-    """:func:`_rms_norm` saving only ``x`` (the caller's tensor, usually kept anyway) and the
-    per-token ``1 / rms`` for backward, which recomputes the rest: autograd would keep a
-    float32 copy of ``x`` and the normalised output per norm."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        out, rstd = _rms_norm(x, weight, eps)
-        ctx.save_for_backward(x, weight, rstd)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        x, weight, rstd = ctx.saved_tensors
-        return *_rms_norm_backward(grad_out, x, weight, rstd, ctx.needs_input_grad[1]), None
-
-
-#: tokens of the sequence per step of :class:`_NormedProjections`' backward
-PROJECTION_BACKWARD_TILE = 4096
-
-
-def _add(total: Tensor | None, part: Tensor | None) -> Tensor | None:
-    """``total + part``, in float32 from the second part on (None: not needed)."""
-    if part is None:
-        return None
-    return part if total is None else total.float() + part
-
-
 class _NormedProjections(torch.autograd.Function):
     """RMSNorm then the q, k, v projections of its output, saving only the norm's input (the
     block input, kept anyway) and its fp32 ``1 / rms``: the normalised input, ``[T, dim]``,
-    is not alive through the attention's backward. Backward recomputes it and runs the
-    projections' and the norm's backward over tiles of :data:`PROJECTION_BACKWARD_TILE`
-    tokens, so their float32 temporaries exist for one tile at a time (weight gradients
-    summed in float32 over tiles)."""
+    never exists for the whole sequence. Forward and backward run over tiles of
+    :data:`TOKEN_TILE` tokens (backward recomputes the tile's normalised input), so the
+    float32 temporaries exist for one tile at a time (weight gradients summed in float32
+    over tiles)."""
 
     @staticmethod
     def forward(ctx, x, norm_weight, eps, wq, bq, wk, bk, wv, bv):
-        h, rstd = _rms_norm(x, norm_weight, eps)
+        def tile(rows: slice) -> tuple[Tensor, ...]:
+            h, rstd = rms_norm(x[:, rows], norm_weight, eps)
+            return F.linear(h, wq, bq), F.linear(h, wk, bk), F.linear(h, wv, bv), rstd
+
+        q, k, v, rstd = over_tiles(tile, x.shape[1])
         ctx.save_for_backward(x, norm_weight, rstd, wq, wk, wv)
-        return F.linear(h, wq, bq), F.linear(h, wk, bk), F.linear(h, wv, bv)
+        return q, k, v
 
     @staticmethod
     def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor):
@@ -118,8 +74,7 @@ class _NormedProjections(torch.autograd.Function):
         needs = ctx.needs_input_grad
         grad_x = torch.empty_like(x)
         sums: list[Tensor | None] = [None] * 7  # norm weight, then (weight, bias) of q, k, v
-        for start in range(0, x.shape[1], PROJECTION_BACKWARD_TILE):
-            rows = slice(start, start + PROJECTION_BACKWARD_TILE)
+        for rows in tiles(x.shape[1]):
             xt, rt = x[:, rows], rstd[:, rows]
             normed = xt.float() * rt
             h = (normed.type_as(x) * norm_weight).flatten(0, -2)
@@ -130,21 +85,11 @@ class _NormedProjections(torch.autograd.Function):
             for g, i in zip(grads, (3, 5, 7)):
                 parts += [g.t().mm(h) if needs[i] else None, g.sum(0) if needs[i + 1] else None]
             del h
-            grad_x[:, rows], parts[0] = _rms_norm_backward(grad_h.view_as(xt), xt, norm_weight, rt, needs[1], normed)
-            sums = [_add(total, part) for total, part in zip(sums, parts)]
+            grad_x[:, rows], parts[0] = rms_norm_backward(grad_h.view_as(xt), xt, norm_weight, rt, needs[1], normed)
+            sums = [sum_parts(total, part) for total, part in zip(sums, parts)]
         dtypes = [norm_weight.dtype] + [w.dtype for w in (wq, wk, wv) for _ in range(2)]
         typed = [None if t is None else t.to(dtype) for t, dtype in zip(sums, dtypes)]
         return grad_x, typed[0], None, *typed[1:]
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 def rope_tables(
@@ -158,12 +103,34 @@ def rope_tables(
     return angles.cos() * multiplier, angles.sin() * multiplier
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of ``x`` [B, S, H, d]; cos/sin are [B or 1, S, d/2]."""
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of ``x`` [B, S, H, d] by the angles of cos/sin [B or 1, S, d/2] (in fp32)."""
     x32 = x.float().unflatten(-1, (-1, 2))
     a, b = x32[..., 0], x32[..., 1]
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).type_as(x)
+
+
+class _Rope(torch.autograd.Function):
+    """:func:`_rotate` over tiles of :data:`TOKEN_TILE` tokens (its float32 temporaries, several
+    times the size of ``x``, exist for one tile at a time); saves only cos/sin. A rotation's
+    gradient is the inverse rotation: the same function with ``-sin``."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        ctx.save_for_backward(cos, sin)
+        return over_tiles(lambda rows: (_rotate(x[:, rows], cos[:, rows], sin[:, rows]),), x.shape[1])[0]
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        cos, sin = ctx.saved_tensors
+        rows_of = over_tiles(lambda rows: (_rotate(grad[:, rows], cos[:, rows], -sin[:, rows]),), grad.shape[1])
+        return rows_of[0], None, None
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of ``x`` [B, S, H, d]; cos/sin are [B or 1, S, d/2]."""
+    return _Rope.apply(x, cos, sin)
 
 
 class Attention(nn.Module):
@@ -201,7 +168,8 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x); over sequence tiles of ``tile`` tokens when set (0: off)."""
+    """SwiGLU of the normed input: w2(silu(w1 h) * w3 h), h = norm(x); over sequence tiles of
+    ``tile`` tokens when set (0: off), the norm inside each tile (:mod:`loongtrain.model.tiled_mlp`)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -210,8 +178,8 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.tile = 0
 
-    def forward(self, x: Tensor) -> Tensor:
-        return tiled_swiglu(x, self.w1.weight, self.w3.weight, self.w2.weight, self.tile)
+    def forward(self, x: Tensor, norm: RMSNorm) -> Tensor:
+        return normed_swiglu(x, norm, self.w1.weight, self.w3.weight, self.w2.weight, self.tile)
 
 
 class TransformerBlock(nn.Module):
@@ -224,7 +192,7 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: SequenceLayout | None = None) -> Tensor:
         h = x + self.attention(x, self.attention_norm, cos, sin, layout)
-        return h + self.feed_forward(self.ffn_norm(h))
+        return h + self.feed_forward(h, self.ffn_norm)
 
 
 class Transformer(nn.Module):

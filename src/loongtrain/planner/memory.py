@@ -10,8 +10,10 @@ accumulation dtype's (4: fp32). Where each term comes from:
   the q/k/v projections are one function saving the same two (``_NormedProjections``: the
   normalised input is recomputed in backward); every other linear saves its input;
   RoPE saves only the shared cos/sin tables; ``FeedForward`` saves w1's output, silu's
-  output, w3's output and their product (``4 * e * ffn``); a block's output is the next
-  block's input.
+  output, w3's output and their product (``4 * e * ffn``), or tiled (``model/tiled_mlp.py``)
+  only its input and norm2's 1/rms; a block's output is the next block's input. The norms,
+  RoPE and the q/k/v projections run over tiles of ``model.norm.TOKEN_TILE`` tokens, so
+  their float32 temporaries are one tile's (not priced).
 - ``attention/ops.py``: ``ring_attention`` saves ``q_h``, ``kv_h``, ``out_h`` and the fp32
   ``lse``; ``head_scatter``/``head_gather`` save nothing, but with ``hp > 1`` the gathered
   output is ``wo``'s saved input (with ``hp == 1`` it is ``out_h`` itself); with ``hp == 1``
@@ -23,7 +25,7 @@ accumulation dtype's (4: fp32). Where each term comes from:
 - ``attention/double_ring.py``: backward holds an fp32 ``dq`` accumulator, an fp32 dK/dV
   partial, the block kernel's dq/dk/dv, and with ``cp > 1`` the KV blocks and dK/dV
   partials in flight; with ``cp == 1`` (and no document mask, which the planner does not
-  price) one kernel call whose dq/dk/dv are the result.
+  price) one block whose dq and stacked dk/dv are the result.
 - ``attention/kernels.py``: a block's backward call over more than
   ``attention.workspace.BACKWARD_ROW_HEADS`` rows x heads runs over head groups; on a GPU
   each call also allocates FlashAttention-2's workspace (``backward_call_bytes``).
@@ -85,6 +87,7 @@ class LayerBytes:
     recompute: float  # saved again by the recompute in the layer's backward (not already kept)
     mlp_backward: float  # MLP backward transients above the saved set
     attention_saved: float  # of ``saved``, what is still alive while the attention's backward runs
+    attention_recompute: float  # of ``recompute``, what is still alive then (``attention_saved`` less ``kept``)
     attention_backward: float  # attention backward buffers (ring, all-to-alls), its input gradient included
 
 
@@ -98,13 +101,15 @@ def layer_bytes(m: ModelConfig, hp: int, cp: int, e: int, mode: str, tiled: bool
     norm1 = norm_saved(d, e)
     # norm1 + wq/wk/wv (one function: the block input and 1/rms), q/k norms, the ring op
     attention_saved = norm1 + qk_norms + q + kv + out + lse + gathered_out
-    mlp_part = norm_saved(d, e) + e * d + (0.0 if tiled else 4 * e * f)  # norm2, w1/w3 input, SwiGLU
+    # norm2 and w1/w3's input and the SwiGLU intermediates; tiled: norm2 is inside the tiles,
+    # so only its input and 1/rms are saved
+    mlp_part = norm_saved(d, e) + (0.0 if tiled else e * d + 4 * e * f)
     saved = attention_saved + mlp_part
     input_alias = e * d  # norm1 saves its input: the block input itself
     if mode == "none":
-        kept, recompute = saved, 0.0
+        kept, recompute, attention_kept = saved, 0.0, attention_saved - input_alias
     elif mode == "full":
-        kept = e * d
+        kept, attention_kept = e * d, 0.0
         recompute = saved - input_alias
     elif mode == "sc++":
         attention_kept = out + lse + (q + kv + gathered_out if hp > 1 else 0.0)
@@ -112,35 +117,43 @@ def layer_bytes(m: ModelConfig, hp: int, cp: int, e: int, mode: str, tiled: bool
         recompute = saved - input_alias - attention_kept
     else:
         raise ValueError(f"unknown checkpoint mode {mode!r}")
+    # the block input and what the checkpoint keeps are in ``kept``, not recomputed
+    attention_recompute = attention_saved - input_alias - attention_kept
     # backward of w2 then of the product: its gradient and the gradients of silu's and w3's outputs
     mlp_backward = 0.0 if tiled else 2 * e * f
     # ring backward (double_ring.ring_backward): dout, fp32 dq accumulator and dK/dV partial,
     # the block kernel's dq/dk/dv; with cp > 1 two KV blocks and two dK/dV partials in flight;
-    # with cp == 1 one kernel call whose dq/dk/dv are the result (dk/dv stacked into dkv)
+    # with cp == 1 one block whose dq and stacked dk/dv are the result (when one kernel call
+    # returns dk/dv apart, their stacking is priced with the call: ``backward_call_bytes``)
     ring = out + a * h * hd + a * kv / e + (q + kv)
     if cp > 1:
         ring += 2 * kv + 2 * a * kv / e
     else:
-        ring = out + q + 2 * kv
+        ring = out + q + kv
     # head_scatter's backward (hp > 1): dq_h/dkv_h and the all-to-all's packed send and receive
     scatter = 3 * (q + kv) if hp > 1 else 0.0
     attention_backward = e * d + max(ring, scatter)  # + the residual stream's gradient
-    return LayerBytes(saved, kept, recompute, mlp_backward, attention_saved, attention_backward)
+    return LayerBytes(saved, kept, recompute, mlp_backward, attention_saved, attention_recompute, attention_backward)
 
 
-def backward_call_bytes(m: ModelConfig, hp: int, rows: int, e: int, gpu: bool, a: int = 4) -> float:
+def backward_call_bytes(
+    m: ModelConfig, hp: int, rows: int, e: int, gpu: bool, a: int = 4, stacked: bool = False
+) -> float:
     """Bytes of one block's backward kernel call of ``rows`` query (and key) rows beside the
     gradients it returns (``attention/kernels.block_backward``): over head groups
     (:func:`~loongtrain.attention.workspace.backward_heads_per_call`) each call's gradients
     before they are copied into place, the fp32 dk/dv sums when a call covers part of a
     key/value group, and on a GPU the copies ``flash_attn`` makes of the call's inputs and
     FlashAttention-2's own workspace (:func:`~loongtrain.attention.workspace.backward_workspace_bytes`;
-    the CPU kernel keeps per-thread tiles only)."""
+    the CPU kernel keeps per-thread tiles only). ``stacked`` (one rank of context): the
+    gradients are dq and a stacked dkv, and one call over every head returns dk/dv apart."""
     hd, heads, groups = m.head_dim, m.n_heads // hp, replicated_kv_heads(m, hp) // hp
     per_call = backward_heads_per_call(rows, heads, groups)
     ratio = heads // groups
     kv_per_call = max(1, per_call // ratio)
     total = backward_workspace_bytes(rows, rows, per_call, kv_per_call, hd, e) if gpu else 0.0
+    if stacked and per_call == heads:
+        total += 2.0 * e * rows * hd * groups  # dk and dv before their stack
     if per_call < heads:
         total += e * rows * hd * (per_call + 2 * kv_per_call)  # the call's dq, dk, dv
         if gpu:
@@ -270,20 +283,22 @@ def memory_phases(
         loss["loss"] = (final + 12.0 * m.vocab_size + cast) * tokens
 
     # -- one layer's backward (the first one reached, and the last)
-    call = backward_call_bytes(m, p.hp, w.micro_batch * w.seq_len // p.cp, e, gpu, a) / tokens  # the largest block
+    rows = w.micro_batch * w.seq_len // p.cp  # the largest block
+    call = backward_call_bytes(m, p.hp, rows, e, gpu, a, stacked=p.cp == 1) / tokens
 
-    def working(lb: LayerBytes, recompute: float) -> float:
-        mlp_phase = recompute + lb.mlp_backward + e * m.dim  # + the gradient flowing in
-        attn_phase = min(recompute, lb.attention_saved) + lb.attention_backward + call
-        if tile:  # one tile's SwiGLU intermediates and gradients; the tiled input's gradient [T, d]
-            mlp_phase += e * m.dim + 6.0 * e * m.ffn_dim * tile / tokens
+    def working(lb: LayerBytes) -> float:
+        mlp_phase = lb.recompute + lb.mlp_backward + e * m.dim  # + the gradient flowing in
+        attn_phase = lb.attention_recompute + lb.attention_backward + call
+        if tile:  # the tiled input's gradient [T, d]; one tile's normed input (fp32 and e), SwiGLU
+            # intermediates and gradients
+            mlp_phase += e * m.dim + ((4.0 + e) * m.dim + 6.0 * e * m.ffn_dim) * tile / tokens
         return max(mlp_phase, attn_phase) * tokens
 
     work = 0.0
     if mine:
-        work = working(mine, mine.recompute)
+        work = working(mine)
     if n_plain:  # a layer without checkpointing: its saved set is in kept already
-        work = max(work, working(plain, 0.0))
+        work = max(work, working(plain))
     layer_grads = p_layer * e + (4.0 * p_layer / shard if mem.offload_states else 0.0)
     gathered_layers = GATHERED_LAYERS * p_layer * e + (
         GATHERED_LAYERS * 4.0 * p_layer / shard if mem.offload_states else 0.0
