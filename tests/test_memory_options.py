@@ -229,6 +229,49 @@ def test_offload_frees_the_device_copy_of_each_block_input(mode):
         assert torch.equal(grads[1][name], g), name
 
 
+@pytest.mark.parametrize("mode", ["full", "sc++"])
+def test_offload_fetches_the_previous_layer_after_the_attention_backward(monkeypatch, mode):
+    """The previous layer's kept tensors start coming back once a layer's attention backward
+    is done (its peak), not when the layer's backward starts."""
+    from loongtrain.apply import materialize
+    from loongtrain.apply.activation_checkpoint import apply_activation_checkpoint
+    from loongtrain.apply.offload import ActivationOffload, LayerStash
+    from loongtrain.model import build_model, model_config
+    from loongtrain.model.llama import sdpa_attention
+
+    events, stashes = [], []
+
+    class Probe(torch.autograd.Function):  # inside the attention: its backward is the attention's
+        @staticmethod
+        def forward(ctx, layer, q):
+            ctx.layer = layer
+            return q.view_as(q)
+
+        @staticmethod
+        def backward(ctx, grad):
+            events.append(("attention", ctx.layer))
+            return None, grad
+
+    def probed(layer):
+        return lambda q, k, v, **kw: sdpa_attention(Probe.apply(layer, q), k, v, **kw)
+
+    new_stash, prefetch = ActivationOffload.new_stash, LayerStash.prefetch
+    monkeypatch.setattr(ActivationOffload, "new_stash", lambda self, **kw: stashes.append(new_stash(self, **kw))
+                        or stashes[-1])  # fmt: skip
+    monkeypatch.setattr(LayerStash, "prefetch", lambda self: events.append(("prefetch", stashes.index(self)))
+                        or prefetch(self))  # fmt: skip
+    mcfg = model_config("debug", n_layers=3)
+    model = build_model(mcfg)
+    materialize(model, torch.device("cpu"), 3)
+    for i, layer in enumerate(model.layers):
+        layer.attention.attention_fn = probed(i)
+    apply_activation_checkpoint(model, mode, offload=ActivationOffload(torch.device("cpu")))
+    tokens = torch.randint(0, mcfg.vocab_size, (1, 33), generator=torch.Generator().manual_seed(0))
+    loss, _ = model(tokens[:, :-1], torch.arange(32), labels=tokens[:, 1:])
+    loss.backward()
+    assert events == [("attention", 2), ("prefetch", 1), ("attention", 1), ("prefetch", 0), ("attention", 0)]
+
+
 def _offloaded_bytes(cfg: dict) -> dict:
     """Host bytes the offload holds after a forward (before its backward) and after the backward."""
     from loongtrain.apply import materialize, parallelize

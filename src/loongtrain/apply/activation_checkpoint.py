@@ -99,3 +99,5 @@ def apply_activation_checkpoint(
             return out
 
         layer.forward = types.MethodType(forward, layer)
+        if offload is not None:
+            layer.attention.attention_fn = offload.mark_attention(layer.attention.attention_fn)

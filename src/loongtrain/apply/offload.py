@@ -11,8 +11,11 @@ attention results.
 
 On an accelerator the copies run on a side stream into pinned host buffers, overlapped
 with compute: device -> host as soon as the layer's forward has produced the tensor,
-host -> device for layer ``i - 1`` as soon as the backward reaches layer ``i`` (one layer
-of prefetch), so the device holds about two layers' kept tensors instead of all of them.
+host -> device for layer ``i - 1`` as soon as layer ``i``'s attention has made its
+backward (its peak: :meth:`ActivationOffload.mark_attention` puts the point in the graph),
+overlapped with the rest of layer ``i``'s backward (RoPE, the q/k/v projections). So
+through a layer's attention and MLP backward the device holds that layer's kept tensors
+alone, and two layers' only while the projections' backward runs.
 On the CPU the same code runs and the "host" copy is a second CPU buffer, kept outside
 torch's tensor allocator (tested here; it saves no memory on a CPU, but allocation
 tracking sees the compute side's tensors alone, as it would on a GPU).
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -94,6 +97,23 @@ class _Entry:
         return t
 
 
+class _AttentionDone(torch.autograd.Function):
+    """The identity on an attention's q, k, v; its backward runs when the attention's backward
+    has made their gradients, and starts fetching the previous layer's kept tensors."""
+
+    @staticmethod
+    def forward(ctx, offload: ActivationOffload, stash: weakref.ref, q: Tensor, k: Tensor, v: Tensor):
+        ctx.offload, ctx.stash = offload, stash
+        return q.view_as(q), k.view_as(k), v.view_as(v)
+
+    @staticmethod
+    def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor):
+        stash = ctx.stash()
+        if stash is not None:
+            ctx.offload.prefetch_before(stash)
+        return None, None, dq, dk, dv
+
+
 class LayerStash:
     """What one checkpointed layer keeps, offloaded; made per layer and forward call."""
 
@@ -135,7 +155,6 @@ class LayerStash:
         if self.restored:
             return
         self.restored = True
-        self.store.reached(self)
         for (t, nbytes), entry in zip(self.kept, self.kept_entries):
             data = entry.take(self.store.copies)
             storage = t.untyped_storage()
@@ -168,8 +187,8 @@ class ActivationOffload:
                 total += sum(e.host.numel() * e.host.element_size() for e in entries if e.host is not None)
         return total
 
-    def reached(self, stash: LayerStash) -> None:
-        """The backward reached ``stash``'s layer: prefetch the layer before it."""
+    def prefetch_before(self, stash: LayerStash) -> None:
+        """``stash``'s layer is past its attention's backward: start fetching the layer before it."""
         for i, ref in enumerate(self._order):
             if ref() is stash:
                 previous = self._order[i - 1]() if i > 0 else None
@@ -177,6 +196,21 @@ class ActivationOffload:
                     previous.prefetch()
                 del self._order[i:]
                 return
+
+    def mark_attention(self, attention_fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        """``attention_fn`` with a point in the graph after it: once the backward has gone
+        through the attention of the layer whose forward is running (its stash: the latest
+        made), the previous layer's kept tensors start coming back. Where the point never
+        runs (no gradient reaches q/k/v), the previous layer fetches its tensors when its
+        backward needs them."""
+
+        def marked(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:
+            stash = self._order[-1]() if self._order else None
+            if stash is not None and torch.is_grad_enabled():
+                q, k, v = _AttentionDone.apply(self, weakref.ref(stash), q, k, v)
+            return attention_fn(q, k, v, **kwargs)
+
+        return marked
 
     @contextlib.contextmanager
     def saving(self, stash: LayerStash, block_input: Tensor) -> Iterator[None]:

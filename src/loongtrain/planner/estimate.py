@@ -9,7 +9,8 @@ collectives overlap neighbouring layers. The loss costs the output layer's FLOPs
 times whether it is chunked or not (a chunked loss makes its gradients in the forward).
 Offload: a layer's host transfers (activations out in forward and back in backward;
 with offloaded states its parameters in and gradients out) overlap that layer's compute
-and only the excess is exposed; the CPU optimizer step (offloaded states) is exposed.
+(activations coming back: its q/k/v projections' backward only) and only the excess is
+exposed; the CPU optimizer step (offloaded states) is exposed.
 Elementwise work (norms, RoPE, SwiGLU activation, loss) and the device optimizer step are
 not counted.
 """
@@ -102,7 +103,9 @@ def estimate(c: ClusterSpec, w: Workload, layout: Candidate) -> Estimate:
     redo = (lin + at.fwd if full else lin) if n_ckpt else 0.0  # a checkpointed layer's recompute, comms included
     mean_bwd = layer_bwd + redo * n_ckpt / n_layers
     zero = exposed_zero_seconds(z, n_layers, layer_fwd, mean_bwd)
-    offload = _offload_seconds(c, w, layout, n_ckpt, layer_fwd, layer_bwd, layer_bwd + redo)
+    # the previous layer's kept tensors come back behind this layer's q/k/v projections' backward
+    qkv_bwd = 2 * lin * m.dim * (m.n_heads + 2 * m.n_kv_heads) * m.head_dim / m.layer_matmul_params()
+    offload = _offload_seconds(c, w, layout, n_ckpt, layer_fwd, layer_bwd, layer_bwd + redo, qkv_bwd)
     micro = compute + a2a + ring + zero + offload
     steps = w.batch // (p.dp * w.micro_batch)
     cpu_step = _cpu_optimizer_seconds(c, layout, m.num_params()) if mem.offload_states else 0.0
@@ -136,14 +139,23 @@ def estimate(c: ClusterSpec, w: Workload, layout: Candidate) -> Estimate:
 
 
 def _offload_seconds(
-    c: ClusterSpec, w: Workload, layout: Candidate, n_ckpt: int, fwd: float, bwd: float, bwd_ckpt: float
+    c: ClusterSpec,
+    w: Workload,
+    layout: Candidate,
+    n_ckpt: int,
+    fwd: float,
+    bwd: float,
+    bwd_ckpt: float,
+    fetch_window: float,
 ) -> float:
     """Host transfers of one micro-batch not hidden behind the layer they belong to.
 
     Per layer and direction the link carries ``bytes / host_copy_gbs``; only what exceeds
     that layer's compute is exposed. Forward sends the kept tensors out (offloaded
     activations) and brings the parameter shard in (offloaded states); backward brings
-    both in again and sends the gradient shard out (the other direction).
+    both in again and sends the gradient shard out (the other direction). In backward the
+    kept tensors start coming back after the attention's backward (``apply/offload.py``),
+    so they hide behind ``fetch_window`` (the q/k/v projections' backward) alone.
     """
     mem, p = layout.memory, layout.parallel
     if not (mem.offload_states or (mem.offload_activations and n_ckpt)) or c.host_copy_gbs <= 0:
@@ -156,7 +168,8 @@ def _offload_seconds(
         kept = lb.kept * tokens
     params = 4.0 * w.model.layer_params() / shard_degree(layout) if mem.offload_states else 0.0
     plain = w.model.n_layers - n_ckpt
-    exposed = n_ckpt * (max(0.0, (kept + params) / bw - fwd) + max(0.0, (kept + params) / bw - bwd_ckpt))
+    fetch = max(0.0, kept / bw - fetch_window, (kept + params) / bw - bwd_ckpt)
+    exposed = n_ckpt * (max(0.0, (kept + params) / bw - fwd) + fetch)
     exposed += plain * (max(0.0, params / bw - fwd) + max(0.0, params / bw - bwd))
     return exposed
 

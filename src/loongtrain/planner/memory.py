@@ -47,9 +47,12 @@ loss's), the backward of the first layer it reaches (every layer's kept tensors,
 layer's recompute working set), of the last (one layer's kept tensors, the other layers'
 sharded gradients) and the optimizer step. ``MemoryOptions`` change exactly their terms:
 ``mlp_tile`` replaces the per-token MLP intermediates by one tile's, ``loss_chunk`` the
-logits by one chunk's, ``offload_activations`` keeps about two layers of kept tensors on
-the device (all of them on the host), ``offload_states`` moves parameters, gradients and
-optimizer states to the host.
+logits by one chunk's, ``offload_activations`` keeps two layers of kept tensors on the
+device in forward (the layer in use and the one being copied out) and one through a layer's
+attention and MLP backward (``apply/offload.py`` brings the previous layer's back once the
+attention's backward is done: a third backward phase, the projections' backward beside the
+prefetched layer, is priced too), all of them on the host; ``offload_states`` moves
+parameters, gradients and optimizer states to the host.
 """
 
 from __future__ import annotations
@@ -62,8 +65,9 @@ from loongtrain.model.config import ModelConfig
 from loongtrain.planner.cost import Candidate, Workload, replicated_kv_heads
 from loongtrain.planner.zero import shard_degree
 
-#: checkpointed layers' kept tensors on the device with ``offload_activations``: the layer
-#: in use and the one being copied (forward) or prefetched (backward)
+#: checkpointed layers' kept tensors on the device with ``offload_activations`` in forward:
+#: the layer in use and the one being copied out (in backward: the layer in use, and the
+#: one prefetched while its q/k/v projections' backward runs)
 OFFLOAD_LAYERS_ON_DEVICE = 2
 #: fp32 [chunk, V] temporaries of one loss chunk (logits copy, softmax, its gradient)
 LOSS_CHUNK_TEMPORARIES = 3
@@ -247,10 +251,12 @@ def memory_phases(
     # -- host: offloaded kept tensors (all checkpointed layers) and model states
     host = 0.0
     kept_ckpt_layer = mine.kept * tokens if mine else 0.0
-    on_device_ckpt = n_ckpt
+    on_device_ckpt = backward_ckpt = n_ckpt
+    prefetched = 0.0  # the previous layer's kept tensors, back on the device during the projections' backward
     if mem.offload_activations and n_ckpt:
         host += n_ckpt * kept_ckpt_layer
         on_device_ckpt = min(n_ckpt, OFFLOAD_LAYERS_ON_DEVICE)
+        backward_ckpt, prefetched = 1, kept_ckpt_layer
     if mem.offload_states:
         host += 16.0 * p_total / shard
 
@@ -268,6 +274,7 @@ def memory_phases(
     root = p_root * e  # gathered from forward to backward (its fp32 shard is copied in only at the start)
 
     kept_all = on_device_ckpt * kept_ckpt_layer + n_plain * plain.kept * tokens
+    kept_backward = backward_ckpt * kept_ckpt_layer + n_plain * plain.kept * tokens
 
     # -- the loss
     loss: dict[str, float] = {**fixed, "root": root, "kept": kept_all}
@@ -294,9 +301,13 @@ def memory_phases(
             mlp_phase += e * m.dim + ((4.0 + e) * m.dim + 6.0 * e * m.ffn_dim) * tile / tokens
         return max(mlp_phase, attn_phase) * tokens
 
-    work = 0.0
+    # after the attention's backward: the residual's gradient, the gradients of q, k, v, and
+    # RoPE's output or the projections' input gradient; beside the prefetched previous layer
+    q_bytes, kv_bytes = e * m.n_heads * m.head_dim, 2 * e * m.n_kv_heads * m.head_dim
+    projections = (e * m.dim + q_bytes + kv_bytes + max(q_bytes, e * m.dim)) * tokens + prefetched
+    work = projections
     if mine:
-        work = working(mine)
+        work = max(work, working(mine))
     if n_plain:  # a layer without checkpointing: its saved set is in kept already
         work = max(work, working(plain))
     layer_grads = p_layer * e + (4.0 * p_layer / shard if mem.offload_states else 0.0)
@@ -310,7 +321,7 @@ def memory_phases(
         "root": root,
         "root gradient": p_output * e,
     }
-    first = {**backward_common, "kept": kept_all, "layer backward": work}
+    first = {**backward_common, "kept": kept_backward, "layer backward": work}
     last_kept = kept_ckpt_layer if n_ckpt else plain.kept * tokens
     sharded_grads = 0.0 if mem.offload_states else 4.0 * p_layer / shard * (m.n_layers - 1)
     last = {**backward_common, "grads": sharded_grads, "kept": last_kept, "layer backward": work}
