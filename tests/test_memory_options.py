@@ -201,10 +201,10 @@ def test_offload_frees_the_device_copy_of_each_block_input(mode):
     did, would keep every layer's input on the device). Backward then equals no offload."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
+    from loongtrain.apply import materialize
     from loongtrain.apply.activation_checkpoint import apply_activation_checkpoint
     from loongtrain.apply.offload import ActivationOffload
     from loongtrain.model import build_model, model_config
-    from loongtrain.apply import materialize
 
     mcfg = model_config("debug", n_layers=3)
     tokens = torch.randint(0, mcfg.vocab_size, (1, 33), generator=torch.Generator().manual_seed(0))
@@ -213,9 +213,12 @@ def test_offload_frees_the_device_copy_of_each_block_input(mode):
         model = build_model(mcfg)
         materialize(model, torch.device("cpu"), 3)
         apply_activation_checkpoint(model, mode, offload=ActivationOffload(torch.device("cpu")) if offload else None)
-        inputs = []
-        hooks = [layer.register_forward_pre_hook(lambda m, args: inputs.append(StorageWeakRef(args[0].untyped_storage())))
-                 for layer in model.layers]  # fmt: skip
+        inputs: list[StorageWeakRef] = []
+
+        def record(module, args, inputs=inputs):
+            inputs.append(StorageWeakRef(args[0].untyped_storage()))
+
+        hooks = [layer.register_forward_pre_hook(record) for layer in model.layers]
         loss, _ = model(tokens[:, :-1], torch.arange(32), labels=tokens[:, 1:])
         for h in hooks:
             h.remove()

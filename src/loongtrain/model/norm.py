@@ -95,7 +95,8 @@ class _RMSNormFunction(torch.autograd.Function):
         grad_x = torch.empty_like(x)
         grad_weight = None
         for rows in tiles(x.shape[1]):
-            grad_x[:, rows], part = rms_norm_backward(grad_out[:, rows], x[:, rows], weight, rstd[:, rows], needs_weight)
+            xt, rt = x[:, rows], rstd[:, rows]
+            grad_x[:, rows], part = rms_norm_backward(grad_out[:, rows], xt, weight, rt, needs_weight)
             grad_weight = sum_parts(grad_weight, part)
         return grad_x, None if grad_weight is None else grad_weight.to(weight.dtype), None
 
