@@ -54,9 +54,9 @@ class _NormedProjections(torch.autograd.Function):
     """RMSNorm then the q, k, v projections of its output, saving only the norm's input (the
     block input, kept anyway) and its fp32 ``1 / rms``: the normalised input, ``[T, dim]``,
     never exists for the whole sequence. Forward and backward run over tiles of
-    :data:`TOKEN_TILE` tokens (backward recomputes the tile's normalised input), so the
-    float32 temporaries exist for one tile at a time (weight gradients summed in float32
-    over tiles)."""
+    :data:`~loongtrain.model.norm.TOKEN_TILE` tokens (backward recomputes the tile's
+    normalised input), so the float32 temporaries exist for one tile at a time (weight
+    gradients summed in float32 over tiles)."""
 
     @staticmethod
     def forward(ctx, x, norm_weight, eps, wq, bq, wk, bk, wv, bv):
@@ -112,9 +112,10 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class _Rope(torch.autograd.Function):
-    """:func:`_rotate` over tiles of :data:`TOKEN_TILE` tokens (its float32 temporaries, several
-    times the size of ``x``, exist for one tile at a time); saves only cos/sin. A rotation's
-    gradient is the inverse rotation: the same function with ``-sin``."""
+    """:func:`_rotate` over tiles of :data:`~loongtrain.model.norm.TOKEN_TILE` tokens (its
+    float32 temporaries, several times the size of ``x``, exist for one tile at a time);
+    saves only cos/sin. A rotation's gradient is the inverse rotation: the same function
+    with ``-sin``."""
 
     @staticmethod
     def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -124,8 +125,8 @@ class _Rope(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         cos, sin = ctx.saved_tensors
-        rows_of = over_tiles(lambda rows: (_rotate(grad[:, rows], cos[:, rows], -sin[:, rows]),), grad.shape[1])
-        return rows_of[0], None, None
+        (grad_x,) = over_tiles(lambda rows: (_rotate(grad[:, rows], cos[:, rows], -sin[:, rows]),), grad.shape[1])
+        return grad_x, None, None
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -102,6 +102,8 @@ class _RMSNormFunction(torch.autograd.Function):
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension with a learned weight (:class:`_RMSNormFunction`)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
