@@ -161,11 +161,10 @@ def _setup(
     state: ParallelState, q_h: Tensor, causal: bool, scale: float, cu_seqlens: Tensor | None, sliding_window: int
 ) -> RingSetup:
     """The ring of this call: the plain zigzag ring, or the mask plan of the batch's layout
-    (found again from its boundaries) under its documents and the sliding window."""
+    (found again from its boundaries) under its documents and the sliding window; the
+    layout's :meth:`~loongtrain.attention.layout.SequenceLayout.mask_plan` decides which."""
     seq_len = q_h.shape[1] * state.cp
-    masks = None
-    if cu_seqlens is not None or state.config.balance != "zigzag" or 0 < sliding_window < seq_len:
-        masks = layout_of_op(state.config, seq_len, cu_seqlens).mask_plan(causal, sliding_window)
+    masks = layout_of_op(state.config, seq_len, cu_seqlens).mask_plan(causal, sliding_window)
     sliding = masks.sliding_window if masks is not None else None
     return RingSetup.from_state(state, causal=causal, scale=scale, masks=masks, sliding_window=sliding)
 
