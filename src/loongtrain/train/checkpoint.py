@@ -120,6 +120,22 @@ def structure_problem(path: Path) -> str | None:
     return None
 
 
+def listed_files(path: Path) -> list[str]:
+    """The files ``checksums.json`` of the checkpoint ``path`` lists, sorted (none if unreadable)."""
+    return sorted((_read_json(Path(path) / CHECKSUM_FILE) or {}).keys())
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the checkpoint ``path`` cannot be trusted (a missing, truncated or corrupted file
+    against its ``checksums.json``), or None if it is intact: one process checks every file
+    (:meth:`CheckpointManager.problem` is the same check with the checksums split over ranks)."""
+    trouble = structure_problem(path)
+    if trouble is not None:
+        return trouble
+    problems = checksum_problems(path, listed_files(path))
+    return problems[0] if problems else None
+
+
 def checksum_problems(path: Path, names: list[str]) -> list[str]:
     """The files among ``names`` whose SHA-256 differs from ``checksums.json``."""
     listed = _read_json(Path(path) / CHECKSUM_FILE) or {}
@@ -336,7 +352,7 @@ class CheckpointManager:
         names = None
         if rank == 0:
             trouble = structure_problem(path)
-            names = trouble if trouble is not None else sorted((_read_json(path / CHECKSUM_FILE) or {}).keys())
+            names = trouble if trouble is not None else listed_files(path)
         names = broadcast_object(names)
         if isinstance(names, str):
             return names

@@ -43,8 +43,7 @@ from loongtrain.train.checkpoint import (
     CHECKSUM_FILE,
     STATE_FILE,
     CheckpointManager,
-    checksum_problems,
-    structure_problem,
+    checkpoint_problem,
 )
 from loongtrain.train.model_setup import SOURCE_DIR
 
@@ -114,17 +113,6 @@ def _load_checkpoint_tensors(step_dir: Path, state: dict[str, torch.Tensor]) -> 
             f"{step_dir}: reading the checkpoint's weights failed ({detail}); the checkpoint is damaged or "
             "incomplete, export another step-N"
         ) from None
-
-
-def checkpoint_problem(step_dir: Path) -> str | None:
-    """Why the checkpoint ``step_dir`` cannot be trusted (a missing, truncated or corrupted file
-    against its ``checksums.json``; what a resume verifies), or None if it is intact."""
-    trouble = structure_problem(step_dir)
-    if trouble is not None:
-        return trouble
-    listed = sorted(json.loads((step_dir / CHECKSUM_FILE).read_text()))
-    problems = checksum_problems(step_dir, listed)
-    return problems[0] if problems else None
 
 
 def resolve_checkpoint(path: str | Path, say: Callable[[str], None] = _say) -> Path:
