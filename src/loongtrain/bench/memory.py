@@ -340,12 +340,73 @@ def _headline(device: torch.device, args: argparse.Namespace, rows: list) -> Non
                          "bytes_per_token": slope, "worst_phase": phase, "reduction": base / slope})  # fmt: skip
 
 
+#: the trace's memory options: the long-sequence ones the one-device plans choose
+TRACE_OPTIONS = dict(activation_checkpoint="full", loss_chunk=1024, mlp_tile=2048, offload_activations=True)
+
+
+def _trace(device: torch.device, args: argparse.Namespace, rows: list) -> None:
+    """The tensors alive at the peak of one bf16 forward+backward (hp = cp = 1, the long-sequence
+    options), grouped by the line of code that made them, beside the planner's terms."""
+    from loongtrain.bench.trace import LiveTensors, by_line
+    from loongtrain.planner.cost import Candidate
+    from loongtrain.planner.memory import predict_peak_memory
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state = init_parallel(ParallelConfig(dp=world), verify_inputs=False)
+    # the model of the planner-memory test's tracked peaks (tests/test_planner_memory.py)
+    mcfg = model_config("debug", vocab_size=1024, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=704)
+    options, seq = MemoryOptions(**TRACE_OPTIONS), args.trace_seq
+    model = parallelize(build_model(mcfg), state, memory=options, param_dtype=torch.bfloat16)
+    materialize(model, device, seed=0)
+    batch = _batch(seq, mcfg.vocab_size, seed=state.coords.dp).to(device)
+    shard = shard_microbatch(batch, state)
+    total = agree_and_count([batch], [shard], state)
+    live = LiveTensors()
+    for i, layer in enumerate(model.layers):
+
+        def done(m, args, out, i=i):
+            if out.requires_grad:
+                out.register_hook(lambda g, i=i: setattr(live, "phase", f"backward {i}"))
+
+        layer.register_forward_hook(done)
+    with live:
+        live.phase = "forward"
+        loss, _ = model(shard.tokens, shard.positions, shard.layout, labels=shard.labels)
+        live.phase = "loss backward"
+        (loss / total).backward()
+    del model
+    release_memory(device)
+    host = sum(m.nbytes for m in live.snapshot if m.where.startswith("apply/offload.py") and "to_host" in m.where)
+    candidate = Candidate.of(dp=world, zero="dp_sp", **TRACE_OPTIONS)
+    predicted = predict_peak_memory(mcfg, seq, 1, 2, candidate, optimizer=False, gpu=False)
+    if rank != 0:
+        return
+    tokens = shard.tokens.numel()
+    print(f"\n[3] trace: what is alive at the peak of one bf16 forward+backward, vocabulary {mcfg.vocab_size}, "
+          f"dim 256, 4 layers, S={seq} on {world} process(es) (hp=1 cp=1), {_options_text(TRACE_OPTIONS)}; "
+          f"storages of 64 KiB or more made during the step, by the line that made them (bytes per token of "
+          f"the rank's {tokens}); the offload's host copies are outside a GPU's memory and left out")  # fmt: skip
+    print(f"peak of what the step made: {(live.peak - host) / MiB:.1f} MiB in '{live.peak_phase}'; the planner's "
+          f"peak phase '{predicted.phase}', its terms in bytes per token: "
+          + ", ".join(f"{k} {v / tokens:.0f}" for k, v in predicted.terms if v / tokens >= 1))  # fmt: skip
+    print(f"{'bytes/token':>11s} {'count':>5s}  {'op':48s} made at")
+    for where, op, count, nbytes in by_line([m for m in live.snapshot if "to_host" not in m.where]):
+        print(f"{nbytes / tokens:11.0f} {count:5d}  {op:48s} {where}")
+        rows.append({"part": "trace", "where": where, "op": op, "count": count, "bytes": nbytes, "tokens": tokens})
+
+
+def _options_text(options: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in options.items())
+
+
 def _bench_rank(device: torch.device, args: argparse.Namespace) -> None:
     rows: list = []
     if "grid" in args.parts:
         _grid(device, args, rows)
     if "headline" in args.parts:
         _headline(device, args, rows)
+    if "trace" in args.parts:
+        _trace(device, args, rows)
     if dist.get_rank() == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
@@ -357,7 +418,9 @@ def _lengths(text: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=4)
-    parser.add_argument("--parts", nargs="+", default=["grid", "headline"], choices=["grid", "headline"])
+    parser.add_argument("--parts", nargs="+", default=["grid", "headline"], choices=["grid", "headline", "trace"],
+                        help="grid, headline (the default: both); trace: what is alive at a bf16 peak")  # fmt: skip
+    parser.add_argument("--trace-seq", type=int, default=16384, help="the trace's sequence length (16384)")
     parser.add_argument("--grid-seqs", type=_lengths, default=[2048, 4096], help="grid sequence lengths (2048,4096)")
     parser.add_argument("--grid-vocab", type=int, default=8192, help="grid vocabulary (8192)")
     parser.add_argument("--headline-seqs", type=_lengths, default=[4096, 8192], help="the two lengths (4096,8192)")

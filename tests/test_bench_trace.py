@@ -1,0 +1,45 @@
+"""The peak tracer of `loongtrain bench memory --parts trace`: which storages are alive at the
+largest moment, counted against what the code below allocates and frees by hand, and
+loongtrain's custom attention ops seen from the inside."""
+
+from __future__ import annotations
+
+import torch
+
+from loongtrain.attention.ops import ATTENTION_OPS
+from loongtrain.bench.trace import LiveTensors, _python_implementations, by_line
+
+MiB = 2**20
+
+
+def test_the_snapshot_is_what_is_alive_at_the_largest_moment():
+    x = torch.randn(1024, 256)  # 1 MiB, made before the block: not seen
+    with LiveTensors() as live:
+        live.phase = "one"
+        a = x * 2  # 1 MiB alive
+        b = a + 1  # 2
+        del a  # 1
+        live.phase = "two"
+        c = b * 3  # 2
+        d = torch.cat([b, c])  # 4: the peak (b, c, d)
+        del b, c, d  # 0
+        e = torch.ones(3 * 1024, 256)  # 3, less than the peak
+        small = torch.ones(8)  # under min_bytes: not counted
+    assert live.peak == 4 * MiB and live.peak_phase == "two"
+    assert sorted((m.op, m.shape, m.nbytes, m.phase) for m in live.snapshot) == [
+        ("aten.add.Tensor", (1024, 256), MiB, "one"),
+        ("aten.cat.default", (2048, 256), 2 * MiB, "two"),
+        ("aten.mul.Tensor", (1024, 256), MiB, "two"),
+    ]
+    rows = by_line(live.snapshot)
+    assert [(op, count, nbytes) for _, op, count, nbytes in rows][0] == ("aten.cat.default", 1, 2 * MiB)
+    assert sum(nbytes for *_, nbytes in rows) == live.peak
+    del e, small
+
+
+def test_loongtrain_attention_ops_run_their_python_code_under_the_tracer():
+    impls = _python_implementations()
+    forward_ops = set(ATTENTION_OPS)
+    assert forward_ops <= set(impls)
+    assert len(impls) == 2 * len(forward_ops)  # each op and its backward
+    assert all(callable(fn) for fn in impls.values())
