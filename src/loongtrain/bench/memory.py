@@ -34,6 +34,7 @@ import os
 import statistics
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -115,6 +116,25 @@ def _mark(name: str) -> None:
 PHASE = "loongtrain-phase:"
 
 
+def phase_hooks(model: torch.nn.Module, mark: Callable[[str], None]) -> list:
+    """Hooks on ``model`` that call ``mark(phase)`` as a step enters each phase: the embedding,
+    each layer's forward, the loss, each layer's backward (its recompute included). Returns
+    the handles."""
+    hooks = [model.register_forward_pre_hook(lambda m, a: mark("embedding")),
+             model.norm.register_forward_hook(lambda m, a, out: mark("loss"))]  # fmt: skip
+    for i, layer in enumerate(model.layers):
+
+        def start(m, args, i=i):
+            mark(f"forward {i}")
+
+        def done(m, args, out, i=i):
+            if out.requires_grad:
+                out.register_hook(lambda g, i=i: mark(f"backward {i}"))
+
+        hooks += [layer.register_forward_pre_hook(start), layer.register_forward_hook(done)]
+    return hooks
+
+
 class TensorPeak:
     """``with TensorPeak(device, model) as peak: ...`` then ``peak.bytes``: the most tensor
     bytes allocated at once during the block (allocation tracking, see the module docstring),
@@ -127,21 +147,6 @@ class TensorPeak:
         self.phases: dict[str, int] = {}
         self._hooks: list = []
 
-    def _install(self, model: torch.nn.Module) -> None:
-        self._hooks.append(model.register_forward_pre_hook(lambda m, a: _mark("embedding")))
-        self._hooks.append(model.norm.register_forward_hook(lambda m, a, out: _mark("loss")))
-        for i, layer in enumerate(model.layers):
-
-            def start(m, args, i=i):
-                _mark(f"forward {i}")
-
-            def done(m, args, out, i=i):
-                if out.requires_grad:
-                    out.register_hook(lambda g, i=i: _mark(f"backward {i}"))  # its backward (recompute included)
-
-            self._hooks.append(layer.register_forward_pre_hook(start))
-            self._hooks.append(layer.register_forward_hook(done))
-
     def __enter__(self) -> TensorPeak:
         gc.collect()
         if self.device.type != "cpu":
@@ -149,7 +154,7 @@ class TensorPeak:
             torch.accelerator.reset_peak_memory_stats(self.device)
             return self
         if self.model is not None:
-            self._install(self.model)
+            self._hooks = phase_hooks(self.model, _mark)
         self.base = live_tensor_bytes()
         self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
         with _quiet_stderr():
@@ -223,6 +228,17 @@ def measure(
     return result
 
 
+def _forward_backward(model: torch.nn.Module, batch: Microbatch, state) -> int:
+    """One forward and backward of ``batch`` on this rank's shard; returns the bytes the
+    activation offload held on the host between the two."""
+    shard = shard_microbatch(batch, state)
+    total = agree_and_count([batch], [shard], state)
+    loss, _ = model(shard.tokens, shard.positions, shard.layout, labels=shard.labels)
+    host = model.activation_offload.host_bytes() if model.activation_offload is not None else 0
+    (loss / total).backward()
+    return host
+
+
 def _measure(mcfg, state, options: MemoryOptions, seq: int, device, train: bool, zero: str, param_dtype) -> dict:
     model = parallelize(build_model(mcfg), state, memory=options, zero=zero, param_dtype=param_dtype)
     materialize(model, device, seed=0)
@@ -230,11 +246,7 @@ def _measure(mcfg, state, options: MemoryOptions, seq: int, device, train: bool,
     batch = _batch(seq, mcfg.vocab_size, seed=state.coords.dp).to(device)
 
     def step() -> int:
-        shard = shard_microbatch(batch, state)
-        total = agree_and_count([batch], [shard], state)
-        loss, _ = model(shard.tokens, shard.positions, shard.layout, labels=shard.labels)
-        host = model.activation_offload.host_bytes() if model.activation_offload is not None else 0
-        (loss / total).backward()
+        host = _forward_backward(model, batch, state)
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -359,44 +371,31 @@ def _trace(device: torch.device, args: argparse.Namespace, rows: list) -> None:
     model = parallelize(build_model(mcfg), state, memory=options, param_dtype=torch.bfloat16)
     materialize(model, device, seed=0)
     batch = _batch(seq, mcfg.vocab_size, seed=state.coords.dp).to(device)
-    shard = shard_microbatch(batch, state)
-    total = agree_and_count([batch], [shard], state)
+    tokens = batch.tokens.numel() // state.sp
     live = LiveTensors()
-    for i, layer in enumerate(model.layers):
-
-        def done(m, args, out, i=i):
-            if out.requires_grad:
-                out.register_hook(lambda g, i=i: setattr(live, "phase", f"backward {i}"))
-
-        layer.register_forward_hook(done)
+    phase_hooks(model, lambda phase: setattr(live, "phase", phase))
     with live:
-        live.phase = "forward"
-        loss, _ = model(shard.tokens, shard.positions, shard.layout, labels=shard.labels)
-        live.phase = "loss backward"
-        (loss / total).backward()
+        _forward_backward(model, batch, state)
     del model
     release_memory(device)
-    host = sum(m.nbytes for m in live.snapshot if m.where.startswith("apply/offload.py") and "to_host" in m.where)
+    on_device = [m for m in live.snapshot if "to_host" not in m.where]  # the offload's host copies left out
     candidate = Candidate.of(dp=world, zero="dp_sp", **TRACE_OPTIONS)
     predicted = predict_peak_memory(mcfg, seq, 1, 2, candidate, optimizer=False, gpu=False)
     if rank != 0:
         return
-    tokens = shard.tokens.numel()
     print(f"\n[3] trace: what is alive at the peak of one bf16 forward+backward, vocabulary {mcfg.vocab_size}, "
-          f"dim 256, 4 layers, S={seq} on {world} process(es) (hp=1 cp=1), {_options_text(TRACE_OPTIONS)}; "
+          f"dim 256, 4 layers, S={seq} on {world} process(es) (hp=1 cp=1), "
+          f"{', '.join(f'{k}={v}' for k, v in TRACE_OPTIONS.items())}; "
           f"storages of 64 KiB or more made during the step, by the line that made them (bytes per token of "
           f"the rank's {tokens}); the offload's host copies are outside a GPU's memory and left out")  # fmt: skip
-    print(f"peak of what the step made: {(live.peak - host) / MiB:.1f} MiB in '{live.peak_phase}'; the planner's "
+    made = sum(m.nbytes for m in on_device)
+    print(f"peak of what the step made: {made / MiB:.1f} MiB in '{live.peak_phase}'; the planner's "
           f"peak phase '{predicted.phase}', its terms in bytes per token: "
           + ", ".join(f"{k} {v / tokens:.0f}" for k, v in predicted.terms if v / tokens >= 1))  # fmt: skip
     print(f"{'bytes/token':>11s} {'count':>5s}  {'op':48s} made at")
-    for where, op, count, nbytes in by_line([m for m in live.snapshot if "to_host" not in m.where]):
+    for where, op, count, nbytes in by_line(on_device):
         print(f"{nbytes / tokens:11.0f} {count:5d}  {op:48s} {where}")
         rows.append({"part": "trace", "where": where, "op": op, "count": count, "bytes": nbytes, "tokens": tokens})
-
-
-def _options_text(options: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in options.items())
 
 
 def _bench_rank(device: torch.device, args: argparse.Namespace) -> None:
@@ -431,4 +430,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> None:
     if len(args.headline_seqs) != 2 or args.headline_seqs[0] >= args.headline_seqs[1]:
         raise SystemExit("loongtrain bench memory: --headline-seqs takes two increasing lengths, e.g. 1024,2048")
+    if "trace" in args.parts and (args.trace_seq < 2 or args.trace_seq % 2):
+        raise SystemExit(f"loongtrain bench memory: --trace-seq {args.trace_seq} must be a positive even length "
+                         "(one sequence of hp=1 x cp=1 cut into two zigzag chunks), e.g. 16384")  # fmt: skip
     launch(_bench_rank, args.nproc, args)

@@ -94,10 +94,14 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.head_dim_override or self.dim // self.n_heads
 
+    def qkv_params(self) -> int:
+        """Weights of one layer's q, k and v projections."""
+        return self.dim * (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+
     def layer_matmul_params(self) -> int:
         """Weights of one layer's matmuls: the q, k, v, o projections and the SwiGLU MLP."""
-        d, q, kv = self.dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        return d * q + 2 * d * kv + q * d + 3 * d * self.ffn_dim
+        d, q = self.dim, self.n_heads * self.head_dim
+        return self.qkv_params() + q * d + 3 * d * self.ffn_dim
 
     def layer_params(self) -> int:
         """All parameters of one layer: its matmuls, its two RMSNorm weights, and the q/k/v

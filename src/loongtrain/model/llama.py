@@ -29,7 +29,16 @@ from loongtrain.attention.layout import SequenceLayout
 from loongtrain.attention.local import masked_attention
 from loongtrain.model.config import ModelConfig, RopeScaling
 from loongtrain.model.loss import lm_loss, token_scores
-from loongtrain.model.norm import RMSNorm, over_tiles, rms_norm, rms_norm_backward, sum_parts, tiles
+from loongtrain.model.norm import (
+    RMSNorm,
+    cast_like,
+    normalize,
+    over_tiles,
+    rms_norm,
+    rms_norm_backward,
+    sum_parts,
+    tiles,
+)
 from loongtrain.model.rope import rope_frequencies
 from loongtrain.model.tiled_mlp import normed_swiglu
 
@@ -76,8 +85,8 @@ class _NormedProjections(torch.autograd.Function):
         sums: list[Tensor | None] = [None] * 7  # norm weight, then (weight, bias) of q, k, v
         for rows in tiles(x.shape[1]):
             xt, rt = x[:, rows], rstd[:, rows]
-            normed = xt.float() * rt
-            h = (normed.type_as(x) * norm_weight).flatten(0, -2)
+            h, normed = normalize(xt, rt, norm_weight)
+            h = h.flatten(0, -2)
             grads = [g[:, rows].flatten(0, -2) for g in (dq, dk, dv)]
             grad_h = grads[0].mm(wq)
             grad_h.addmm_(grads[1], wk).addmm_(grads[2], wv)  # accumulated in place
@@ -87,8 +96,7 @@ class _NormedProjections(torch.autograd.Function):
             del h
             grad_x[:, rows], parts[0] = rms_norm_backward(grad_h.view_as(xt), xt, norm_weight, rt, needs[1], normed)
             sums = [sum_parts(total, part) for total, part in zip(sums, parts)]
-        dtypes = [norm_weight.dtype] + [w.dtype for w in (wq, wk, wv) for _ in range(2)]
-        typed = [None if t is None else t.to(dtype) for t, dtype in zip(sums, dtypes)]
+        typed = cast_like(sums, [norm_weight, wq, wq, wk, wk, wv, wv])  # a bias has its weight's dtype
         return grad_x, typed[0], None, *typed[1:]
 
 

@@ -61,6 +61,18 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     return (x32 * rstd).type_as(x) * weight, rstd
 
 
+def normalize(x: Tensor, rstd: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+    """``(output, float32 normalised x)`` of :func:`rms_norm` given ``x``'s ``1 / rms``: what a
+    backward that saved only ``x`` and ``rstd`` recomputes."""
+    normed = x.float() * rstd
+    return normed.type_as(x) * weight, normed
+
+
+def cast_like(sums: list[Tensor | None], params: list[Tensor]) -> list[Tensor | None]:
+    """Float32 gradient sums (None: not needed) in the dtypes of the parameters they belong to."""
+    return [None if s is None else s.to(p.dtype) for s, p in zip(sums, params)]
+
+
 def rms_norm_backward(
     grad_out: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, weight_grad: bool, normed: Tensor | None = None
 ) -> tuple[Tensor, Tensor | None]:
@@ -98,7 +110,7 @@ class _RMSNormFunction(torch.autograd.Function):
             xt, rt = x[:, rows], rstd[:, rows]
             grad_x[:, rows], part = rms_norm_backward(grad_out[:, rows], xt, weight, rt, needs_weight)
             grad_weight = sum_parts(grad_weight, part)
-        return grad_x, None if grad_weight is None else grad_weight.to(weight.dtype), None
+        return grad_x, *cast_like([grad_weight], [weight]), None
 
 
 class RMSNorm(nn.Module):

@@ -17,7 +17,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from loongtrain.model.norm import RMSNorm, over_tiles, rms_norm, rms_norm_backward, sum_parts, tiles
+from loongtrain.model.norm import (
+    RMSNorm,
+    cast_like,
+    normalize,
+    over_tiles,
+    rms_norm,
+    rms_norm_backward,
+    sum_parts,
+    tiles,
+)
 
 Tensor = torch.Tensor
 
@@ -50,8 +59,8 @@ class TiledNormedSwiGLU(torch.autograd.Function):
         sums: list[Tensor | None] = [None] * 4  # norm weight, w1, w3, w2
         for rows in tiles(x.shape[1], ctx.tile):
             xt, rt = x[:, rows], rstd[:, rows]
-            normed = xt.float() * rt
-            h = (normed.type_as(x) * norm_weight).requires_grad_()
+            h, normed = normalize(xt, rt, norm_weight)
+            h.requires_grad_()
             with torch.enable_grad():
                 out = swiglu(h, *weights)
             wanted = [h, *(w for w in weights if w.requires_grad)]
@@ -61,7 +70,7 @@ class TiledNormedSwiGLU(torch.autograd.Function):
             del h, out
             grad_x[:, rows], parts[0] = rms_norm_backward(grad_h, xt, norm_weight, rt, needs[1], normed)
             sums = [sum_parts(total, p) for total, p in zip(sums, parts)]
-        typed = [None if t is None else t.to(w.dtype) for t, w in zip(sums, (norm_weight, w1, w3, w2))]
+        typed = cast_like(sums, [norm_weight, w1, w3, w2])
         return grad_x, typed[0], None, *typed[1:], None
 
 

@@ -104,7 +104,7 @@ def estimate(c: ClusterSpec, w: Workload, layout: Candidate) -> Estimate:
     mean_bwd = layer_bwd + redo * n_ckpt / n_layers
     zero = exposed_zero_seconds(z, n_layers, layer_fwd, mean_bwd)
     # the previous layer's kept tensors come back behind this layer's q/k/v projections' backward
-    qkv_bwd = 2 * lin * m.dim * (m.n_heads + 2 * m.n_kv_heads) * m.head_dim / m.layer_matmul_params()
+    qkv_bwd = 2 * lin * m.qkv_params() / m.layer_matmul_params()
     offload = _offload_seconds(c, w, layout, n_ckpt, layer_fwd, layer_bwd, layer_bwd + redo, qkv_bwd)
     micro = compute + a2a + ring + zero + offload
     steps = w.batch // (p.dp * w.micro_batch)
