@@ -133,10 +133,10 @@ def _release(state) -> None:
     """Destroy the process groups of ``state`` (every rank evicts the same state at the same call)."""
     import torch.distributed as dist
 
-    groups = [state.sp_group, state.dp_group, state.head_group, state.context_group]
+    groups = [state.sp_group, state.dp_group, state.head_group, state.context_group, state.dkv_group]
     for ring in (state.inner_ring, state.outer_ring):
         if ring is not None:
-            groups += [ring.kv_group, ring.dkv_group]
+            groups.append(ring.kv_group)
     for mesh in state.zero_meshes.values():
         groups += mesh.get_all_groups()
     for group in dict.fromkeys(g for g in groups if g is not None and g != dist.group.WORLD):

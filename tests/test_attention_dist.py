@@ -151,17 +151,18 @@ def _count_work(cfg: dict) -> dict:
 @pytest.mark.parametrize(
     "cfg, forward, backward",
     [
-        # 2x2 plain ring: 3 all-to-alls each way, cp-1 KV hops, cp dKV hops (the last one home)
+        # 2x2 plain ring: 3 all-to-alls each way, cp-1 KV hops, cp-1 dKV partials (the owner's stays)
         (
             {"hp": 2, "cp": 2},
             {"fwd.all_to_all": 3, "fwd.ring_kv": 1, "fwd.block": 2},
-            {"bwd.all_to_all": 3, "bwd.ring_kv": 1, "bwd.ring_dkv": 2, "bwd.block": 2},
+            {"bwd.all_to_all": 3, "bwd.ring_kv": 1, "bwd.ring_dkv": 1, "bwd.block": 2},
         ),
-        # double ring cp=4, ring_window=2: KV makes 1 outer + 2 inner hops; dKV 4 inner + 2 outer
+        # double ring cp=4, ring_window=2: KV makes 1 outer + 2 inner hops; dKV one partial per
+        # remote reader: 1 inside the window, 1 + 1 from the other window (chain, then home)
         (
             {"cp": 4, "ring_window": 2},
             {"fwd.ring_kv": 3, "fwd.block": 4},
-            {"bwd.ring_kv": 3, "bwd.ring_dkv": 6, "bwd.block": 4},
+            {"bwd.ring_kv": 3, "bwd.ring_dkv": 3, "bwd.block": 4},
         ),
         ({"hp": 4}, {"fwd.all_to_all": 3, "fwd.block": 1}, {"bwd.all_to_all": 3, "bwd.block": 1}),
     ],
@@ -169,6 +170,53 @@ def _count_work(cfg: dict) -> dict:
 def test_transfer_and_block_counts(dist_pool, cfg, forward, backward):
     for counts in dist_pool(4).run(_count_work, cfg):
         assert counts == {"forward": forward, "backward": backward}
+
+
+def _ring_bytes(cfg: dict, cu: list[int] | None) -> dict:
+    """Bytes this rank sent and received per kind in one forward + backward, and what the pure
+    routes of the batch's layout say they must be."""
+    from loongtrain.attention.routes import full_routes
+
+    state = cached_state(**cfg)
+    seq, heads, groups, d, batch = 64 * state.sp, 4, 2, 8, 2
+    layout = lt.sequence_layout(seq, state, cu)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(batch, seq, h, d, generator=gen) for h in (heads, groups, groups))
+    q_l, k_l, v_l = (lt.shard_sequence(x, state, layout=layout).requires_grad_() for x in (q, k, v))
+    state.stats.reset()
+    lt.head_context_attention(q_l, k_l, v_l, state, layout=layout).sum().backward()
+    plan = layout.mask_plan(True, None)
+    routes = full_routes(state.config) if plan is None else plan.routes(state.config)
+    c = state.coords.context
+    block = 2 * batch * (seq // state.cp) * (max(groups, state.hp) // state.hp) * d * 4  # stacked K/V, fp32
+    expected = {
+        "fwd.ring_kv": (routes.kv_hops(c) * block, routes.kv_received(c) * block),
+        "bwd.ring_kv": (routes.kv_hops(c) * block, routes.kv_received(c) * block),
+        "bwd.ring_dkv": (routes.dkv_partials(c) * block, routes.dkv_received(c) * block),
+    }
+    stats = state.stats
+    measured = {kind: (stats.bytes.get(kind, 0), stats.received.get(kind, 0)) for kind in expected}
+    return {"measured": measured, "expected": expected, "minimum": routes.minimum_transfers() * block}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("cfg", [{"cp": 4, "ring_window": 2}, {"hp": 2, "cp": 2, "ring_window": 2}, {"cp": 4}])
+def test_ring_bytes_follow_the_documents(dist_pool, cfg):
+    cfg = {**cfg, "balance": "locality"}
+    sp = cfg.get("hp", 1) * cfg["cp"]
+    seq = 64 * sp
+    # (a) documents of 32 tokens, each inside one rank's shard: no ring traffic at all
+    for r in dist_pool(4).run(_ring_bytes, cfg, list(range(0, seq + 1, 32))):
+        assert r["measured"] == r["expected"] == {k: (0, 0) for k in r["expected"]}
+    # (b) a document over half the sequence, then short ones: the bytes the routes give, and
+    # in total the minimum (one block per remote reader and pass)
+    rows = dist_pool(4).run(_ring_bytes, cfg, [0, *range(seq // 2, seq, 48), seq])
+    for r in rows:
+        assert r["measured"] == r["expected"]
+    hp = cfg.get("hp", 1)  # every head rank of a context index runs the same ring
+    sent = sum(r["measured"]["fwd.ring_kv"][0] for r in rows) // hp
+    assert sum(r["measured"]["bwd.ring_dkv"][0] for r in rows) // hp == rows[0]["minimum"]
+    assert 0 < sent <= 1.1 * rows[0]["minimum"]
 
 
 # -- packed documents and sliding windows ----------------------------------------------
@@ -271,6 +319,11 @@ MASK_CASES = [
     (4, {"hp": 2, "cp": 2}, 4, 2, 16, "inside", "lt_chunk", True, "documents", "bfloat16"),
     (4, {"cp": 4, "ring_window": 2}, 4, 2, 16, "long", None, True, "zigzag", "float16"),
     (4, {"hp": 2, "cp": 2, "ring_window": 2}, 4, 1, 16, "inside", "gt_shard", True, "documents", "float64"),
+    # the locality balance: documents whole or on runs of adjacent ranks, trimmed routes
+    (2, {"cp": 2}, 4, 2, 128, "tiny", None, True, "locality", "float32"),
+    (4, {"cp": 4, "ring_window": 2}, 4, 2, 32, "long", "lt_chunk", True, "locality", "float32"),
+    (4, {"hp": 2, "cp": 2, "ring_window": 2}, 4, 2, 32, "inside", None, True, "locality", "float32"),
+    (4, {"cp": 4}, 4, 1, 64, "tiny", "gt_shard", True, "locality", "float64"),
 ]  # fmt: skip
 
 MASK_SLOW_CASES = [
@@ -367,5 +420,6 @@ def test_empty_blocks_run_no_kernel_and_are_counted(dist_pool):
     for counts in dist_pool(4).run(_skipped_work):
         fwd, bwd = counts["forward"], counts["backward"]
         assert (fwd["fwd.block"], fwd["fwd.block_skipped"], fwd["fwd.step_skipped"]) == (1, 3, 3)
-        assert fwd["fwd.ring_kv"] == 3  # blocks still travel
+        assert "fwd.ring_kv" not in fwd  # nobody reads another rank's block: nothing travels
         assert (bwd["bwd.block"], bwd["bwd.block_skipped"], bwd["bwd.step_skipped"]) == (1, 3, 3)
+        assert "bwd.ring_kv" not in bwd and "bwd.ring_dkv" not in bwd

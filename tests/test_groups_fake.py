@@ -39,13 +39,19 @@ def test_groups_match_layout_at_scale(world, cfg, rank_fraction):
         assert _ranks(state.head_group) == size_or_none(layout.head_group(rank))
         # a ring group's ranks come back sorted; the ring order lives in send_to/recv_from
         assert _ranks(state.context_group) == size_or_none(tuple(sorted(layout.context_group(rank))))
+        if state.context_group is None:
+            assert state.dkv_group is None
+        else:  # the dK/dV communicator: the same members, its own group
+            assert _ranks(state.dkv_group) == _ranks(state.context_group)
+            assert state.dkv_group is not state.context_group
+        assert state.context_ranks == layout.context_group(rank)
         for link, members in ((state.inner_ring, layout.inner_ring(rank)), (state.outer_ring, layout.outer_ring(rank))):
             if len(members) == 1:
                 assert link is None
                 continue
             pos = members.index(rank)
-            assert _ranks(link.kv_group) == _ranks(link.dkv_group) == tuple(sorted(members))
-            assert link.kv_group is not link.dkv_group
+            assert _ranks(link.kv_group) == tuple(sorted(members))
+            assert link.kv_group is not state.dkv_group
             assert (link.send_to, link.recv_from) == (members[(pos + 1) % len(members)], members[pos - 1])
         assert set(state.zero_meshes) == set(ZERO_SCOPES)  # built by init_parallel, one per scope
         for scope, mesh in state.zero_meshes.items():

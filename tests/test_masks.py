@@ -4,12 +4,14 @@ single-process ring replay with masks (against float64 attention)."""
 
 from __future__ import annotations
 
+import bisect
+import math
 import random
 
 import pytest
 import torch
 
-from loongtrain.attention.balance import balance_documents
+from loongtrain.attention.balance import LOCALITY_IMBALANCE, balance_documents, balance_locality
 from loongtrain.attention.documents import as_boundaries, check_sliding_window, range_work
 from loongtrain.attention.mask_plan import BAND, CAUSAL, FULL, MaskPlan
 from loongtrain.attention.replay import RingReplay
@@ -86,6 +88,68 @@ def test_balancer_fixes_one_long_document_plus_short_ones():
         assert sum(n for _, n in chunks) == seq // cp and list(chunks) == sorted(chunks)
 
 
+def _lognormal(seq: int, median: int, seed: int) -> tuple[int, ...]:
+    rng, cu = random.Random(seed), [0]
+    while cu[-1] < seq:
+        cu.append(min(seq, cu[-1] + max(1, int(rng.lognormvariate(math.log(median), 1.0)))))
+    return tuple(cu)
+
+
+def _ranks_of_documents(found, cu) -> list[list[int]]:
+    """Context ranks holding some of each document, in document order."""
+    held: list[set] = [set() for _ in range(len(cu) - 1)]
+    for c, chunks in enumerate(found.chunks):
+        for start, length in chunks:
+            for pos in range(start, start + length):
+                held[bisect.bisect_right(cu, pos) - 1].add(c)
+    return [sorted(h) for h in held]
+
+
+def test_locality_is_zigzag_for_one_document():
+    for cp in (2, 4, 8):
+        found = balance_locality(64 * cp, cp, (0, 64 * cp))
+        flat = [[p for s, n in chunks for p in range(s, s + n)] for chunks in found.chunks]
+        assert flat == [[p for s, n in c for p in range(s, s + n)] for c in zigzag_sharding(64 * cp, 1, cp).content]
+
+
+def test_locality_keeps_documents_that_fit_whole():
+    seq, cp = 8192, 4
+    cu = tuple(range(0, seq + 1, 512))  # 16 equal documents: 4 whole ones per rank
+    found = balance_locality(seq, cp, cu)
+    assert all(len(ranks) == 1 for ranks in _ranks_of_documents(found, cu))
+    assert found.imbalance == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("seq, cp, median", [(32768, 4, 512), (65536, 8, 1024), (65536, 8, 4096), (16384, 2, 2048)])
+def test_locality_balances_work_and_keeps_documents_on_adjacent_ranks(seq, cp, median):
+    for seed in range(3):
+        cu = _lognormal(seq, median, seed)
+        found = balance_locality(seq, cp, cu)
+        assert found.imbalance <= LOCALITY_IMBALANCE, (seed, found.imbalance)
+        assert sum(found.loads) == range_work(cu, 0, seq)
+        for chunks in found.chunks:
+            assert sum(n for _, n in chunks) == seq // cp and list(chunks) == sorted(chunks)
+        docs = _ranks_of_documents(found, cu)
+        for d, ranks in enumerate(docs):
+            if len(ranks) in (1, cp):
+                continue
+            # a run of consecutive context ranks (wrapping around the ring); a document split to
+            # fill gaps may skip one full rank (which then relays its keys)
+            gaps = [(b - a) % cp for a, b in zip(ranks, ranks[1:] + ranks[:1])]
+            span = cp - max(gaps) + 1  # the shortest arc of the ring that holds them all
+            assert span <= len(ranks) + 1, (seed, d, ranks)
+        short = [ranks for (a, b), ranks in zip(zip(cu, cu[1:]), docs) if b - a <= seq // cp // 4]
+        if len(short) >= 10:  # short documents stay whole (the last few fill the ranks' gaps)
+            assert sum(len(r) == 1 for r in short) >= 0.8 * len(short)
+        # the ring carries no more than under the documents balance (far less with many documents)
+        ring = ParallelConfig(cp=cp, ring_window=cp)
+        plans = {b: MaskPlan(sequence_sharding(seq, 1, cp, cu, b), cu, True, None) for b in ("documents", "locality")}
+        hops = {b: sum(p.routes(ring).kv_hops(c) for c in range(cp)) for b, p in plans.items()}
+        assert hops["locality"] <= hops["documents"], (seed, hops)
+        if median <= 1024:
+            assert hops["locality"] <= 0.7 * hops["documents"], (seed, hops)
+
+
 def _positions(sharding, head: int, context: int) -> list[int]:
     return [p for s, n in sharding.ranges(head, context) for p in range(s, s + n)]
 
@@ -94,7 +158,7 @@ def test_sharding_partitions_the_sequence_for_every_balance():
     rng = random.Random(3)
     for _ in range(50):
         hp, cp, seq, cu = _random_case(rng)
-        for balance in ("zigzag", "documents"):
+        for balance in ("zigzag", "documents", "locality"):
             sharding = sequence_sharding(seq, hp, cp, cu, balance)
             seen = [p for c in range(cp) for h in range(hp) for p in _positions(sharding, h, c)]
             assert sorted(seen) == list(range(seq))

@@ -59,7 +59,7 @@ def test_linear_flops_and_params_by_hand():
     [
         # 2D, hp=4 > G=2 (KV replicated to 4 heads), S/sp = 8 tokens, bf16:
         # q 8*4*16*2 = 1024 B, kv 2*8*4*16*2 = 2048 B, out 1024 B; ring block 2*32*(4/4)*16 = 1024
-        # elements (2048 B bf16, 4096 B fp32), 1 KV hop, 2 dK/dV hops
+        # elements (2048 B bf16, 4096 B fp32), 1 KV hop, 1 dK/dV partial
         (
             4,
             2,
@@ -69,11 +69,11 @@ def test_linear_flops_and_params_by_hand():
                 "bwd.all_to_all": (3, 4096),
                 "fwd.ring_kv": (1, 2048),
                 "bwd.ring_kv": (1, 2048),
-                "bwd.ring_dkv": (2, 8192),
+                "bwd.ring_dkv": (1, 4096),
             },
         ),
-        # double ring cp=8, w=2: block 2*8*2*16 = 512 elements; 7 KV hops; dK/dV 8 inner + 4 outer hops
-        (1, 8, 2, {"fwd.ring_kv": (7, 7168), "bwd.ring_kv": (7, 7168), "bwd.ring_dkv": (12, 24576)}),
+        # double ring cp=8, w=2: block 2*8*2*16 = 512 elements; 7 KV hops; dK/dV one partial per remote reader
+        (1, 8, 2, {"fwd.ring_kv": (7, 7168), "bwd.ring_kv": (7, 7168), "bwd.ring_dkv": (7, 14336)}),
         # Ulysses hp=2: S/sp = 32 tokens: q 32*4*16*2 = 4096, kv 2*32*2*16*2 = 4096, out 4096
         (2, 1, 1, {"fwd.all_to_all": (3, 12288), "bwd.all_to_all": (3, 12288)}),
     ],
@@ -83,7 +83,7 @@ def test_comm_volume_by_hand(hp, cp, window, expected):
 
 
 @pytest.mark.parametrize(
-    "cp, window, hops", [(1, 1, 0), (4, 1, 4), (4, 4, 4), (4, 2, 6), (8, 2, 12), (8, 4, 10), (16, 8, 18)]
+    "cp, window, hops", [(1, 1, 0), (4, 1, 3), (4, 4, 3), (4, 2, 3), (8, 2, 7), (8, 4, 7), (16, 8, 15)]
 )
 def test_dkv_hops(cp, window, hops):
     assert dkv_hops(ParallelConfig(cp=cp, ring_window=window)) == hops
@@ -107,12 +107,17 @@ def test_ring_backward_schedule_by_hand():
         return nbytes
 
     assert ring_backward_seconds(1, 1, 1.0, hop, hop, 0.5, 1.0) == 1.0  # one block, nothing to send
-    # plain ring of 2: KV hop hidden, then the dK/dV hop during the next block, then the last one exposed
+    # plain ring of 2: KV hop hidden, then the other rank's partial goes home, exposed
     assert ring_backward_seconds(2, 1, 1.0, hop, hop, 0.5, 1.0) == 1.0 + 1.0 + 1.0
-    # inner ring of 2: step 0 sends KV (hidden), step 1 sends dK/dV (1 s), last dK/dV hop exposed
+    # inner ring of 2: step 0 sends KV (hidden), step 1's partial goes home, exposed
     assert ring_backward_seconds(1, 2, 1.0, hop, hop, 0.5, 1.0) == 1.0 + 1.0 + 1.0
-    # inner ring of 3: step 1 carries KV and dK/dV together (1.5 s > 1 s block)
-    assert ring_backward_seconds(1, 3, 1.0, hop, hop, 0.5, 1.0) == 1.0 + 1.5 + 1.0 + 1.0
+    # inner ring of 3: step 0's gradient stays with its owner, so step 1 carries KV only; step 2
+    # carries step 1's partial (1 s, hidden behind the block); the last partial's trip home exposed
+    assert ring_backward_seconds(1, 3, 1.0, hop, hop, 0.5, 1.0) == 1.0 + 1.0 + 1.0 + 1.0
+    # two windows of 2: window 0 is 2 s (its KV hops hidden); window 1's step 0 carries KV and
+    # the home hop of window 0's partial (1.5 s), its step 1 its own chain's partial (1 s,
+    # hidden); its total goes home across windows at the end (1 s)
+    assert ring_backward_seconds(2, 2, 1.0, hop, hop, 0.5, 1.0) == 2.0 + (1.5 + 1.0) + 1.0
 
 
 def test_ring_hop_time_by_link_and_nic_sharing():

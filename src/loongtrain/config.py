@@ -117,7 +117,8 @@ class ParallelSection:
     context_order: str = _f("contiguous", "ring window membership in the context group", CONTEXT_ORDERS)
     balance: str = _f(
         "zigzag",
-        "sequence layout over the sp group: zigzag (balanced for one document) or documents (from each packed batch)",
+        "sequence layout over the sp group: zigzag (balanced for one document), documents (from each packed "
+        "batch) or locality (documents whole or on runs of adjacent ranks: the ring carries only what they need)",
         BALANCES,
     )
     dp: int = _f(0, "data-parallel degree (0: world size // (hp*cp))")

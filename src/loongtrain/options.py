@@ -12,7 +12,7 @@ Placement = Literal["head_first", "context_first"]
 ContextOrder = Literal["contiguous", "interleaved"]
 ActivationCheckpoint = Literal["none", "full", "sc++"]
 ZeroScope = Literal["none", "dp", "sp", "dp_sp"]
-Balance = Literal["zigzag", "documents"]
+Balance = Literal["zigzag", "documents", "locality"]
 
 #: ``head_first``: a head group on consecutive ranks; ``context_first``: a context group.
 PLACEMENTS: tuple[str, ...] = get_args(Placement)

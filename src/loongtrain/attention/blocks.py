@@ -188,8 +188,10 @@ def forward_work(
     if isinstance(work, BlockKind):
         forward_block(q, kv, work, scale, acc)
         return True
+    if not work:  # nothing visible (the block may not even have come this far: ``kv`` None)
+        return False
     forward_calls(q, kv, work, causal, sliding_window, scale, acc)
-    return bool(work)
+    return True
 
 
 def backward_work(
@@ -207,6 +209,8 @@ def backward_work(
     """Gradients of one block's work: dq into ``dq_acc``; returns the dk/dv pieces (empty: no work)."""
     if isinstance(work, BlockKind):
         return [backward_block(dout, q, kv, out, lse, work, scale, dq_acc)]
+    if not work:
+        return []
     return backward_calls(dout, q, kv, out, lse, work, causal, sliding_window, scale, dq_acc)
 
 

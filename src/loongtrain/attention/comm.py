@@ -19,7 +19,12 @@ WAIT_LABEL = "loongtrain::comm_wait"
 
 
 class Pending:
-    """An in-flight transfer; ``wait()`` returns the received tensor (through ``finish``)."""
+    """An in-flight transfer; ``wait()`` returns the received tensor (through ``finish``).
+
+    Several handles may share one ``works`` list (the receives of one batch): the first
+    ``wait()`` waits and empties it, so each work is waited once (gloo blocks when a
+    finished point-to-point work is waited again).
+    """
 
     def __init__(self, works: list, result: torch.Tensor, finish=None) -> None:
         self._works = works
@@ -31,17 +36,10 @@ class Pending:
             with torch.profiler.record_function(WAIT_LABEL):  # what `loongtrain bench train` counts as waiting
                 for work in self._works:
                     work.wait()
-            self._works = []
+            self._works.clear()
         if self._finish is not None:
             self._result, self._finish = self._finish(self._result), None
         return self._result
-
-
-class Ready(Pending):
-    """A transfer that needed no communication (group of one)."""
-
-    def __init__(self, result: torch.Tensor) -> None:
-        super().__init__([], result)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -49,22 +47,50 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def ring_exchange(
-    send: torch.Tensor, link: RingLink, stats: AttentionStats, kind: str, *, dkv: bool = False
+    send: torch.Tensor | None,
+    link: RingLink,
+    stats: AttentionStats,
+    kind: str,
+    *,
+    recv: bool = True,
+    like: torch.Tensor | None = None,
 ) -> Pending:
-    """Send ``send`` to the next ring member and receive the previous member's tensor.
+    """Send ``send`` to the next ring member and/or receive the previous member's block.
 
-    ``dkv`` selects the gradient communicator of the ring instead of the KV one;
-    ``kind`` is the label counted in ``stats``.
+    Either side may be absent (a trimmed route, :mod:`loongtrain.attention.routes`): ``send``
+    None sends nothing, ``recv=False`` receives nothing (``wait()`` then returns None). The
+    receive buffer is shaped like ``like`` (default: ``send``). ``kind`` is the label
+    counted in ``stats``.
     """
-    send = send.contiguous()
-    recv = torch.empty_like(send)
-    group = link.dkv_group if dkv else link.kv_group
-    ops = [
-        dist.P2POp(dist.isend, send, peer=link.send_to, group=group),
-        dist.P2POp(dist.irecv, recv, peer=link.recv_from, group=group),
-    ]
-    stats.add(kind, _nbytes(send))
-    return Pending(dist.batch_isend_irecv(ops), recv)
+    sends = [] if send is None else [(send, link.send_to)]
+    works, buffers = post_p2p(sends, [link.recv_from] if recv else [], like, link.kv_group, stats, kind)
+    return Pending(works, buffers[0] if recv else None)
+
+
+def post_p2p(
+    sends: list[tuple[torch.Tensor, int]],
+    recvs: list[int],
+    like: torch.Tensor | None,
+    group: dist.ProcessGroup,
+    stats: AttentionStats,
+    kind: str,
+) -> tuple[list, list[torch.Tensor]]:
+    """Post ``sends`` (tensor, global peer) and receives from the global ranks ``recvs`` into
+    new buffers shaped like ``like`` (default: the first send) together, as one batch;
+    returns its works and the receive buffers (valid once the works are waited). Sends and
+    receives are counted in ``stats`` under ``kind``."""
+    ops = []
+    for tensor, peer in sends:
+        tensor = tensor.contiguous()
+        ops.append(dist.P2POp(dist.isend, tensor, peer=peer, group=group))
+        stats.add(kind, _nbytes(tensor))
+    buffers = []
+    for peer in recvs:
+        buffer = torch.empty_like(sends[0][0] if like is None else like)
+        ops.append(dist.P2POp(dist.irecv, buffer, peer=peer, group=group))
+        stats.add_received(kind, _nbytes(buffer))
+        buffers.append(buffer)
+    return (dist.batch_isend_irecv(ops) if ops else []), buffers
 
 
 def all_to_all_start(
@@ -77,6 +103,7 @@ def all_to_all_start(
     packed = packed.contiguous()
     out = torch.empty_like(packed)
     stats.add(kind, _nbytes(packed))
+    stats.add_received(kind, _nbytes(out))
     work = dist.all_to_all_single(out, packed, group=group, async_op=True)
     return Pending([work], out, finish)
 

@@ -8,17 +8,17 @@ step ``j`` and hides behind ``ring_window`` block computations; each inner trans
 behind one. ``ring_window == 1`` (outer ring only) and ``ring_window == cp`` (inner ring
 only) are the plain ring.
 
-Backward replays the same KV movement. Key/value gradients accumulate around the inner
-ring (one hop behind their block), arrive at their inner-ring position after the last inner
-hop, are added to what the previous ring windows accumulated (which came over the outer ring
-while the inner loop ran) and hop the outer ring; after the last outer step they are
-home. Query gradients accumulate locally in fp32.
+Backward replays the same KV movement. Query gradients accumulate locally in fp32; a
+key/value block's gradient stays with its owner for its own queries, and the other ranks
+that read it pass one float32 partial per ring window along their chain and send the
+window's total to the owner (:mod:`~loongtrain.attention.routes`).
 
 Under a document / sliding-window mask (``RingSetup.masks``) each step runs the calls of its
 (query block, key/value block) pair from the pure :class:`MaskPlan`; a pair with nothing
 visible runs no kernel (``*.block_skipped`` in ``state.stats``; ``*.step_skipped`` when
-the step is empty for every rank of the context group). Transfers always run: a block
-still travels on to the ranks that need it later.
+the step is empty for every rank of the context group). Transfers follow the mask's
+routes: a block travels only as far as its farthest reader, a partial only between ranks
+that read the block, so a microbatch whose documents each lie on one rank sends nothing.
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ from loongtrain.attention.blocks import (
     backward_work,
     forward_work,
 )
-from loongtrain.attention.comm import Pending, Ready, ring_exchange
+from loongtrain.attention.comm import Pending, post_p2p, ring_exchange
 from loongtrain.attention.kernels import block_backward
 from loongtrain.attention.mask_plan import MaskPlan
+from loongtrain.attention.routes import RingRoutes, full_routes
 from loongtrain.attention.schedule import BlockKind, block_kind, ring_source
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.state import ParallelState, RingLink
@@ -59,6 +60,13 @@ class RingSetup:
     stats: AttentionStats
     masks: MaskPlan | None = None  # document / sliding-window mask; None: plain causal or full zigzag ring
     sliding_window: int | None = None
+    dkv_group: object = None  # the context group's dK/dV communicator
+    context_ranks: tuple[int, ...] = ()  # global rank of each context index
+
+    @property
+    def routes(self) -> RingRoutes:
+        """Which transfers this call makes (every one, without a mask)."""
+        return full_routes(self.config) if self.masks is None else self.masks.routes(self.config)
 
     @classmethod
     def from_state(
@@ -80,6 +88,8 @@ class RingSetup:
             stats=state.stats,
             masks=masks,
             sliding_window=sliding_window,
+            dkv_group=state.dkv_group,
+            context_ranks=state.context_ranks,
         )
 
     def work(self, outer_step: int, inner_step: int) -> BlockWork:
@@ -97,9 +107,10 @@ class RingSetup:
         if (outer_step, inner_step) in self.masks.empty_steps(self.config):
             self.stats.add(f"{phase}.step_skipped")
 
-    def exchange(self, tensor: Tensor, inner: bool, kind: str, dkv: bool = False) -> Pending:
+    def exchange_kv(self, block: Tensor | None, hop, inner: bool, kind: str, like: Tensor) -> Pending:
+        """Send ``block`` on (if ``hop.send``) and receive the next one (if ``hop.recv``)."""
         link = self.inner if inner else self.outer
-        return ring_exchange(tensor, link, self.stats, kind, dkv=dkv)
+        return ring_exchange(block if hop.send else None, link, self.stats, kind, recv=hop.recv, like=like)
 
 
 def ring_forward(plan: RingSetup, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]:
@@ -108,20 +119,70 @@ def ring_forward(plan: RingSetup, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor
     ``kv`` is [2, B, Sc, G, d]. Returns ``out`` (q's dtype) and fp32 ``lse`` [B, Sc, H].
     """
     n, w = plan.config.n_ring_windows, plan.config.ring_window
+    routes, c = plan.routes, plan.context
     acc = OutputAccumulator(q)
     base = kv
     for j in range(n):
-        outer = plan.exchange(base, inner=False, kind="fwd.ring_kv") if j + 1 < n else None
+        outer = plan.exchange_kv(base, routes.kv_outer(c, j), False, "fwd.ring_kv", kv) if j + 1 < n else None
         cur = base
         for s in range(w):
-            inner = plan.exchange(cur, inner=True, kind="fwd.ring_kv") if s + 1 < w else None
-            ran = forward_work(q, cur, plan.work(j, s), plan.causal, plan.sliding_window, plan.scale, acc)
+            inner = plan.exchange_kv(cur, routes.kv_inner(c, j, s), True, "fwd.ring_kv", kv) if s + 1 < w else None
+            work = plan.work(j, s) if cur is not None else ()
+            ran = forward_work(q, cur, work, plan.causal, plan.sliding_window, plan.scale, acc)
             plan.count("fwd", ran, j, s)
             if inner is not None:
                 cur = inner.wait()
         if outer is not None:
             base = outer.wait()
     return acc.result(q.dtype)
+
+
+class _Gradients:
+    """The dK/dV side of one rank's backward: its own block's float32 gradient, the partials
+    it passes on, and the window totals it receives (:mod:`~loongtrain.attention.routes`)."""
+
+    def __init__(self, plan: RingSetup, kv: Tensor) -> None:
+        self.plan, self.routes = plan, plan.routes
+        self.own = torch.zeros(kv.shape, dtype=accum_dtype(kv.dtype), device=kv.device)
+        self.partials: dict[int, Pending] = {}  # block -> partial of this window's earlier readers
+        self.totals: list[tuple[int, Pending]] = []  # (slot posted, window total of the own block)
+        self.sent: Pending | None = None  # the previous slot's transfers (their buffers stay alive until done)
+
+    def step(self, slot: int, j: int, s: int, grads) -> None:
+        """After the compute of step ``(j, s)``: add or pass on its gradient, post the slot's transfers."""
+        plan, c = self.plan, self.plan.context
+        role = self.routes.dkv_role(c, j, s)
+        sends = []
+        if role.owner:
+            add_kv_grads(self.own, grads)
+        elif role.writes:
+            block = self.routes.source(c, j, s)
+            partial = self.partials.pop(block).wait() if role.incoming else torch.zeros_like(self.own)
+            add_kv_grads(partial, grads)
+            sends.append((partial, plan.context_ranks[role.send_to]))
+        arriving = [t for t in self.routes.dkv_sends(slot) if t.dst == c]
+        if sends or arriving:
+            peers = [plan.context_ranks[t.src] for t in arriving]
+            works, buffers = post_p2p(sends, peers, self.own, plan.dkv_group, plan.stats, "bwd.ring_dkv")
+            for t, buffer in zip(arriving, buffers):
+                pending = Pending(works, buffer)
+                if t.home:
+                    self.totals.append((slot, pending))
+                else:
+                    self.partials[t.block] = pending
+            previous, self.sent = self.sent, Pending(works, None)
+            if previous is not None:
+                previous.wait()
+        window = plan.config.ring_window
+        while self.totals and self.totals[0][0] + window <= slot:  # hidden behind a window's compute
+            self.own += self.totals.pop(0)[1].wait()
+
+    def result(self) -> Tensor:
+        for _, pending in self.totals:
+            self.own += pending.wait()
+        if self.sent is not None:
+            self.sent.wait()
+        return self.own
 
 
 def ring_backward(
@@ -137,50 +198,21 @@ def ring_backward(
         plan.count("bwd", True, 0, 0)
         causal = work is BlockKind.DIAGONAL
         return block_backward(dout, q, kv[0], kv[1], out, lse, causal=causal, scale=plan.scale, stacked=True)
+    routes, c = plan.routes, plan.context
     dq = torch.zeros(q.shape, dtype=accum_dtype(q.dtype), device=q.device)
+    grads_of = _Gradients(plan, kv)
     base = kv
-    tail: tuple[int, Pending] | None = None  # (outer step, its window total in flight)
-    outer_in: Pending | None = None  # gradient sum of earlier windows for the next block
-    inner_dkv: Pending | None = None
     for j in range(n):
-        outer_kv = plan.exchange(base, inner=False, kind="bwd.ring_kv") if j + 1 < n else None
+        outer_kv = plan.exchange_kv(base, routes.kv_outer(c, j), False, "bwd.ring_kv", kv) if j + 1 < n else None
         cur = base
         for s in range(w):
-            inner_kv = plan.exchange(cur, inner=True, kind="bwd.ring_kv") if s + 1 < w else None
-            grads = backward_work(
-                dout, q, cur, out, lse, plan.work(j, s), plan.causal, plan.sliding_window, plan.scale, dq
-            )
+            inner_kv = plan.exchange_kv(cur, routes.kv_inner(c, j, s), True, "bwd.ring_kv", kv) if s + 1 < w else None
+            work = plan.work(j, s) if cur is not None else ()
+            grads = backward_work(dout, q, cur, out, lse, work, plan.causal, plan.sliding_window, plan.scale, dq)
             plan.count("bwd", bool(grads), j, s)
-            if s == 0:
-                partial = torch.zeros(kv.shape, dtype=accum_dtype(kv.dtype), device=kv.device)
-            else:
-                partial = inner_dkv.wait()
-            add_kv_grads(partial, grads)
-            if tail is not None:  # finish the previous outer step behind this block's compute
-                outer_in = _finish_outer_step(plan, *tail, outer_in)
-                tail = None
-            if w > 1:
-                # For s == w-1 this hop brings each block's window total to its position.
-                inner_dkv = plan.exchange(partial, inner=True, kind="bwd.ring_dkv", dkv=True)
+            grads_of.step(j * w + s, j, s, grads)
             if inner_kv is not None:
                 cur = inner_kv.wait()
-        tail = (j, inner_dkv if w > 1 else Ready(partial))
         if outer_kv is not None:
             base = outer_kv.wait()
-    dkv = _finish_outer_step(plan, *tail, outer_in).wait()
-    return dq.to(q.dtype), dkv.to(kv.dtype)
-
-
-def _finish_outer_step(plan: RingSetup, j: int, window_total: Pending, outer_in: Pending | None) -> Pending:
-    """Add earlier ring windows' sum to this ring window's and pass it on the outer ring.
-
-    At outer step ``j`` window ``o`` worked on the blocks of window ``o - j``; the
-    returned transfer carries this rank's block total to window ``o + 1`` and receives
-    the next one (after the last step: this rank's own, complete gradient).
-    """
-    total = window_total.wait()
-    if j > 0:
-        total += outer_in.wait()
-    if plan.config.n_ring_windows == 1:
-        return Ready(total)
-    return plan.exchange(total, inner=False, kind="bwd.ring_dkv", dkv=True)
+    return dq.to(q.dtype), grads_of.result().to(kv.dtype)

@@ -113,7 +113,7 @@ def head_context_attention(
         layout: the :class:`~loongtrain.attention.layout.SequenceLayout` the inputs were
             sharded with (``sequence_layout(S, state, cu_seqlens)``): packed documents, token
             ``i`` sees ``j`` only inside its own document. None: one sequence (not allowed
-            under ``balance="documents"``).
+            under ``balance="documents"`` or ``"locality"``).
         sliding_window: ``i`` sees ``j`` only if ``i - j < sliding_window`` (``|i - j| <
             sliding_window`` when not causal), as in HF Mistral/Qwen.
     """

@@ -144,13 +144,13 @@ def _normalize_dim(x: torch.Tensor, dim: int) -> int:
 def check_layout(state: ParallelState, seq_len: int, layout: SequenceLayout | None, where: str) -> None:
     """Raise unless ``layout`` (None: one plain sequence) can serve ``state`` and ``seq_len``.
 
-    Under ``balance="documents"`` the layout must be given: shards cut by a batch's
-    documents and an attention (or unsharding) that assumed one document would disagree.
+    Under ``balance="documents"`` or ``"locality"`` the layout must be given: shards cut by a
+    batch's documents and an attention (or unsharding) that assumed one document would disagree.
     """
     if layout is None:
-        if state.config.balance == "documents":
+        if state.config.balance != "zigzag":
             raise ValueError(
-                f"{where}: balance='documents' lays each batch out by its document boundaries; pass "
+                f"{where}: balance={state.config.balance!r} lays each batch out by its document boundaries; pass "
                 f"layout=sequence_layout(S, state, cu_seqlens) (the same one to shard_sequence, "
                 f"head_context_attention and unshard_sequence)"
             )
@@ -178,7 +178,7 @@ def shard_sequence(
     (from :func:`sequence_layout`) carries packed documents and the state's balance; pass
     the same one to :func:`~loongtrain.attention.head_context.head_context_attention` and
     :func:`unshard_sequence`. None: one causal sequence (not allowed under
-    ``balance="documents"``).
+    a document balance).
     """
     dim = _normalize_dim(x, dim)
     layout = layout_for(state, x.shape[dim], layout, "shard_sequence")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from loongtrain.attention.documents import Boundaries, document_of
+from loongtrain.attention.routes import RingRoutes, ring_routes
 from loongtrain.attention.schedule import ring_source
 from loongtrain.attention.sharding import SequenceSharding
 from loongtrain.parallel.config import ParallelConfig
@@ -220,6 +221,33 @@ class MaskPlan:
                 self.causal,
                 self.sliding_window,
             )
+        return found
+
+    def reads(self, context: int, source: int) -> bool:
+        """Whether some query of context rank ``context`` sees a key of ``source``'s block."""
+        if context == source:
+            return bool(self._segments[context])
+        keys: dict[int, list[Segment]] = {}
+        for b in self._segments[source]:
+            keys.setdefault(b.doc, []).append(b)
+        for a in self._segments[context]:
+            for b in keys.get(a.doc, ()):
+                pair = _Pair(a.start, a.start + a.length, b.start, b.start + b.length, self.causal, self.sliding_window)
+                if pair.rows() is not None:
+                    return True
+        return False
+
+    @functools.cached_property
+    def _routes(self) -> dict[int, RingRoutes]:
+        return {}
+
+    def routes(self, config: ParallelConfig) -> RingRoutes:
+        """The transfers of ``config``'s double ring under this mask (:mod:`routes`; cached)."""
+        found = self._routes.get(config.ring_window)
+        if found is None:
+            cp = self.sharding.cp
+            reads = [[self.reads(c, src) for src in range(cp)] for c in range(cp)]
+            found = self._routes[config.ring_window] = ring_routes(config, reads)
         return found
 
     @functools.cached_property

@@ -3,8 +3,10 @@
 Every context index ``c`` holds ``S/cp`` tokens, its *content*: equal-length chunks of
 the global sequence in ascending order. ``balance="zigzag"`` cuts the sequence into
 ``2*cp`` chunks and gives ``c`` chunks ``c`` and ``2*cp - 1 - c`` (causal load balance
-for one document); ``balance="documents"`` takes the document-aware assignment of
-:mod:`loongtrain.attention.balance` computed from ``cu_seqlens``. The head all-to-all
+for one document); ``balance="documents"`` and ``balance="locality"`` take the
+document-aware assignments of :mod:`loongtrain.attention.balance` computed from
+``cu_seqlens`` (the second keeps documents on few ring-adjacent ranks, so the ring
+carries little). The head all-to-all
 gathers sequence pieces in head order, so before it the rank with coordinates ``(h, c)``
 holds the ``h``-th of ``hp`` equal contiguous pieces of that content.
 
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loongtrain.attention.balance import balance_documents
+from loongtrain.attention.balance import balance_documents, balance_locality
 from loongtrain.attention.documents import Boundaries
 from loongtrain.attention.schedule import zigzag_chunks
 from loongtrain.options import BALANCES
@@ -79,8 +81,9 @@ def zigzag_sharding(seq_len: int, hp: int, cp: int) -> SequenceSharding:
 def sequence_sharding(
     seq_len: int, hp: int, cp: int, boundaries: Boundaries | None = None, balance: str = "zigzag"
 ) -> SequenceSharding:
-    """The sharding for ``balance``: ``"zigzag"``, or ``"documents"`` (chunks assigned from the
-    validated document ``boundaries``; ``None``: one document). Pure; a
+    """The sharding for ``balance``: ``"zigzag"``, ``"documents"`` (chunks assigned from the
+    validated document ``boundaries``; ``None``: one document) or ``"locality"`` (documents
+    whole or on runs of ring-adjacent ranks, :func:`balance_locality`). Pure; a
     :class:`~loongtrain.attention.layout.SequenceLayout` holds the one it uses."""
     check_balance(balance)
     if hp * cp == 1:  # one device: the whole sequence in order (any length)
@@ -88,8 +91,9 @@ def sequence_sharding(
     if balance == "zigzag" or cp == 1:
         return zigzag_sharding(seq_len, hp, cp)
     check_sequence_length(seq_len, hp, cp)
-    found = balance_documents(seq_len, cp, boundaries or (0, seq_len))
-    return SequenceSharding(seq_len, hp, cp, found.chunks, "documents")
+    assign = balance_locality if balance == "locality" else balance_documents
+    found = assign(seq_len, cp, boundaries or (0, seq_len))
+    return SequenceSharding(seq_len, hp, cp, found.chunks, balance)
 
 
 def take_ranges(x: torch.Tensor, dim: int, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:

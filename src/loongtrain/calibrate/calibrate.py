@@ -55,11 +55,11 @@ def _median_of_slowest(fn, reps: int) -> float:
 def _ring_link(members: list[int], rank: int):
     from loongtrain.parallel.state import RingLink
 
-    groups = [dist.new_group(members), dist.new_group(members)]
+    group = dist.new_group(members)
     if rank not in members:
         return None
     pos = members.index(rank)
-    return RingLink(groups[0], groups[1], members[(pos + 1) % len(members)], members[pos - 1], len(members))
+    return RingLink(group, members[(pos + 1) % len(members)], members[pos - 1], len(members))
 
 
 def measure_comm(reps: int) -> dict:

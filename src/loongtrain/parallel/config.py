@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loongtrain.options import BALANCES, CONTEXT_ORDERS, PLACEMENTS, ContextOrder, Placement
+from loongtrain.options import BALANCES, CONTEXT_ORDERS, PLACEMENTS, Balance, ContextOrder, Placement
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -33,8 +33,10 @@ class ParallelConfig:
             members; ``"interleaved"`` makes ring window ``o`` take every ``n``-th member
             (``n = n_ring_windows``), so the outer ring joins neighbouring members.
         balance: how sequences are laid out on the sp group when the caller does not say:
-            ``"zigzag"`` (balanced for one causal document) or ``"documents"`` (chunks
-            assigned from each batch's document boundaries); the default of
+            ``"zigzag"`` (balanced for one causal document), ``"documents"`` (chunks
+            assigned from each batch's document boundaries) or ``"locality"`` (each document
+            whole on one rank or on a run of ring-adjacent ranks, balanced: the ring then
+            carries only what the documents need); the default of
             ``shard_sequence``, ``unshard_sequence`` and ``head_context_attention``.
     """
 
@@ -44,7 +46,7 @@ class ParallelConfig:
     placement: Placement = "head_first"
     dp: int | None = None
     context_order: ContextOrder = "contiguous"
-    balance: str = "zigzag"
+    balance: Balance = "zigzag"
 
     def __post_init__(self) -> None:
         _check_positive_int("hp", self.hp)

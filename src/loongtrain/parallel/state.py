@@ -21,14 +21,12 @@ from loongtrain.parallel.zero_grid import zero_mesh_grid
 
 @dataclass(frozen=True)
 class RingLink:
-    """One ring (inner or outer) as seen from one rank.
-
-    Key/value blocks and their gradients travel on separate communicators with the same
-    members, so a KV transfer and a dKV transfer can be in flight at once.
+    """One ring (inner or outer) as seen from one rank: the communicator its key/value
+    blocks travel on and the neighbours. (Their gradients go over the state's
+    ``dkv_group``, so a KV transfer and a dK/dV transfer can be in flight at once.)
     """
 
     kv_group: dist.ProcessGroup
-    dkv_group: dist.ProcessGroup
     send_to: int  # global rank of the next member
     recv_from: int  # global rank of the previous member
     size: int
@@ -54,6 +52,8 @@ class ParallelState:
     context_group: dist.ProcessGroup | None
     inner_ring: RingLink | None
     outer_ring: RingLink | None
+    dkv_group: dist.ProcessGroup | None = None  # the context group again: dK/dV partials (any member to any)
+    context_ranks: tuple[int, ...] = ()  # global rank of each context index of this rank's context group
     verify_inputs: bool = True
     stats: AttentionStats = field(default_factory=AttentionStats)
     key: str = field(default_factory=lambda: f"state-{next(_KEYS)}")
@@ -131,11 +131,9 @@ def _build_ring(groups: list[tuple[int, ...]], rank: int, ring_of) -> RingLink |
     if len(members) < 2:
         return None
     kv_group = _build_family(groups, rank)
-    dkv_group = _build_family(groups, rank)
     pos = members.index(rank)
     return RingLink(
         kv_group=kv_group,
-        dkv_group=dkv_group,
         send_to=members[(pos + 1) % len(members)],
         recv_from=members[(pos - 1) % len(members)],
         size=len(members),
@@ -193,6 +191,7 @@ def init_parallel(
     context_group = _build_family(layout.all_context_groups(), rank)
     inner = _build_ring(layout.all_inner_rings(), rank, layout.inner_ring)
     outer = _build_ring(layout.all_outer_rings(), rank, layout.outer_ring)
+    dkv_group = _build_family(layout.all_context_groups(), rank)
     device = torch.device(device) if device is not None else default_device()
     return ParallelState(
         config=config,
@@ -206,6 +205,8 @@ def init_parallel(
         context_group=context_group,
         inner_ring=inner,
         outer_ring=outer,
+        dkv_group=dkv_group,
+        context_ranks=layout.context_group(rank),
         verify_inputs=verify_inputs,
         zero_meshes=_build_zero_meshes(layout, device, zero_scopes),
         _world_group=dist.group.WORLD,

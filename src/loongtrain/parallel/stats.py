@@ -11,16 +11,22 @@ class AttentionStats:
 
     Kinds are ``<phase>.<what>``: phase ``fwd`` (the attention's forward, also when a
     checkpoint recomputes it) or ``bwd`` (its backward); what: ``all_to_all``,
-    ``ring_kv``, ``ring_dkv`` (with bytes sent) and ``block`` (block kernels run).
-    Counting is a dict update per event, cheap enough to stay on.
+    ``ring_kv``, ``ring_dkv`` (transfers sent, with ``bytes`` sent and ``received``) and
+    ``block`` (block kernels run). A ring transfer that a rank only receives adds to
+    ``received`` alone. Counting is a dict update per event, cheap enough to stay on.
     """
 
     counts: dict[str, int] = field(default_factory=dict)
     bytes: dict[str, int] = field(default_factory=dict)
+    received: dict[str, int] = field(default_factory=dict)
 
     def add(self, kind: str, nbytes: int = 0) -> None:
+        """One event of ``kind`` (a transfer sent: its ``nbytes``)."""
         self.counts[kind] = self.counts.get(kind, 0) + 1
         self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
+
+    def add_received(self, kind: str, nbytes: int) -> None:
+        self.received[kind] = self.received.get(kind, 0) + nbytes
 
     def get(self, kind: str) -> int:
         return self.counts.get(kind, 0)
@@ -28,6 +34,7 @@ class AttentionStats:
     def reset(self) -> None:
         self.counts.clear()
         self.bytes.clear()
+        self.received.clear()
 
     def snapshot(self) -> dict[str, int]:
         return dict(self.counts)

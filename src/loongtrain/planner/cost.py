@@ -203,9 +203,9 @@ class CommVolume:
 
 
 def dkv_hops(config: ParallelConfig) -> int:
-    """dK/dV ring transfers per rank in backward: ``cp`` for a plain ring, ``cp + n_ring_windows`` otherwise."""
-    n = config.n_ring_windows
-    return (config.cp if config.ring_window > 1 else 0) + (n if n > 1 else 0)
+    """dK/dV partials per rank in backward when every rank reads every block: one per remote
+    reader, ``cp - 1`` (:mod:`loongtrain.attention.routes`)."""
+    return config.cp - 1
 
 
 def comm_volume(w: Workload, config: ParallelConfig) -> CommVolume:
@@ -364,27 +364,34 @@ def ring_backward_seconds(
     overlap: float = 1.0,
     shared: Callable[[list[float], float], float] | None = None,
 ) -> float:
-    """Double-ring backward (as ``ring_backward`` runs); ``hop_in``/``hop_out`` map bytes to
-    seconds, ``kv``/``dkv`` are the bytes of one block and of its fp32 gradient, and
-    ``shared(inner_bytes, outer_bytes)`` is an outer step's time when both rings share links
-    (:func:`shared_outer_step_seconds`; ``inner_bytes`` per inner step).
+    """Double-ring backward (as ``ring_backward`` runs, every rank reading every block);
+    ``hop_in``/``hop_out`` map bytes to seconds, ``kv``/``dkv`` are the bytes of one block and
+    of its fp32 gradient, and ``shared(inner_bytes, outer_bytes)`` is an outer step's time
+    when both rings share links (:func:`shared_outer_step_seconds`; ``inner_bytes`` per inner
+    step).
 
-    During inner step ``s`` the next KV block and the previous step's dK/dV partial share
-    the inner link; during outer step ``j`` the next KV block and the previous outer
-    step's dK/dV total share the outer link; the last dK/dV hop(s) are exposed.
+    During inner step ``s`` the next KV block and the previous step's dK/dV partial (the
+    chain of a window's readers, :mod:`loongtrain.attention.routes`) share the inner link;
+    a window's total goes home across windows after its last step, beside the next outer
+    step's KV block; the last total's trip home is exposed.
     """
 
-    def inner_bytes(first_outer: bool) -> list[float]:
-        """Bytes each inner step of one outer step sends on the inner ring."""
+    def inner_bytes(j: int) -> list[float]:
+        """Bytes each inner step of outer step ``j`` sends on the inner ring."""
         if w == 1:
             return [0.0]
-        return [(kv if s + 1 < w else 0.0) + (dkv if (s > 0 or not first_outer) else 0.0) for s in range(w)]
+        out = []
+        for s in range(w):
+            partial = (s >= 1 and not (j == 0 and s == 1)) or (s == 0 and j == 1)  # the previous slot's, inner
+            out.append((kv if s + 1 < w else 0.0) + (dkv if partial else 0.0))
+        return out
 
+    classes = sorted({0, min(1, n - 1), min(2, n - 1), n - 1})
     total = 0.0
-    for j in sorted({0, min(1, n - 1), n - 1}):
-        nbytes = (kv if j + 1 < n else 0.0) + (dkv if j > 0 else 0.0)
-        repeat = n - 2 if (j == 1 and j != n - 1) else 1
-        steps = inner_bytes(j == 0)
+    for j in classes:
+        nbytes = (kv if j + 1 < n else 0.0) + (dkv if j >= 2 else 0.0)  # the previous window total goes home
+        repeat = n - 3 if (j == 2 and j != n - 1) else 1
+        steps = inner_bytes(j)
         seconds = sum(  # the steps send at most three distinct sizes: price each once
             steps.count(b) * (overlapped(t_c, hop_in(b), overlap) if b > 0 else t_c) for b in set(steps)
         )
@@ -392,7 +399,7 @@ def ring_backward_seconds(
         if shared is not None and n > 1:
             step = max(step, shared(steps, nbytes))
         total += repeat * step
-    tail = (hop_in(dkv) if w > 1 else 0.0) + (hop_out(dkv) if n > 1 else 0.0)
+    tail = hop_out(dkv) if n > 1 else (hop_in(dkv) if w > 1 else 0.0)
     return total + tail
 
 

@@ -204,22 +204,16 @@ def _forward(c: int, layout: Candidate, costs: _Costs, causal: bool) -> Program:
         yield Compute("out", costs.a2a_out, "all-to-all")
 
 
-def _finish_outer_step(j: int, window_total, outer_in, n: int) -> Program:
-    yield Wait(window_total)
-    if j > 0:
-        yield Wait(outer_in)
-    if n == 1:
-        return None
-    return (yield Exchange("outer", "dkv"))
-
-
 def _backward(c: int, layout: Candidate, costs: _Costs, causal: bool) -> Program:
+    """Every rank reads every block (:mod:`loongtrain.attention.routes`): a window's readers
+    chain one partial along the inner ring; its last reader sends the window's total home
+    (ring ``home{j}``: from window ``o`` to window ``o - j``; inside the window for ``j = 0``)."""
     config = layout.parallel
     n, w = config.n_ring_windows, config.ring_window
     if config.hp > 1:
         yield Compute("dout", costs.a2a_out, "all-to-all")
-    tail = None
-    outer_in = inner_dkv = None
+    chain = None  # the partial arriving for the next step
+    totals = []
     for j in range(n):
         outer_kv = (yield Exchange("outer", "kv")) if j + 1 < n else None
         for s in range(w):
@@ -227,18 +221,17 @@ def _backward(c: int, layout: Candidate, costs: _Costs, causal: bool) -> Program
             kind = block_kind(ring_source(c, config, j, s), c, causal).value
             first = j == 0 and s == 0
             yield Compute(f"bwd {kind}", costs.block_bwd_first if first else costs.block_bwd)
-            if s > 0:
-                yield Wait(inner_dkv)
-            if tail is not None:
-                outer_in = yield from _finish_outer_step(*tail, outer_in, n)
-                tail = None
-            if w > 1:
-                inner_dkv = yield Exchange("inner", "dkv")
+            if chain is not None:
+                yield Wait(chain)
+                chain = None
+            if not first and s + 1 < w:
+                chain = yield Exchange("inner", "dkv")
+            elif not first:
+                totals.append((yield Exchange("inner" if j == 0 else f"home{j}", "dkv")))
             yield Wait(inner_kv)
-        tail = (j, inner_dkv if w > 1 else None)
         yield Wait(outer_kv)
-    final = yield from _finish_outer_step(*tail, outer_in, n)
-    yield Wait(final)
+    for total in totals:
+        yield Wait(total)
     if config.hp > 1:
         yield Compute("dq, dkv", costs.a2a_qkv, "all-to-all")
 
@@ -336,7 +329,7 @@ class _Engine:
                 self.done[key] = t
                 ring, kind, k, sender = key
                 if sender in self.recorded:
-                    lane = f"{ring} link"
+                    lane = "inner link" if ring == "inner" else "outer link"  # a total home crosses windows
                     self.timeline.intervals.append(
                         Interval(self.recorded[sender], lane, f"{kind} #{k}", flow_start[key], t)
                     )
@@ -389,6 +382,11 @@ def simulate_layer(c: ClusterSpec, w: Workload, layout: Candidate) -> tuple[Time
         for ring, members in (("inner", ranks.inner_ring(rank)), ("outer", ranks.outer_ring(rank))):
             pos = members.index(rank)
             peers[(ring, rank)] = (members[(pos + 1) % len(members)], members[pos - 1])
+        x, nw = ranks.coords(rank), p.ring_window
+        for j in range(1, p.n_ring_windows):  # a window total's way home: (o, i) -> (o - j, i + 1)
+            to = ((x.outer_pos - j) % p.n_ring_windows) * nw + (x.inner_pos + 1) % nw
+            frm = ((x.outer_pos + j) % p.n_ring_windows) * nw + (x.inner_pos - 1) % nw
+            peers[(f"home{j}", rank)] = (ranks.rank(x.dp, x.head, to), ranks.rank(x.dp, x.head, frm))
     first_group = {ranks.rank(0, 0, ctx): ctx for ctx in range(p.cp)}
     timelines = []
     for program in (_forward, _backward):
