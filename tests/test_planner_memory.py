@@ -56,8 +56,9 @@ def test_layer_bytes_by_hand():
     assert layer_bytes(M, 1, 1, 2, "none", tiled=True).saved == 1816 - 1024 - 128
     # fp32 too: norm1's saved input is the kept block input itself, not counted again
     assert layer_bytes(M, 1, 1, 4, "full", tiled=False).recompute == layer_bytes(M, 1, 1, 4, "none", False).saved - 256
-    # a ring of cp > 1: dout 128, fp32 dq 256, fp32 dK/dV partial 256, the block's dq/dk/dv 256, and
-    # two KV blocks (2 x 128) and two fp32 dK/dV partials (2 x 256) in flight; + the residual's 128
+    # a ring of cp > 1: dout 128, fp32 dq 256, the own block's fp32 dK/dV 256, the block's dq/dk/dv
+    # 256, two KV blocks (2 x 128) in flight and two fp32 dK/dV blocks (2 x 256: the partial passed
+    # on, and the next one arriving or a window's total coming home); + the residual's 128
     ring = layer_bytes(M, 1, 4, 2, "full", tiled=False)
     assert ring.attention_backward == 128 + 128 + 256 + 256 + 256 + 2 * 128 + 2 * 256
 

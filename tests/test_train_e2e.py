@@ -50,6 +50,11 @@ def test_resume_is_bit_exact_and_keeps_latest(dist_pool, tmp_path):
     assert first + rest == full, "resumed run must continue bit-exactly"
     lines = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
+    for r in (x for x in lines if x["kind"] == "train"):
+        # per layer, one fp32 K/V block each way (forward, backward; sc++ recomputes no attention)
+        # and one dK/dV partial: the metrics' ring bytes are 2 : 1, and the head all-to-all runs
+        assert r["ring_dkv_mib"] > 0 and r["ring_kv_mib"] == pytest.approx(2 * r["ring_dkv_mib"])
+        assert r["all_to_all_mib"] > 0
     assert (tmp_path / "b" / "curves.png").stat().st_size > 0
     assert (tmp_path / "b" / "config.toml").is_file()
 

@@ -146,7 +146,7 @@ class _Gradients:
         self.own = torch.zeros(kv.shape, dtype=accum_dtype(kv.dtype), device=kv.device)
         self.partials: dict[int, Pending] = {}  # block -> partial of this window's earlier readers
         self.totals: list[tuple[int, Pending]] = []  # (slot posted, window total of the own block)
-        self.sent: Pending | None = None  # the previous slot's transfers (their buffers stay alive until done)
+        self.sent: Pending | None = None  # the last transfers posted (their buffers stay alive until done)
 
     def step(self, slot: int, j: int, s: int, grads) -> None:
         """After the compute of step ``(j, s)``: add or pass on its gradient, post the slot's transfers."""
@@ -161,7 +161,14 @@ class _Gradients:
             add_kv_grads(partial, grads)
             sends.append((partial, plan.context_ranks[role.send_to]))
         arriving = [t for t in self.routes.dkv_sends(slot) if t.dst == c]
+        # a window's total is added once a window's compute has hidden it, or before a chain
+        # partial is received (so at most one of the two buffers exists at a time)
+        wait = 1 if any(not t.home for t in arriving) else plan.config.ring_window
+        while self.totals and self.totals[0][0] + wait <= slot:
+            self.own += self.totals.pop(0)[1].wait()
         if sends or arriving:
+            if self.sent is not None:  # the previous slot's partial is delivered: its buffer goes
+                self.sent.wait()
             peers = [plan.context_ranks[t.src] for t in arriving]
             works, buffers = post_p2p(sends, peers, self.own, plan.dkv_group, plan.stats, "bwd.ring_dkv")
             for t, buffer in zip(arriving, buffers):
@@ -170,12 +177,7 @@ class _Gradients:
                     self.totals.append((slot, pending))
                 else:
                     self.partials[t.block] = pending
-            previous, self.sent = self.sent, Pending(works, None)
-            if previous is not None:
-                previous.wait()
-        window = plan.config.ring_window
-        while self.totals and self.totals[0][0] + window <= slot:  # hidden behind a window's compute
-            self.own += self.totals.pop(0)[1].wait()
+            self.sent = Pending(works, None)
 
     def result(self) -> Tensor:
         for _, pending in self.totals:

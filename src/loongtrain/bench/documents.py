@@ -1,15 +1,20 @@
 """``loongtrain bench documents``: packed documents through the distributed attention.
 
-Part 1 (pure arithmetic): for each document-length distribution, the attention work per
-context rank (keys its queries see) under the zigzag sharding and the document balancer,
-as max/mean over ranks, and the ring's critical path over the ideal (total work / cp):
-a rank starts step ``s`` when it has finished step ``s-1`` and its predecessor has
-started step ``s-1`` (which is when that block was sent on), so uneven steps cost only
-what this dependency chain cannot absorb.
+Part 1 (pure arithmetic): for each document-length distribution (a lognormal mix, one long
+document plus short ones, and with ``--tokens FILE`` the packed sequences of a token file
+that ``loongtrain prepare`` made from real text), the attention work per context rank (keys
+its queries see) under each balance (zigzag, documents, locality), as max/mean over ranks,
+and the ring's critical path over the ideal (total work / cp): a rank starts step ``s``
+when it has finished step ``s-1`` and its predecessor has started step ``s-1`` (which is
+when that block was sent on), so uneven steps cost only what this dependency chain cannot
+absorb. Then the ring's key/value transfers of one pass (plain ring, the routes of
+:mod:`loongtrain.attention.routes`) against the minimum (each block once to each rank
+that reads it) and what the untrimmed ring sent (``cp - 1`` per rank).
 
 Part 2 (``nproc`` processes): forward + backward seconds of the distributed attention on
-a full causal sequence of the same length, then on each packed distribution with both
-sharding balances; the ratio to full causal is what the document masks save.
+a full causal sequence of the same length, then on each packed distribution with every
+balance, and the ring bytes each rank sent (mean); the ratio to full causal is what the
+document masks and routes save.
 
 ``--picture`` draws which (query, key) blocks each rank computes for a small packed
 example, under both balances.
@@ -30,6 +35,7 @@ import torch.distributed as dist
 from loongtrain.attention import head_context_attention, sequence_layout, shard_sequence
 from loongtrain.attention.documents import range_work
 from loongtrain.attention.mask_plan import BAND, CAUSAL, MaskPlan
+from loongtrain.attention.routes import full_routes
 from loongtrain.attention.schedule import ring_source
 from loongtrain.attention.sharding import sequence_sharding
 from loongtrain.harness import make_inputs
@@ -37,6 +43,18 @@ from loongtrain.launch import launch, under_torchrun
 from loongtrain.parallel import ParallelConfig, init_parallel
 
 DISTRIBUTIONS = ("lognormal", "long+short")
+BALANCES = ("zigzag", "documents", "locality")
+RING_KINDS = ("fwd.ring_kv", "bwd.ring_kv", "bwd.ring_dkv")
+
+
+def token_file_boundaries(path: str, seq: int, count: int) -> list[list[int]]:
+    """Boundaries of the first ``count`` packed sequences of ``seq`` tokens of a token file
+    (its documents, as the trainer's loader cuts them)."""
+    from loongtrain.data.loader import TokenFileSource
+    from loongtrain.data.tokens import TokenFile
+
+    source = TokenFileSource(TokenFile(path), seq, pack=True)
+    return [source.sample(i)[2].tolist() for i in range(min(count, source.train_sequences))]
 
 
 def document_lengths(kind: str, seq: int, median: int, seed: int = 0) -> list[int]:
@@ -88,23 +106,29 @@ def work_table(seq: int, cp: int, cu: list[int], balance: str) -> dict:
     ring = ParallelConfig(cp=cp)
     steps = [[visible(c, ring_source(c, ring, s, 0)) for s in range(cp)] for c in range(cp)]
     mean = sum(loads) / cp
+    routes = plan.routes(ring)
     return {
         "balance": balance,
         "max_over_mean": max(loads) / mean,
         "critical_path": ring_critical_path(steps) / mean,
         "kernels": sum(len(plan.calls(c, src)) for c in range(cp) for src in range(cp)),
+        "kv_blocks": sum(routes.kv_hops(c) for c in range(cp)),
+        "minimum": routes.minimum_transfers(),
+        "untrimmed": sum(full_routes(ring).kv_hops(c) for c in range(cp)),
     }
 
 
-def _timed(state, full, cu, device, reps: int) -> float:
+def _timed(state, full, cu, device, reps: int) -> tuple[float, float]:
     """Best forward+backward seconds (max over ranks) of the attention on ``full`` tensors with
-    documents ``cu`` (None: one causal sequence), laid out by ``state``'s balance."""
+    documents ``cu`` (None: one causal sequence), laid out by ``state``'s balance, and the
+    ring MiB a rank sent in one forward+backward (mean over ranks)."""
     layout = sequence_layout(full[0].shape[1], state, cu)
     keys = {"layout": layout}
     q, k, v, dout = (shard_sequence(x, state, **keys).to(device) for x in full)
     times = []
     for rep in range(reps + 1):
         ql, kl, vl = (x.detach().requires_grad_() for x in (q, k, v))
+        state.stats.reset()
         dist.barrier()
         t0 = time.perf_counter()
         head_context_attention(ql, kl, vl, state, causal=True, **keys).backward(dout)
@@ -114,7 +138,9 @@ def _timed(state, full, cu, device, reps: int) -> float:
             times.append(time.perf_counter() - t0)
     elapsed = torch.tensor([min(times)], dtype=torch.float64, device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
+    sent = torch.tensor([float(sum(state.stats.bytes.get(k, 0) for k in RING_KINDS))], dtype=torch.float64)
+    dist.all_reduce(sent)
+    return elapsed.item(), sent.item() / dist.get_world_size() / 2**20
 
 
 def _bench_rank(device: torch.device, args: argparse.Namespace, cases: dict, rows: list) -> None:
@@ -125,27 +151,27 @@ def _bench_rank(device: torch.device, args: argparse.Namespace, cases: dict, row
         layouts[f"2D 2x{world // 2}"] = ParallelConfig(hp=2, cp=world // 2)
     if rank == 0:
         print(f"\n[2] {world} processes: forward+backward seconds (best of {args.reps}), ratio to full causal")
-        print(f"{'layout':10s} {'documents':12s} {'balance':10s} {'f+b s':>8s} {'vs causal':>9s}")
+        print(f"{'layout':10s} {'documents':12s} {'balance':10s} {'f+b s':>8s} {'vs causal':>9s} {'ring MiB':>9s}")
     for name, config in layouts.items():
-        states = {b: init_parallel(replace(config, balance=b), verify_inputs=False) for b in ("zigzag", "documents")}
-        base = _timed(states["zigzag"], full, None, device, args.reps)
+        states = {b: init_parallel(replace(config, balance=b), verify_inputs=False) for b in BALANCES}
+        base, base_mib = _timed(states["zigzag"], full, None, device, args.reps)
         if rank == 0:
-            print(f"{name:10s} {'(one)':12s} {'-':10s} {base:8.3f} {1.0:9.3f}", flush=True)
-            rows.append({"part": "time", "layout": name, "documents": "causal", "seconds": base})
+            print(f"{name:10s} {'(one)':12s} {'-':10s} {base:8.3f} {1.0:9.3f} {base_mib:9.2f}", flush=True)
+            rows.append({"part": "time", "layout": name, "documents": "causal", "seconds": base, "ring_mib": base_mib})
         for kind, cu in cases.items():
             for balance, state in states.items():
-                t = _timed(state, full, cu, device, args.reps)
+                t, mib = _timed(state, full, cu, device, args.reps)
                 if rank == 0:
-                    print(f"{name:10s} {kind:12s} {balance:10s} {t:8.3f} {t / base:9.3f}", flush=True)
+                    print(f"{name:10s} {kind:12s} {balance:10s} {t:8.3f} {t / base:9.3f} {mib:9.2f}", flush=True)
                     rows.append({"part": "time", "layout": name, "documents": kind, "balance": balance,
-                                 "seconds": t, "vs_causal": t / base})  # fmt: skip
+                                 "seconds": t, "vs_causal": t / base, "ring_mib": mib})  # fmt: skip
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
 
 
 def draw_blocks(path: str, seq: int = 2048, cp: int = 4) -> None:
-    """Which (query, key) pairs each rank computes for a packed example, both balances."""
+    """Which (query, key) pairs each rank computes for a packed example, under each balance."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -154,9 +180,9 @@ def draw_blocks(path: str, seq: int = 2048, cp: int = 4) -> None:
 
     # one long document, then short ones (scaled to seq)
     cu = [round(seq * x / 512) for x in (0, 240, 262, 300, 334, 380, 402, 450, 471, 512)]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 6.2))
+    fig, axes = plt.subplots(1, len(BALANCES), figsize=(6 * len(BALANCES), 6.2))
     colors = ListedColormap(["white", "#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860"][: cp + 1])
-    for ax, balance in zip(axes, ("zigzag", "documents")):
+    for ax, balance in zip(axes, BALANCES):
         sharding = sequence_sharding(seq, 1, cp, cu, balance)
         plan = MaskPlan(sharding, tuple(cu), True, None)
         grid = torch.zeros(seq, seq)
@@ -200,20 +226,27 @@ def main(args: argparse.Namespace) -> None:
         return
     cp = args.nproc
     cases = {kind: document_lengths(kind, args.seq, args.median, args.seed) for kind in DISTRIBUTIONS}
+    if args.tokens:
+        for i, cu in enumerate(token_file_boundaries(args.tokens, args.seq, args.token_sequences)):
+            cases[f"file#{i}"] = cu
     rows: list = []
     if not under_torchrun():
         print(
             f"[1] attention work per context rank, S={args.seq}, cp={cp} (pure arithmetic): max/mean over ranks, "
-            f"and the ring's critical path / ideal"
+            f"the ring's critical path / ideal, and the key/value blocks one pass sends (all ranks) against the "
+            f"minimum and the untrimmed ring"
         )
-        print(f"{'documents':12s} {'docs':>5s} {'balance':10s} {'max/mean':>9s} {'critical':>9s} {'kernels':>8s}")
+        print(
+            f"{'documents':12s} {'docs':>5s} {'balance':10s} {'max/mean':>9s} {'critical':>9s} {'kernels':>8s} "
+            f"{'KV blocks':>9s} {'minimum':>8s} {'untrimmed':>9s}"
+        )
         for kind, cu in cases.items():
-            for balance in ("zigzag", "documents"):
+            for balance in BALANCES:
                 r = work_table(args.seq, cp, cu, balance)
                 rows.append({"part": "work", "documents": kind, "docs": len(cu) - 1, **r})
                 print(
                     f"{kind:12s} {len(cu) - 1:5d} {balance:10s} {r['max_over_mean']:9.3f} {r['critical_path']:9.3f} "
-                    f"{r['kernels']:8d}",
+                    f"{r['kernels']:8d} {r['kv_blocks']:9d} {r['minimum']:8d} {r['untrimmed']:9d}",
                     flush=True,
                 )
     launch(_bench_rank, args.nproc, args, cases, rows)
@@ -224,6 +257,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=int, default=32768, help="global sequence length")
     parser.add_argument("--median", type=int, default=2048, help="median document length of the lognormal mix")
     parser.add_argument("--seed", type=int, default=0, help="seed of the document lengths")
+    parser.add_argument("--tokens", default=None, help="also the packed sequences of this token file (`prepare`)")
+    parser.add_argument("--token-sequences", type=int, default=2, help="how many of the token file's sequences")
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)

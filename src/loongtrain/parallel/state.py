@@ -140,6 +140,18 @@ def _build_ring(groups: list[tuple[int, ...]], rank: int, ring_of) -> RingLink |
     )
 
 
+def _open_p2p_groups(groups: Iterable[dist.ProcessGroup | None], device: torch.device) -> None:
+    """One tiny collective on each point-to-point group under NCCL: PyTorch requires a group's
+    first ``batch_isend_irecv`` to involve all its ranks, and trimmed ring routes
+    (:mod:`loongtrain.attention.routes`) post transfers on some ranks only."""
+    if "nccl" not in str(dist.get_backend()).lower():
+        return
+    token = torch.zeros(1, device=device)
+    for group in groups:
+        if group is not None:
+            dist.all_reduce(token, group=group)
+
+
 def zero_mesh_ranks(world: int, dp: int, scope: str) -> tuple[torch.Tensor, tuple[str, ...]]:
     """The rank tensor and dim names of ``scope``'s ZeRO mesh (:func:`zero_mesh_grid` as a tensor)."""
     grid, names = zero_mesh_grid(world, dp, scope)
@@ -193,6 +205,7 @@ def init_parallel(
     outer = _build_ring(layout.all_outer_rings(), rank, layout.outer_ring)
     dkv_group = _build_family(layout.all_context_groups(), rank)
     device = torch.device(device) if device is not None else default_device()
+    _open_p2p_groups([link.kv_group for link in (inner, outer) if link is not None] + [dkv_group], device)
     return ParallelState(
         config=config,
         layout=layout,

@@ -125,8 +125,9 @@ def layer_bytes(m: ModelConfig, hp: int, cp: int, e: int, mode: str, tiled: bool
     attention_recompute = attention_saved - input_alias - attention_kept
     # backward of w2 then of the product: its gradient and the gradients of silu's and w3's outputs
     mlp_backward = 0.0 if tiled else 2 * e * f
-    # ring backward (double_ring.ring_backward): dout, fp32 dq accumulator and dK/dV partial,
-    # the block kernel's dq/dk/dv; with cp > 1 two KV blocks and two dK/dV partials in flight;
+    # ring backward (double_ring.ring_backward): dout, fp32 dq accumulator and the own block's
+    # dK/dV, the block kernel's dq/dk/dv; with cp > 1 two KV blocks in flight and two fp32
+    # dK/dV blocks (the partial passed on, and the next one arriving or a window's total coming home);
     # with cp == 1 one block whose dq and stacked dk/dv are the result (when one kernel call
     # returns dk/dv apart, their stacking is priced with the call: ``backward_call_bytes``)
     ring = out + a * h * hd + a * kv / e + (q + kv)

@@ -25,6 +25,10 @@ class StepMetrics:
     tflops_per_device: float
     mfu: float | None
     peak_memory_gib: float
+    # MiB each device sent in the step's attention (mean over devices; forward, recompute and backward)
+    ring_kv_mib: float = 0.0
+    ring_dkv_mib: float = 0.0
+    all_to_all_mib: float = 0.0
 
     def record(self) -> dict:
         return {"kind": "train", **self.__dict__}
@@ -35,6 +39,11 @@ class StepMetrics:
             f"{self.tokens_per_s_per_device:,.0f} tok/s/dev {self.tflops_per_device:.3f} TFLOP/s"
             + (f" MFU {self.mfu:.1%}" if self.mfu is not None else "")
             + f" | mem {self.peak_memory_gib:.2f} GiB"
+            + (
+                f" | sent ring {self.ring_kv_mib + self.ring_dkv_mib:.1f} a2a {self.all_to_all_mib:.1f} MiB"
+                if self.ring_kv_mib + self.ring_dkv_mib + self.all_to_all_mib
+                else ""
+            )
         )
 
 

@@ -221,6 +221,24 @@ def peak_memory_gib(device: torch.device) -> float:
     return memory.item() / 2**30
 
 
+#: The attention's transfer kinds as the step's metrics group them (``AttentionStats`` kinds).
+COMM_KINDS = {
+    "ring_kv_mib": ("fwd.ring_kv", "bwd.ring_kv"),
+    "ring_dkv_mib": ("bwd.ring_dkv",),
+    "all_to_all_mib": ("fwd.all_to_all", "bwd.all_to_all"),
+}
+
+
+def comm_mib_per_device(state: ParallelState) -> dict[str, float]:
+    """Collective: MiB each device sent since ``state.stats`` was reset, by :data:`COMM_KINDS`
+    (mean over devices: with documents, ranks send different amounts)."""
+    sent = state.stats.bytes
+    totals = [float(sum(sent.get(kind, 0) for kind in kinds)) for kinds in COMM_KINDS.values()]
+    mean = torch.tensor(totals, dtype=torch.float64, device=state.device)
+    dist.all_reduce(mean)
+    return {name: value / dist.get_world_size() / 2**20 for name, value in zip(COMM_KINDS, mean.tolist())}
+
+
 # -- the loop ------------------------------------------------------------------------------
 
 
@@ -266,6 +284,7 @@ def train(
             beat(step, "train")
             lr = lr_at(step, lr=o.lr, warmup_steps=o.warmup_steps, total_steps=r.steps, min_lr_ratio=o.min_lr_ratio)
             reset_peak_memory(device)
+            run.state.stats.reset()
             t0 = time.perf_counter()
             batch = run.loader.next()
             out = train_step(
@@ -281,7 +300,7 @@ def train(
             reporter.step(StepMetrics(
                 step=step + 1, loss=out.loss, accuracy=out.accuracy, grad_norm=out.grad_norm, lr=lr, step_s=dt,
                 tokens_per_s_per_device=tps, tflops_per_device=tps * flops_tok / 1e12, mfu=mfu(tps, flops_tok, peak),
-                peak_memory_gib=peak_memory_gib(device),
+                peak_memory_gib=peak_memory_gib(device), **comm_mib_per_device(run.state),
             ))  # fmt: skip
             if r.eval_every and (step + 1) % r.eval_every == 0 and step + 1 < r.steps:
                 beat(step + 1, "evaluation")
