@@ -58,13 +58,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def _packed_equivalence(cfg: dict, ckpt: str, overrides: dict, micro: int) -> dict:
+def _packed_equivalence(cfg: dict, ckpt: str, overrides: dict, micro: int, others: tuple = ()) -> dict:
     state = cached_state(**cfg)
+    alternatives = [cached_state(**{**cfg, **o}) for o in others]  # other hp x cp splits of the same ranks
     mcfg = model_config("debug", **overrides)
     device = torch.device("cpu")
     ref = build_model(mcfg)
     materialize(ref, device, SEED)
-    par = parallelize(build_model(mcfg), state, memory=MemoryOptions(activation_checkpoint=ckpt), zero="dp_sp")
+    memory = MemoryOptions(activation_checkpoint=ckpt)
+    par = parallelize(build_model(mcfg), state, memory=memory, zero="dp_sp", alternatives=alternatives)
     materialize(par, device, SEED)
     seq = 16 * state.sp
     rows = [_packed_row(100 * m + d, seq, mcfg.vocab_size) for m in range(micro) for d in range(state.dp)]
@@ -78,13 +80,21 @@ def _packed_equivalence(cfg: dict, ckpt: str, overrides: dict, micro: int) -> di
         loss.backward()
         ref_loss += loss.item()
     mine = [Microbatch(t, lab, torch.tensor(cu)) for t, lab, cu in rows[state.coords.dp :: state.dp]]
-    par_loss = forward_backward(par, state, mine).loss
+    turns = iter(range(len(mine)))  # microbatch m runs on layout m % (1 + alternatives), on every rank
+    states = [state, *alternatives]
+    result = forward_backward(
+        par, state, mine, choose=(lambda mb: states[next(turns) % len(states)]) if others else None
+    )
+    par_loss = result.loss
     ref_grads = {name: p.grad for name, p in ref.named_parameters()}
     grad_err = 0.0
     for name, p in par.named_parameters():
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         grad_err = max(grad_err, _rel(grad, ref_grads[name]))
-    return {"loss": abs(par_loss - ref_loss) / abs(ref_loss), "grad": grad_err, "docs": len(rows[0][2]) - 1}
+    return {
+        "loss": abs(par_loss - ref_loss) / abs(ref_loss), "grad": grad_err, "docs": len(rows[0][2]) - 1,
+        "layouts": result.layouts,
+    }  # fmt: skip
 
 
 # (world, layout, checkpoint mode, model overrides, microbatches)
@@ -96,6 +106,16 @@ CASES = [
     (4, {"cp": 2, "dp": 2, "balance": "documents"}, "sc++", {"sliding_window": 5}, 2),
     (4, {"hp": 4, "balance": "documents"}, "full", {"n_heads": 4, "n_kv_heads": 1}, 1),
 ]
+# a layout per microbatch: three microbatches of one step on 2D, the double ring and Ulysses
+PER_BATCH = [
+    (
+        {"hp": 2, "cp": 2, "ring_window": 2, "balance": "locality"},
+        "sc++",
+        {},
+        ({"hp": 1, "cp": 4}, {"hp": 4, "cp": 1, "ring_window": 1}),
+    ),
+    ({"hp": 2, "cp": 2, "balance": "locality"}, "full", {"sliding_window": 7}, ({"hp": 1, "cp": 4, "ring_window": 2},)),
+]
 
 
 @pytest.mark.dist
@@ -104,6 +124,16 @@ def test_packed_training_matches_the_unsharded_model(dist_pool, case):
     world, cfg, ckpt, overrides, micro = case
     for result in dist_pool(world).run(_packed_equivalence, cfg, ckpt, overrides, micro):
         assert result["docs"] >= 3
+        assert result["loss"] < 1e-5, result
+        assert result["grad"] < 1e-5, result
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", PER_BATCH, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}")
+def test_a_layout_per_microbatch_matches_the_unsharded_model(dist_pool, case):
+    cfg, ckpt, overrides, others = case
+    for result in dist_pool(4).run(_packed_equivalence, cfg, ckpt, overrides, len(others) + 1, others):
+        assert len(set(result["layouts"])) == len(others) + 1, result["layouts"]  # each microbatch on its own
         assert result["loss"] < 1e-5, result
         assert result["grad"] < 1e-5, result
 

@@ -132,3 +132,18 @@ def test_cli_reports_bad_config_without_traceback(tmp_path):
     assert proc.returncode == 2
     assert "loongtrain train: config file" in proc.stderr and "does not exist" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.dist
+def test_a_layout_per_microbatch_trains_as_the_fixed_layout(dist_pool, tmp_path):
+    """parallel.layout=per_batch through the trainer: the same losses as the fixed 2D layout (the
+    documents decide where each microbatch runs; the model and the data are the same)."""
+    common = ["run.steps=3", "data.pack=true", "data.doc_len=32", "data.micro_batches=2", "parallel.balance=locality"]
+    common += _layout(hp=2, cp=2, window=2)
+    fixed = dist_pool(4).run(_train, common + [f"run.output_dir={tmp_path / 'f'}"])[0]
+    mine = dist_pool(4).run(_train, common + ["parallel.layout=per_batch", f"run.output_dir={tmp_path / 'p'}"])[0]
+    np.testing.assert_allclose(mine["losses"], fixed["losses"], rtol=1e-5)
+    records = [json.loads(x) for x in (tmp_path / "p" / "metrics.jsonl").read_text().splitlines()]
+    layouts = [r["layouts"] for r in records if r["kind"] == "train"]
+    assert all(len(x.split(",")) == 2 for x in layouts), layouts  # one entry per microbatch
+    assert all(p in ("2x2", "1x4", "4x1") for x in layouts for p in x.split(",")), layouts

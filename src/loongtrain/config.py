@@ -17,6 +17,7 @@ from loongtrain.options import (
     ACTIVATION_CHECKPOINT_MODES,
     BALANCES,
     CONTEXT_ORDERS,
+    LAYOUT_MODES,
     LONG_DOCUMENTS,
     PLACEMENTS,
     ZERO_SCOPES,
@@ -120,6 +121,12 @@ class ParallelSection:
         "sequence layout over the sp group: zigzag (balanced for one document), documents (from each packed "
         "batch) or locality (documents whole or on runs of adjacent ranks: the ring carries only what they need)",
         BALANCES,
+    )
+    layout: str = _f(
+        "fixed",
+        "fixed: every microbatch on hp x cp; per_batch: each microbatch on the hp x cp split of the same ranks "
+        "its documents run fastest on (process groups for each built at start; eager only)",
+        LAYOUT_MODES,
     )
     dp: int = _f(0, "data-parallel degree (0: world size // (hp*cp))")
     zero: str = _f("dp_sp", "ZeRO sharding scope of model states", ZERO_SCOPES)
@@ -448,6 +455,11 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.parallel.cp % cfg.parallel.ring_window:
         raise ConfigError(
             f"parallel.cp={cfg.parallel.cp} is not divisible by parallel.ring_window={cfg.parallel.ring_window}"
+        )
+    if cfg.run.compile and cfg.parallel.layout == "per_batch":
+        raise ConfigError(
+            "run.compile=true compiles the blocks for one layout; parallel.layout='per_batch' changes it per "
+            "microbatch: set parallel.layout='fixed' or run.compile=false"
         )
     if cfg.run.compile and (cfg.memory.offload_activations or cfg.memory.mlp_tile):
         on = "memory.offload_activations" if cfg.memory.offload_activations else "memory.mlp_tile"

@@ -26,6 +26,9 @@ ZERO_SCOPES: tuple[str, ...] = get_args(ZeroScope)
 BALANCES: tuple[str, ...] = get_args(Balance)
 #: what the token-file loader does with a document longer than a sequence (data.long_documents)
 LONG_DOCUMENTS: tuple[str, ...] = ("split", "drop")
+#: ``fixed``: every microbatch on the configured hp x cp; ``per_batch``: each microbatch on the
+#: hp x cp split of the same ranks that ``loongtrain.attention.choose`` prices fastest.
+LAYOUT_MODES: tuple[str, ...] = ("fixed", "per_batch")
 
 
 def check_activation_checkpoint(mode: str, every: int = 1) -> None:

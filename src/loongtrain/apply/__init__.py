@@ -14,6 +14,8 @@ runs the four steps; each ``apply_*`` function is usable on its own.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from loongtrain.apply.activation_checkpoint import apply_activation_checkpoint
@@ -48,11 +50,13 @@ def parallelize(
     param_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
     compile: bool = False,
+    alternatives: Sequence[ParallelState] = (),
 ) -> Transformer:
     """Parallelise ``model`` (on meta) for ``state``; returns it (modified in place).
 
     ``memory`` holds the activation checkpointing (and the other memory options; None:
-    ``MemoryOptions()``); ``zero`` the ZeRO scope of the model states. Every argument is
+    ``MemoryOptions()``); ``zero`` the ZeRO scope of the model states; ``alternatives``
+    the states of other hp x cp splits a microbatch's layout may take (:func:`apply_attention`). Every argument is
     validated before any communication.
     """
     memory = MemoryOptions() if memory is None else memory
@@ -62,7 +66,9 @@ def parallelize(
     zero_mesh(state, zero)  # built by init_parallel for this scope
     if compile and (memory.offload_activations or memory.mlp_tile):
         raise ValueError("parallelize: compile=True cannot compile blocks with activation offload or a tiled MLP")
-    apply_attention(model, state)  # checks that the heads split over hp, before anything else
+    if compile and alternatives:
+        raise ValueError("parallelize: compile=True compiles one layout; a layout per microbatch runs eagerly")
+    apply_attention(model, state, alternatives)  # checks that the heads split over hp, before anything else
     apply_memory_options(model, memory)
     offload = ActivationOffload(state.device) if memory.offload_activations else None
     model.activation_offload = offload  # what it holds on the host: model.activation_offload.host_bytes()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
 
 from loongtrain.attention import head_context_attention
+from loongtrain.attention.layout import SequenceLayout
 from loongtrain.model.config import ModelConfig
 from loongtrain.model.llama import Transformer
 from loongtrain.parallel import ParallelState
@@ -19,13 +21,31 @@ def check_model_fits(cfg: ModelConfig, hp: int) -> None:
         raise ValueError(f"the model (n_heads={cfg.n_heads}, n_kv_heads={cfg.n_kv_heads}) does not fit: {e}") from None
 
 
-def apply_attention(model: Transformer, state: ParallelState) -> None:
+def _on_the_layouts_state(q, k, v, *, states: dict, default: ParallelState, layout: SequenceLayout | None = None,
+                          sliding_window: int | None = None):  # fmt: skip
+    state = default if layout is None else states.get((layout.hp, layout.cp), default)
+    return head_context_attention(q, k, v, state, causal=True, layout=layout, sliding_window=sliding_window)
+
+
+def apply_attention(model: Transformer, state: ParallelState, alternatives: Sequence[ParallelState] = ()) -> None:
     """Make every layer call :func:`head_context_attention` (causal) on this state.
 
     The model passes each batch's :class:`~loongtrain.attention.layout.SequenceLayout`
     (its documents, cut with the state's ``config.balance``) and its sliding window through.
+    ``alternatives``: states of other hp x cp splits of the same ranks (a layout per
+    microbatch, :mod:`loongtrain.attention.choose`); a layout made for one of them runs on it.
     """
-    check_model_fits(model.config, state.hp)
-    attention = partial(head_context_attention, state=state, causal=True)
+    for s in (state, *alternatives):
+        check_model_fits(model.config, s.hp)
+        if s.layout.sp_group(s.rank) != state.layout.sp_group(state.rank):
+            raise ValueError(
+                f"apply_attention: an alternative layout (hp={s.hp}, cp={s.cp}) must split the same "
+                f"sequence-parallel group as the state (hp={state.hp}, cp={state.cp}, dp={state.dp})"
+            )
+    if alternatives:
+        states = {(s.hp, s.cp): s for s in (*alternatives, state)}
+        attention = partial(_on_the_layouts_state, states=states, default=state)
+    else:
+        attention = partial(head_context_attention, state=state, causal=True)
     for layer in model.layers:
         layer.attention.attention_fn = attention

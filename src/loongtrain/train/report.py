@@ -26,6 +26,7 @@ class StepMetrics:
     mfu: float | None
     peak_memory_gib: float
     # MiB each device sent in the step's attention (mean over devices; forward, recompute and backward)
+    layouts: str = ""  # hp x cp of rank 0's microbatches (parallel.layout = per_batch)
     ring_kv_mib: float = 0.0
     ring_dkv_mib: float = 0.0
     all_to_all_mib: float = 0.0

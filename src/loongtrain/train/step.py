@@ -9,6 +9,7 @@ same layout, which it turns into document masks."""
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +90,7 @@ class StepResult:
     loss: float  # mean loss per target token over all replicas and microbatches
     accuracy: float  # fraction of targets whose argmax prediction is right
     targets: int  # target tokens in the global batch
+    layouts: tuple[str, ...] = ()  # this replica's hp x cp per microbatch
 
 
 def as_microbatch(batch: Microbatch | tuple[torch.Tensor, torch.Tensor]) -> Microbatch:
@@ -102,16 +104,19 @@ def forward_backward(
     microbatches: list[Microbatch | tuple[torch.Tensor, torch.Tensor]],
     *,
     backward: bool = True,
+    choose: Callable[[Microbatch], ParallelState] | None = None,
 ) -> StepResult:
     """Forward (and backward) over this replica's ``microbatches`` of full sequences.
 
     Each microbatch is a :class:`Microbatch` (or a ``(tokens, labels)`` pair) [B, S] of this
     data-parallel replica (the same on every rank of its sp group). With ``backward`` the
     gradients of the global mean loss accumulate in the parameters; without it
-    (evaluation) no graph is built.
+    (evaluation) no graph is built. ``choose`` gives each microbatch the state (an hp x cp
+    split of the same ranks, :func:`~loongtrain.apply.parallelize`'s ``alternatives``) it
+    is sharded and attended on; None: ``state`` for all.
     """
     batches = [as_microbatch(mb) for mb in microbatches]
-    shards = [shard_microbatch(mb, state) for mb in batches]
+    shards = [shard_microbatch(mb, state if choose is None else choose(mb)) for mb in batches]
     device = shards[0].tokens.device
     # every sp rank sees its own shard, so this sums each replica's targets exactly once
     total_targets = agree_and_count(batches, shards, state)
@@ -128,4 +133,5 @@ def forward_backward(
             sums[1] += correct
     dist.all_reduce(sums)
     loss_sum, correct = sums.tolist()
-    return StepResult(loss=loss_sum, accuracy=correct / total_targets, targets=int(total_targets))
+    layouts = tuple(f"{sb.layout.hp}x{sb.layout.cp}" for sb in shards)
+    return StepResult(loss=loss_sum, accuracy=correct / total_targets, targets=int(total_targets), layouts=layouts)

@@ -29,6 +29,7 @@ from loongtrain.parallel import ParallelState, init_parallel
 from loongtrain.train.checkpoint import CheckpointManager
 from loongtrain.train.collectives import broadcast_object
 from loongtrain.train.faults import restart_notice, say
+from loongtrain.train.layouts import PerBatchLayouts
 from loongtrain.train.metrics import (
     batch_flops_per_token,
     device_peak_tflops,
@@ -78,6 +79,7 @@ class Run:
     folder: RunStart  # how the run folder was taken over (fresh, moved aside, resumed, restarted)
     start: int  # the step this run continues from (0 for a fresh run)
     resumed_from: Path | None
+    choose: PerBatchLayouts | None = None  # parallel.layout = per_batch: a microbatch -> the state it runs on
 
     def save_due(self, done: int) -> bool:
         """Whether a checkpoint is due after ``done`` steps."""
@@ -112,11 +114,15 @@ def build_run(device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat 
     state = init_parallel(
         spec.parallel, device=device, verify_inputs=cfg.parallel.verify_inputs, zero_scopes=(cfg.parallel.zero,)
     )  # only the mesh this run shards over
+    choose = None
+    if cfg.parallel.layout == "per_batch":
+        choose = PerBatchLayouts.build(state, spec.model, spec.param_dtype, cfg.parallel.verify_inputs)
+    alternatives = choose.alternatives if choose is not None else ()
     model = build_model(spec.model)
     parallelize(
         model, state, memory=spec.memory, zero=cfg.parallel.zero,
         param_dtype=None if spec.param_dtype == torch.float32 else spec.param_dtype,
-        reshard_after_forward=cfg.parallel.reshard_after_forward, compile=cfg.run.compile,
+        reshard_after_forward=cfg.parallel.reshard_after_forward, compile=cfg.run.compile, alternatives=alternatives,
     )  # fmt: skip
     init_weights(model, device, spec.init_from, run_dir, seed=cfg.run.seed)  # random, or the init_from HF weights
     optimizer = build_optimizer(model.parameters(), cfg.optim)
@@ -137,7 +143,7 @@ def build_run(device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat 
     if rank == 0:
         trim_metrics(run_dir / METRICS_FILE, start)  # steps after the checkpoint are trained again
         (run_dir / "config.toml").write_text(to_toml(cfg))
-    return Run(cfg, spec, device, state, model, optimizer, loader, checkpoints, folder, start, resumed_from)
+    return Run(cfg, spec, device, state, model, optimizer, loader, checkpoints, folder, start, resumed_from, choose)
 
 
 def describe(run: Run) -> str:
@@ -153,6 +159,9 @@ def describe(run: Run) -> str:
         f"data {cfg.data.source}: "
         f"{cfg.data.global_batch} x {cfg.data.seq_len} tokens per step"
     )
+    if run.choose is not None:
+        splits = ", ".join(f"{c.hp}x{c.cp} (ring_window {c.ring_window})" for c in run.choose.configs)
+        text += f"\nparallel.layout=per_batch: each microbatch on the fastest of hp x cp = {splits}"
     if hasattr(run.loader.source, "describe"):  # a token file: its targets and what was left out
         text += f"\ntoken file {run.loader.source.describe()}"
     if run.folder.moved_to is not None:
@@ -179,6 +188,7 @@ class StepOutput:
     loss: float
     accuracy: float
     grad_norm: float
+    layouts: tuple[str, ...] = ()  # hp x cp of each of this replica's microbatches
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
@@ -191,24 +201,26 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
 
 def train_step(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: ParallelState, microbatches: list,
-    *, lr: float, grad_clip: float,
+    *, lr: float, grad_clip: float, choose: Callable | None = None,
 ) -> StepOutput:  # fmt: skip
     """ONE optimizer step on this replica's ``microbatches`` (on the device; each is what
-    :func:`~loongtrain.train.step.forward_backward` takes), at learning rate ``lr``."""
+    :func:`~loongtrain.train.step.forward_backward` takes), at learning rate ``lr``;
+    ``choose``: each microbatch's layout (``parallel.layout = per_batch``)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
-    result = forward_backward(model, state, microbatches)
+    result = forward_backward(model, state, microbatches, choose=choose)
     norm = clip_grad_norm(model, grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepOutput(loss=result.loss, accuracy=result.accuracy, grad_norm=norm)
+    return StepOutput(loss=result.loss, accuracy=result.accuracy, grad_norm=norm, layouts=result.layouts)
 
 
 def evaluate(run: Run, batches: int) -> tuple[float, float]:
     """Mean loss and accuracy over ``batches`` held-out global batches."""
     loss = acc = 0.0
     for i in range(batches):
-        result = forward_backward(run.model, run.state, to_device(run.loader.eval_batch(i), run.device), backward=False)
+        batch = to_device(run.loader.eval_batch(i), run.device)
+        result = forward_backward(run.model, run.state, batch, backward=False, choose=run.choose)
         loss += result.loss / batches
         acc += result.accuracy / batches
     return loss, acc
@@ -229,14 +241,29 @@ COMM_KINDS = {
 }
 
 
-def comm_mib_per_device(state: ParallelState) -> dict[str, float]:
+def comm_mib_per_device(state: ParallelState, choose: PerBatchLayouts | None = None) -> dict[str, float]:
     """Collective: MiB each device sent since ``state.stats`` was reset, by :data:`COMM_KINDS`
-    (mean over devices: with documents, ranks send different amounts)."""
-    sent = state.stats.bytes
+    (mean over devices: with documents, ranks send different amounts). With a layout per
+    microbatch (``choose``) the other layouts' states count too (reset with ``state``'s:
+    :func:`reset_stats`)."""
+    sent: dict[str, int] = {}
+    for s in _all_states(state, choose):
+        for kind, n in s.stats.bytes.items():
+            sent[kind] = sent.get(kind, 0) + n
     totals = [float(sum(sent.get(kind, 0) for kind in kinds)) for kinds in COMM_KINDS.values()]
     mean = torch.tensor(totals, dtype=torch.float64, device=state.device)
     dist.all_reduce(mean)
     return {name: value / dist.get_world_size() / 2**20 for name, value in zip(COMM_KINDS, mean.tolist())}
+
+
+def _all_states(state: ParallelState, choose: PerBatchLayouts | None) -> list[ParallelState]:
+    return [state] if choose is None else choose.states
+
+
+def reset_stats(state: ParallelState, choose: PerBatchLayouts | None = None) -> None:
+    """Reset the attention counters of ``state`` and of the other layouts' states."""
+    for s in _all_states(state, choose):
+        s.stats.reset()
 
 
 # -- the loop ------------------------------------------------------------------------------
@@ -284,11 +311,17 @@ def train(
             beat(step, "train")
             lr = lr_at(step, lr=o.lr, warmup_steps=o.warmup_steps, total_steps=r.steps, min_lr_ratio=o.min_lr_ratio)
             reset_peak_memory(device)
-            run.state.stats.reset()
+            reset_stats(run.state, run.choose)
             t0 = time.perf_counter()
             batch = run.loader.next()
             out = train_step(
-                run.model, run.optimizer, run.state, to_device(batch, device), lr=lr, grad_clip=o.grad_clip
+                run.model,
+                run.optimizer,
+                run.state,
+                to_device(batch, device),
+                lr=lr,
+                grad_clip=o.grad_clip,
+                choose=run.choose,
             )
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -300,7 +333,8 @@ def train(
             reporter.step(StepMetrics(
                 step=step + 1, loss=out.loss, accuracy=out.accuracy, grad_norm=out.grad_norm, lr=lr, step_s=dt,
                 tokens_per_s_per_device=tps, tflops_per_device=tps * flops_tok / 1e12, mfu=mfu(tps, flops_tok, peak),
-                peak_memory_gib=peak_memory_gib(device), **comm_mib_per_device(run.state),
+                peak_memory_gib=peak_memory_gib(device), layouts=",".join(out.layouts),
+                **comm_mib_per_device(run.state, run.choose),
             ))  # fmt: skip
             if r.eval_every and (step + 1) % r.eval_every == 0 and step + 1 < r.steps:
                 beat(step + 1, "evaluation")

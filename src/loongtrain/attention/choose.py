@@ -1,0 +1,125 @@
+"""A layout per microbatch: which hp x cp split of the sequence-parallel group runs one
+packed microbatch fastest. Pure: every rank computes the same answer from the same
+boundaries, with no communication.
+
+For each candidate :class:`~loongtrain.parallel.ParallelConfig` (the same ``sp``, so the
+same ranks and ZeRO mesh; :func:`candidate_configs`) the microbatch's
+:class:`~loongtrain.attention.layout.SequenceLayout` gives its attention work per context
+rank (the keys its queries see, under the documents and the sliding window) and its ring
+routes (:mod:`routes`: the key/value blocks and dK/dV partials each rank sends); the head
+all-to-all moves ``q``, ``k``, ``v`` and the output both ways. One layer's attention
+(forward and backward) is priced as
+
+    max(busiest rank's kernels, its ring transfers) + its all-to-alls
+
+at :class:`LinkSpeeds` (the ring overlaps the kernels, the all-to-alls do not), and the
+cheapest candidate wins (ties: the first). A microbatch of short documents under the
+``locality`` balance sends nothing on a ring, so the pure ring is chosen for it and skips
+the all-to-all a 2D layout would pay; one long document keeps the 2D split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from loongtrain.attention.documents import Boundaries, range_work
+from loongtrain.attention.layout import sequence_layout
+from loongtrain.attention.routes import full_routes
+from loongtrain.parallel.config import ParallelConfig
+from loongtrain.parallel.layout import check_head_split
+
+#: FLOPs of one (query, key) pair per head dimension: two matmuls forward (2 x 2), the
+#: backward 2.5x the forward.
+FLOPS_PER_PAIR = 4 * 3.5
+
+
+@dataclass(frozen=True)
+class LinkSpeeds:
+    """What the choice prices with: one device's attention FLOP/s, and the bytes per second
+    one rank sends on a ring hop and in the head all-to-all."""
+
+    flops: float
+    ring_bytes_per_s: float
+    all_to_all_bytes_per_s: float
+
+
+#: CPU processes on gloo (docs/PLATFORM: ~1 GB/s per rank in a ring step; fp32 flash
+#: attention ~40 GFLOP/s on two cores).
+CPU_GLOO = LinkSpeeds(flops=40e9, ring_bytes_per_s=1e9, all_to_all_bytes_per_s=1e9)
+#: One node of H100s: ~400 TFLOP/s of attention kernels, NVLink for rings and all-to-alls.
+GPU_NODE = LinkSpeeds(flops=400e12, ring_bytes_per_s=150e9, all_to_all_bytes_per_s=150e9)
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """The model's attention as the choice needs it."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    elem_bytes: int  # bytes of one element of q/k/v (2 for bf16)
+
+
+def candidate_configs(config: ParallelConfig, heads: int, kv_heads: int) -> list[ParallelConfig]:
+    """Every hp x cp split of ``config.sp`` the model's heads allow, ``config`` first; each keeps
+    ``config``'s ring window where it divides the candidate's ``cp`` (else the plain ring),
+    its placement, context order, balance and ``dp``."""
+    out = [config]
+    for hp in range(1, config.sp + 1):
+        if config.sp % hp or hp == config.hp:
+            continue
+        try:
+            check_head_split(heads, kv_heads, hp)
+        except ValueError:
+            continue
+        cp = config.sp // hp
+        window = config.ring_window if cp % config.ring_window == 0 else 1
+        out.append(replace(config, hp=hp, cp=cp, ring_window=window))
+    return out
+
+
+def layout_seconds(
+    config: ParallelConfig,
+    seq_len: int,
+    boundaries: Boundaries | None,
+    sliding_window: int | None,
+    shape: AttentionShape,
+    speeds: LinkSpeeds,
+) -> float:
+    """Predicted seconds of one layer's attention (forward + backward) of a causal
+    microbatch of ``seq_len`` tokens with documents ``boundaries`` on ``config``."""
+    layout = sequence_layout(seq_len, config, boundaries)
+    bounds = boundaries or (0, seq_len)
+    hp, cp = config.hp, config.cp
+    work = [
+        sum(range_work(bounds, s, s + n, True, sliding_window) for s, n in layout.sharding.content[c])
+        for c in range(cp)
+    ]
+    compute = max(work) * (shape.heads / hp) * shape.head_dim * FLOPS_PER_PAIR / speeds.flops
+    plan = layout.mask_plan(True, sliding_window)
+    routes = full_routes(config) if plan is None else plan.routes(config)
+    kv_heads = max(shape.kv_heads, hp) // hp
+    block = 2 * (seq_len // cp) * kv_heads * shape.head_dim * shape.elem_bytes
+    grad_block = block * 4 // shape.elem_bytes  # dK/dV partials travel in float32
+    ring = max(2 * routes.kv_hops(c) * block + routes.dkv_partials(c) * grad_block for c in range(cp))
+    a2a = 0.0
+    if hp > 1:
+        local = seq_len // config.sp
+        qkv = local * (shape.heads + 2 * max(shape.kv_heads, hp)) * shape.head_dim * shape.elem_bytes
+        out = local * shape.heads * shape.head_dim * shape.elem_bytes
+        a2a = 2 * (qkv + out) * (hp - 1) / hp / speeds.all_to_all_bytes_per_s
+    return max(compute, ring / speeds.ring_bytes_per_s) + a2a
+
+
+def choose_layout(
+    configs: Sequence[ParallelConfig],
+    seq_len: int,
+    boundaries: Boundaries | None,
+    sliding_window: int | None,
+    shape: AttentionShape,
+    speeds: LinkSpeeds,
+) -> int:
+    """Index in ``configs`` of the layout :func:`layout_seconds` prices lowest (ties: the first)."""
+    costs = [layout_seconds(c, seq_len, boundaries, sliding_window, shape, speeds) for c in configs]
+    return min(range(len(configs)), key=lambda i: (costs[i], i))

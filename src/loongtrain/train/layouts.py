@@ -1,0 +1,49 @@
+"""``parallel.layout = "per_batch"``: every hp x cp split of the sequence-parallel group as
+its own :class:`~loongtrain.parallel.ParallelState` (process groups made once, at start),
+and each microbatch on the one :func:`~loongtrain.attention.choose.choose_layout` prices
+fastest for its documents. Every rank of a group chooses the same from the same batch, and
+every split covers the same ranks, so FSDP's collectives (one mesh over all ranks) and the
+number of forward/backward passes per step do not change."""
+
+from __future__ import annotations
+
+import torch
+
+from loongtrain.attention.choose import CPU_GLOO, GPU_NODE, AttentionShape, candidate_configs, choose_layout
+from loongtrain.data.batch import Microbatch
+from loongtrain.model.config import ModelConfig
+from loongtrain.parallel import ParallelState, init_parallel
+
+
+class PerBatchLayouts:
+    """Callable: a microbatch -> the state it is sharded and attended on. ``states[0]`` is the
+    run's own (configured) layout; build with :meth:`build`."""
+
+    def __init__(self, states: list[ParallelState], model: ModelConfig, elem_bytes: int) -> None:
+        self.states = states
+        self.configs = [s.config for s in states]
+        self.shape = AttentionShape(model.n_heads, model.n_kv_heads, model.head_dim, elem_bytes)
+        self.sliding_window = model.sliding_window or None
+        self.speeds = GPU_NODE if states[0].device.type == "cuda" else CPU_GLOO
+
+    @classmethod
+    def build(
+        cls, state: ParallelState, model: ModelConfig, param_dtype: torch.dtype, verify_inputs: bool
+    ) -> PerBatchLayouts:
+        """Collective: a state for every other split of ``state``'s ranks the model's heads allow."""
+        configs = candidate_configs(state.config, model.n_heads, model.n_kv_heads)
+        others = [
+            init_parallel(c, device=state.device, verify_inputs=verify_inputs, zero_scopes=()) for c in configs[1:]
+        ]
+        return cls([state, *others], model, torch.finfo(param_dtype).bits // 8)
+
+    @property
+    def alternatives(self) -> list[ParallelState]:
+        """The states besides the run's own (``parallelize``'s ``alternatives``)."""
+        return self.states[1:]
+
+    def __call__(self, mb: Microbatch) -> ParallelState:
+        documents = mb.attention_documents
+        bounds = None if documents is None else tuple(documents.tolist())
+        seq = mb.tokens.shape[1]
+        return self.states[choose_layout(self.configs, seq, bounds, self.sliding_window, self.shape, self.speeds)]

@@ -1,0 +1,64 @@
+"""A layout per microbatch (pure): the candidate splits, and the choice the documents make."""
+
+import pytest
+
+from loongtrain.attention.choose import (
+    CPU_GLOO,
+    GPU_NODE,
+    AttentionShape,
+    candidate_configs,
+    choose_layout,
+    layout_seconds,
+)
+from loongtrain.config import ConfigError, load_config
+from loongtrain.parallel import ParallelConfig
+
+pytestmark = pytest.mark.unit
+
+SHAPE = AttentionShape(heads=8, kv_heads=2, head_dim=64, elem_bytes=4)
+
+
+def test_candidates_are_the_splits_the_heads_allow():
+    base = ParallelConfig(hp=2, cp=4, ring_window=2, balance="locality")
+    got = [(c.hp, c.cp, c.ring_window) for c in candidate_configs(base, heads=8, kv_heads=2)]
+    # the configured one first; hp=8 replicates 2 KV heads 4x; cp=8 keeps the window 2, cp=1 a plain ring
+    assert got == [(2, 4, 2), (1, 8, 2), (4, 2, 2), (8, 1, 1)]
+    assert all(c.balance == "locality" and c.sp == 8 for c in candidate_configs(base, 8, 2))
+    # 6 heads over 3 KV heads: hp must divide 3 or be a multiple of it
+    assert [c.hp for c in candidate_configs(ParallelConfig(cp=6), 6, 3)] == [1, 3, 6]
+
+
+@pytest.mark.parametrize("speeds", [CPU_GLOO, GPU_NODE])
+def test_documents_that_fit_a_shard_take_the_layout_that_sends_nothing(speeds):
+    seq = 8192
+    configs = candidate_configs(ParallelConfig(hp=2, cp=2, ring_window=2, balance="locality"), 8, 2)
+    local = tuple(range(0, seq + 1, 256))  # 32 documents of 256 tokens: 8 whole ones per rank of a ring of 4
+    chosen = configs[choose_layout(configs, seq, local, None, SHAPE, speeds)]
+    assert (chosen.hp, chosen.cp) == (1, 4)
+    # its price is its kernels alone: 4 ranks x 8 documents of 256 x 257 / 2 keys each
+    kernels = 8 * 256 * 257 / 2 * 8 * 64 * 4 * 3.5 / speeds.flops
+    assert layout_seconds(chosen, seq, local, None, SHAPE, speeds) == pytest.approx(kernels)
+
+
+def test_one_long_document_prices_the_ring_and_the_all_to_all():
+    """By hand, S=8192, sp=4, fp32, 8 heads of 64 over 2 KV heads, CPU_GLOO. Ring of 4: every rank
+    does S^2/2/4 pairs x 8 heads; it sends 3 KV blocks each way and 3 fp32 partials of
+    2 x 2048 x 2 x 64 x 4 B = 2 MiB. Ulysses (hp=4): a quarter of the heads over all of S, and
+    the all-to-alls: (q + k, v replicated to 4 heads + out) of 2048 tokens, both ways, 3/4 sent."""
+    seq, pairs = 8192, 8192 * 8193 / 2
+    ring = ParallelConfig(cp=4)
+    block = 2 * 2048 * 2 * 64 * 4
+    compute = pairs / 4 * 8 * 64 * 14 / 40e9
+    assert layout_seconds(ring, seq, None, None, SHAPE, CPU_GLOO) == pytest.approx(
+        max(compute, 9 * block / 1e9), rel=1e-3
+    )
+    ulysses = ParallelConfig(hp=4)
+    a2a = 2 * (2048 * (8 + 2 * 4) * 64 * 4 + 2048 * 8 * 64 * 4) * 3 / 4 / 1e9
+    assert layout_seconds(ulysses, seq, None, None, SHAPE, CPU_GLOO) == pytest.approx(pairs * 2 * 64 * 14 / 40e9 + a2a)
+
+
+def test_a_layout_per_microbatch_does_not_compile():
+    with pytest.raises(ConfigError, match="parallel.layout='per_batch' changes it per microbatch"):
+        load_config(None, ["parallel.layout=per_batch", "run.compile=true"])
+    with pytest.raises(ConfigError, match="layout"):
+        load_config(None, ["parallel.layout=sometimes"])
