@@ -25,26 +25,32 @@ def _replay(routes):
     cp, n, w = cfg.cp, cfg.n_ring_windows, cfg.ring_window
     inner_next = lambda c: (c // w) * w + (c % w + 1) % w  # noqa: E731
     outer_next = lambda c: ((c // w + 1) % n) * w + c % w  # noqa: E731
+    # keys/values: who holds which block, followed from the sends alone (each rank starts with its own)
+    held = {(c, 0, 0): c for c in range(cp)}  # (rank, j, s) -> block
     kv_sent = [0] * cp
     for j in range(n):
         for s in range(w):
             for c in range(cp):
-                block = routes.source(c, j, s)
-                if routes.reads[c][block]:
-                    assert routes.holds(c, j, s), f"rank {c} reads block {block} at ({j},{s}) but never gets it"
+                block = held.get((c, j, s))
+                assert routes.holds(c, j, s) == (block is not None)
+                want = routes.source(c, j, s)
+                if routes.reads[c][want]:
+                    assert block == want, f"rank {c} reads block {want} at ({j},{s}) but holds {block}"
                 if s + 1 < w:
                     hop = routes.kv_inner(c, j, s)
                     nxt = inner_next(c)
                     assert hop.send == routes.kv_inner(nxt, j, s).recv  # the neighbour expects exactly it
-                    assert not hop.send or routes.holds(c, j, s)  # only what it has
-                    assert routes.holds(nxt, j, s + 1) == hop.send
+                    if hop.send:
+                        assert block is not None  # only what it has
+                        held[(nxt, j, s + 1)] = block
                     kv_sent[c] += hop.send
             for c in range(cp) if (s == 0 and j + 1 < n) else ():
                 hop = routes.kv_outer(c, j)
                 nxt = outer_next(c)
                 assert hop.send == routes.kv_outer(nxt, j).recv
-                assert not hop.send or routes.holds(c, j, 0)
-                assert routes.holds(nxt, j + 1, 0) == hop.send
+                if hop.send:
+                    assert held.get((c, j, 0)) is not None
+                    held[(nxt, j + 1, 0)] = held[(c, j, 0)]
                 kv_sent[c] += hop.send
     # dK/dV: each partial is the set of readers whose gradient it carries
     own = {b: ({b} if routes.reads[b][b] else set()) for b in range(cp)}

@@ -127,11 +127,11 @@ def balance_locality(seq_len: int, cp: int, boundaries: Boundaries) -> ChunkAssi
     found = [locality_assignment(seq_len, cp, boundaries, spread) for spread in SPREADS]
     good = [a for a in found if a.imbalance <= LOCALITY_IMBALANCE]
     if good:
-        return min(good, key=lambda a: (pieces(a, boundaries), a.imbalance))
-    return min(found, key=lambda a: (a.imbalance, pieces(a, boundaries)))
+        return min(good, key=lambda a: (document_pieces(a, boundaries), a.imbalance))
+    return min(found, key=lambda a: (a.imbalance, document_pieces(a, boundaries)))
 
 
-def pieces(found: ChunkAssignment, boundaries: Boundaries) -> int:
+def document_pieces(found: ChunkAssignment, boundaries: Boundaries) -> int:
     """How many (rank, document) pieces an assignment makes (the documents' count when none is cut)."""
     total = 0
     for chunks in found.chunks:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from loongtrain.attention.documents import Boundaries, range_work
+from loongtrain.attention.documents import Boundaries
 from loongtrain.attention.layout import sequence_layout
 from loongtrain.attention.routes import full_routes
 from loongtrain.parallel.config import ParallelConfig
@@ -90,12 +90,8 @@ def layout_seconds(
     """Predicted seconds of one layer's attention (forward + backward) of a causal
     microbatch of ``seq_len`` tokens with documents ``boundaries`` on ``config``."""
     layout = sequence_layout(seq_len, config, boundaries)
-    bounds = boundaries or (0, seq_len)
     hp, cp = config.hp, config.cp
-    work = [
-        sum(range_work(bounds, s, s + n, True, sliding_window) for s, n in layout.sharding.content[c])
-        for c in range(cp)
-    ]
+    work = layout.sharding.work(boundaries, True, sliding_window)
     compute = max(work) * (shape.heads / hp) * shape.head_dim * FLOPS_PER_PAIR / speeds.flops
     plan = layout.mask_plan(True, sliding_window)
     routes = full_routes(config) if plan is None else plan.routes(config)

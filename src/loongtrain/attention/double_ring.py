@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from loongtrain.attention.blocks import (
     BlockWork,
@@ -60,7 +61,7 @@ class RingSetup:
     stats: AttentionStats
     masks: MaskPlan | None = None  # document / sliding-window mask; None: plain causal or full zigzag ring
     sliding_window: int | None = None
-    dkv_group: object = None  # the context group's dK/dV communicator
+    dkv_group: dist.ProcessGroup | None = None  # the context group's dK/dV communicator
     context_ranks: tuple[int, ...] = ()  # global rank of each context index
 
     @property
@@ -160,7 +161,7 @@ class _Gradients:
             partial = self.partials.pop(block).wait() if role.incoming else torch.zeros_like(self.own)
             add_kv_grads(partial, grads)
             sends.append((partial, plan.context_ranks[role.send_to]))
-        arriving = [t for t in self.routes.dkv_sends(slot) if t.dst == c]
+        arriving = self.routes.dkv_arrivals(c, slot)
         # a window's total is added once a window's compute has hidden it, or before a chain
         # partial is received (so at most one of the two buffers exists at a time)
         wait = 1 if any(not t.home for t in arriving) else plan.config.ring_window

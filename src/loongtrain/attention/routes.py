@@ -156,18 +156,31 @@ class RingRoutes:
         """Every dK/dV partial sent in ``slot`` (by any rank of the context group)."""
         return self._dkv_slots[slot]
 
+    @functools.cached_property
+    def _arrivals(self) -> dict[tuple[int, int], tuple[DkvSend, ...]]:
+        out: dict[tuple[int, int], list[DkvSend]] = {}
+        for slot, sends in enumerate(self._dkv_slots):
+            for t in sends:
+                out.setdefault((t.dst, slot), []).append(t)
+        return {key: tuple(value) for key, value in out.items()}
+
+    def dkv_arrivals(self, c: int, slot: int) -> tuple[DkvSend, ...]:
+        """The dK/dV partials sent to rank ``c`` in ``slot``."""
+        return self._arrivals.get((c, slot), ())
+
     # -- counts (what ``state.stats`` sees, and the minimum) -----------------------------
+    def _kv_hops(self, c: int) -> list[Hop]:
+        w, n = self.config.ring_window, self.config.n_ring_windows
+        inner = [self.kv_inner(c, j, s) for j in range(n) for s in range(w - 1)]
+        return inner + [self.kv_outer(c, j) for j in range(n - 1)]
+
     def kv_hops(self, c: int) -> int:
         """Key/value blocks rank ``c`` sends in one pass (forward, or the backward's replay)."""
-        w, n = self.config.ring_window, self.config.n_ring_windows
-        inner = sum(self.kv_inner(c, j, s).send for j in range(n) for s in range(w - 1))
-        return inner + sum(self.kv_outer(c, j).send for j in range(n - 1))
+        return sum(hop.send for hop in self._kv_hops(c))
 
     def kv_received(self, c: int) -> int:
         """Key/value blocks rank ``c`` receives in one pass."""
-        w, n = self.config.ring_window, self.config.n_ring_windows
-        inner = sum(self.kv_inner(c, j, s).recv for j in range(n) for s in range(w - 1))
-        return inner + sum(self.kv_outer(c, j).recv for j in range(n - 1))
+        return sum(hop.recv for hop in self._kv_hops(c))
 
     def dkv_partials(self, c: int) -> int:
         """dK/dV partials rank ``c`` sends in one backward."""
@@ -175,7 +188,7 @@ class RingRoutes:
 
     def dkv_received(self, c: int) -> int:
         """dK/dV partials rank ``c`` receives in one backward."""
-        return sum(1 for slot in self._dkv_slots for t in slot if t.dst == c)
+        return sum(len(self.dkv_arrivals(c, slot)) for slot in range(len(self._dkv_slots)))
 
     def minimum_transfers(self) -> int:
         """The fewest block transfers of one pass over the whole context group: each block once

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from loongtrain.attention.balance import balance_documents, balance_locality
-from loongtrain.attention.documents import Boundaries
+from loongtrain.attention.documents import Boundaries, range_work
 from loongtrain.attention.schedule import zigzag_chunks
 from loongtrain.options import BALANCES
 from loongtrain.parallel.layout import check_sequence_length  # the rule lives with the layout (pure)
@@ -68,6 +68,13 @@ class SequenceSharding:
         """Global ``(start, length)`` ranges held by rank ``(head, context)``, in local order."""
         piece = self.seq_len // (self.hp * self.cp)
         return _take(self.content[context], head * piece, (head + 1) * piece)
+
+    def work(self, boundaries: Boundaries | None, causal: bool = True, sliding_window: int | None = None) -> list[int]:
+        """Attention work (keys its queries see) of each context index's content."""
+        bounds = boundaries or (0, self.seq_len)
+        return [
+            sum(range_work(bounds, s, s + n, causal, sliding_window) for s, n in content) for content in self.content
+        ]
 
 
 def zigzag_sharding(seq_len: int, hp: int, cp: int) -> SequenceSharding:

@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 
 from loongtrain.attention import head_context_attention, sequence_layout, shard_sequence
-from loongtrain.attention.documents import range_work
 from loongtrain.attention.mask_plan import BAND, CAUSAL, MaskPlan
 from loongtrain.attention.routes import full_routes
 from loongtrain.attention.schedule import ring_source
@@ -93,7 +92,7 @@ def work_table(seq: int, cp: int, cu: list[int], balance: str) -> dict:
     """Per-rank work and the ring critical path of one sharding (pure; plain ring)."""
     bounds = tuple(cu)
     sharding = sequence_sharding(seq, 1, cp, bounds, balance)
-    loads = [sum(range_work(bounds, s, s + n) for s, n in sharding.content[c]) for c in range(cp)]
+    loads = sharding.work(bounds)
     plan = MaskPlan(sharding, bounds, True, None)
 
     def visible(c: int, src: int) -> int:
@@ -200,7 +199,7 @@ def draw_blocks(path: str, seq: int = 2048, cp: int = 4) -> None:
                         raise AssertionError("no window in this picture")
                     block = grid[rows[:, None], cols[None, :]]
                     grid[rows[:, None], cols[None, :]] = torch.where(sub, float(c + 1), block)
-        loads = [sum(range_work(tuple(cu), s, s + n) for s, n in sharding.content[c]) for c in range(cp)]
+        loads = sharding.work(tuple(cu))
         ratio = max(loads) / (sum(loads) / cp)
         ax.imshow(grid.numpy(), cmap=colors, vmin=0, vmax=cp, interpolation="nearest")
         for b in cu[1:-1]:

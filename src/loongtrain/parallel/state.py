@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import types
 import weakref
@@ -53,7 +54,6 @@ class ParallelState:
     inner_ring: RingLink | None
     outer_ring: RingLink | None
     dkv_group: dist.ProcessGroup | None = None  # the context group again: dK/dV partials (any member to any)
-    context_ranks: tuple[int, ...] = ()  # global rank of each context index of this rank's context group
     verify_inputs: bool = True
     stats: AttentionStats = field(default_factory=AttentionStats)
     key: str = field(default_factory=lambda: f"state-{next(_KEYS)}")
@@ -62,6 +62,11 @@ class ParallelState:
 
     def __post_init__(self) -> None:
         _REGISTRY[self.key] = self
+
+    @functools.cached_property
+    def context_ranks(self) -> tuple[int, ...]:
+        """Global rank of each context index of this rank's context group."""
+        return self.layout.context_group(self.rank)
 
     @property
     def hp(self) -> int:
@@ -219,7 +224,6 @@ def init_parallel(
         inner_ring=inner,
         outer_ring=outer,
         dkv_group=dkv_group,
-        context_ranks=layout.context_group(rank),
         verify_inputs=verify_inputs,
         zero_meshes=_build_zero_meshes(layout, device, zero_scopes),
         _world_group=dist.group.WORLD,
