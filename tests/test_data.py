@@ -12,6 +12,7 @@ from loongtrain.config import ConfigError, load_config
 from loongtrain.data import (
     IGNORE_INDEX,
     BatchLoader,
+    LengthGroupedSource,
     Microbatch,
     PackedRecallTask,
     RecallTask,
@@ -312,3 +313,47 @@ def test_drop_needs_documents_and_counts_them_in_the_error(tmp_path):
         TokenFileSource(TokenFile(tmp_path / "e.tok"), seq_len=8, long_documents="drop")
     with pytest.raises(ValueError, match="long_documents='keep'"):
         TokenFileSource(TokenFile(tmp_path / "e.tok"), seq_len=8, long_documents="keep")
+
+
+def _longest(sample) -> int:
+    return int(sample[2].diff().max())
+
+
+def test_length_grouping_keeps_each_epoch_and_groups_alike_steps(tmp_path):
+    eos, seq, gb, window = 9, 16, 4, 3
+    gen = np.random.default_rng(0)
+    docs = [np.append(gen.integers(0, 9, int(n)), eos) for n in np.exp(gen.normal(1.8, 0.9, 400)).astype(int) + 1]
+    write_tokens(tmp_path / "t.tok", np.concatenate(docs), 10, eos=eos)
+    plain = TokenFileSource(TokenFile(tmp_path / "t.tok"), seq_len=seq, seed=3, eos=eos)
+    grouped = LengthGroupedSource(TokenFileSource(TokenFile(tmp_path / "t.tok"), seq_len=seq, seed=3, eos=eos),
+                                  window, gb)  # fmt: skip
+    n = plain.train_sequences
+    assert n % gb and n > 3 * window * gb  # windows of epoch 2 start off the step grid: partial steps
+
+    def key(sample) -> bytes:
+        return sample[0].numpy().tobytes() + sample[2].numpy().tobytes()
+
+    seen = [grouped.sample(i) for i in range(2 * n)]
+    for epoch in range(2):  # every sequence exactly once per epoch, as without grouping
+        got = sorted(key(s) for s in seen[epoch * n : (epoch + 1) * n])
+        assert got == sorted(key(plain.sample(i)) for i in range(epoch * n, (epoch + 1) * n))
+    # within each window of one epoch, the loader's steps hold disjoint ranges of longest documents
+    for epoch in range(2):
+        for lo in range(epoch * n, (epoch + 1) * n, window * gb):
+            hi = min(lo + window * gb, (epoch + 1) * n)
+            edges = [lo, *range((lo // gb + 1) * gb, hi, gb), hi]
+            steps = ([_longest(seen[i]) for i in range(a, b)] for a, b in zip(edges[:-1], edges[1:]))
+            ranges = sorted((min(v), max(v)) for v in steps)
+            assert all(prev[1] <= cur[0] for prev, cur in zip(ranges, ranges[1:])), ranges
+    spread = lambda src: sum(  # noqa: E731
+        max(v) - min(v) for v in ([_longest(src(i)) for i in range(k, k + gb)] for k in range(0, n - gb, gb))
+    )
+    assert spread(lambda i: seen[i]) < spread(plain.sample) / 2
+    fresh = LengthGroupedSource(TokenFileSource(TokenFile(tmp_path / "t.tok"), seq_len=seq, seed=3, eos=eos), window,
+                                gb)  # fmt: skip
+    assert key(fresh.sample(n + 7)) == key(seen[n + 7])  # a function of the index: resumes anywhere
+    assert key(grouped.sample(2, "eval")) == key(plain.sample(2, "eval"))
+    with pytest.raises(ValueError, match="needs packed documents"):
+        LengthGroupedSource(TokenFileSource(TokenFile(tmp_path / "t.tok"), seq_len=seq, pack=False), window, gb)
+    with pytest.raises(ConfigError, match="data.group_by_length=2 groups a token file's packed sequences"):
+        load_config(None, ["data.group_by_length=2"])

@@ -189,6 +189,11 @@ class DataSection:
         "out; the start-up line counts what was dropped)",
         LONG_DOCUMENTS,
     )
+    group_by_length: int = _f(
+        0,
+        "pack with source=tokens: within windows of this many steps, give each step sequences whose longest "
+        "documents are alike (a layout per microbatch then skips the ring for short ones; 0: off)",
+    )
     doc_len: int = _f(64, "pack with source=recall: mean document length (documents of doc_len/2 to 3*doc_len/2)")
     global_batch: int = _f(8, "sequences per optimizer step over all data-parallel replicas")
     micro_batches: int = _f(1, "gradient accumulation: microbatches per step per replica")
@@ -433,6 +438,7 @@ def validate(cfg: TrainConfig) -> None:
         "memory": ("loss_chunk", "mlp_tile"),
         "optim": ("warmup_steps", "weight_decay", "grad_clip", "min_lr_ratio"),
         "checkpoint": ("every",),
+        "data": ("group_by_length",),
         "eval": ("every", "max_len", "loss_windows", "loss_len"),
     }
     for sec_name, names in non_negative.items():
@@ -473,6 +479,11 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"data.long_documents={cfg.data.long_documents!r} applies to token files; data.source="
             f"{cfg.data.source!r} makes sequences of seq_len itself: remove data.long_documents"
+        )
+    if cfg.data.group_by_length and not (cfg.data.source == "tokens" and cfg.data.pack):
+        raise ConfigError(
+            f"data.group_by_length={cfg.data.group_by_length} groups a token file's packed sequences by their "
+            f"documents: set data.source='tokens' and data.pack=true, or data.group_by_length=0"
         )
     _validate_model_section(cfg.model)
     if cfg.eval.lengths:

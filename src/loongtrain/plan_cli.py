@@ -1,8 +1,9 @@
 """``loongtrain plan``: the planner's command line (``loongtrain.planner.cli``, pure) joined
 with its measuring side (``loongtrain.calibrate``: ``--calibrate``, ``--validate``,
-``--check-groups``), which imports torch and is imported only when asked for.
+``--check-groups``, ``--documents``), which imports torch and is imported only when asked for.
 
     loongtrain plan --cluster a100 --model 7b-gqa --seq-len 1M --devices 64 --check-groups
+    loongtrain plan --cluster h100 --model llama3-8b --seq-len 128K --devices 64 --documents docs.tok
     loongtrain plan --calibrate            # writes clusters/local.toml
     loongtrain plan --validate             # measured vs predicted on local processes
 """
@@ -40,6 +41,20 @@ def _check_groups(candidate, devices_per_node: int) -> list[str]:
     return check_groups(candidate, devices_per_node)
 
 
+def _per_batch(args: argparse.Namespace, cluster, workload, candidate) -> dict:
+    import dataclasses
+
+    from loongtrain.calibrate.per_batch import document_lengths, per_batch_text, predict_per_batch  # imports torch
+
+    steps = 8
+    lengths, about = document_lengths(args.documents, workload.seq_len * workload.batch * steps)
+    pred = predict_per_batch(cluster, workload, candidate, lengths, about, steps)
+    return {
+        "per_batch": {**dataclasses.asdict(pred), "gain": pred.gain},
+        "per_batch_text": per_batch_text(pred, candidate, cluster.name),
+    }
+
+
 def _run(args: argparse.Namespace) -> None:
     if args.calibrate and args.validate:
         raise PlanError("--calibrate and --validate are separate runs; calibrate first, then validate")
@@ -67,7 +82,7 @@ def _run(args: argparse.Namespace) -> None:
             raise PlanError(f"--seq-len={args.seq} must be a multiple of 2*nproc = {2 * args.nproc}")
         validate.run(args, cluster)
         return
-    planner_cli.run(args, check_groups=_check_groups)
+    planner_cli.run(args, check_groups=_check_groups, per_batch=_per_batch)
 
 
 def main(args: argparse.Namespace) -> None:

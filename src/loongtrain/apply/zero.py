@@ -18,6 +18,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from loongtrain.apply.zero_comm import count_zero_comm
 from loongtrain.model.llama import Transformer
 from loongtrain.options import check_zero_scope
 from loongtrain.parallel import ParallelState
@@ -51,6 +52,9 @@ def apply_zero(
     sharded fp32 parameters stay the master copy; gradients are reduced in fp32.
     ``reshard_after_forward=False`` keeps gathered parameters from forward to backward
     (ZeRO-2-like: less communication, more memory); ``True`` is ZeRO-3.
+    Every collective's bytes are counted into ``state.stats`` (kinds
+    :data:`~loongtrain.apply.zero_comm.ZERO_KINDS`; ``model.zero_comm_counted`` says whether
+    this torch allows it).
     ``offload_states`` keeps the sharded parameters and gradients (and so the optimizer
     states, built from them) in host memory: FSDP2's ``CPUOffloadPolicy``, pinned where an
     accelerator is present; the optimizer then steps on the CPU.
@@ -67,8 +71,11 @@ def apply_zero(
     # forward: backward needs them first
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, **extra)
     model.offload_states = offload_states  # materialize and the loaders allocate the states on the host then
+    replicas = mesh.size(0) if mesh.ndim == 2 else 1
+    model.zero_comm_counted = True
     for module in model.modules():
         if isinstance(module, FSDPModule):
+            model.zero_comm_counted &= count_zero_comm(module, state.stats, replicas)
             module.set_gradient_divide_factor(1.0)
             # plain SUM collectives (gloo has no PREMUL_SUM; NCCL gets zero-copy sums)
             module.set_force_sum_reduction_for_comms(True)

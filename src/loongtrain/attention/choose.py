@@ -79,16 +79,29 @@ def candidate_configs(config: ParallelConfig, heads: int, kv_heads: int) -> list
     return out
 
 
-def layout_seconds(
+@dataclass(frozen=True)
+class LayoutCost:
+    """One layer's attention (forward + backward) of one microbatch on one layout: the
+    busiest context rank's kernel seconds, the most bytes a rank sends on the ring (K/V
+    blocks both passes, float32 dK/dV partials) and in the head all-to-alls, and the
+    seconds :func:`layout_seconds` prices them at."""
+
+    seconds: float
+    compute_s: float
+    ring_bytes: float
+    all_to_all_bytes: float
+
+
+def layout_cost(
     config: ParallelConfig,
     seq_len: int,
     boundaries: Boundaries | None,
     sliding_window: int | None,
     shape: AttentionShape,
     speeds: LinkSpeeds,
-) -> float:
-    """Predicted seconds of one layer's attention (forward + backward) of a causal
-    microbatch of ``seq_len`` tokens with documents ``boundaries`` on ``config``."""
+) -> LayoutCost:
+    """:class:`LayoutCost` of a causal microbatch of ``seq_len`` tokens with documents
+    ``boundaries`` on ``config``."""
     layout = sequence_layout(seq_len, config, boundaries)
     hp, cp = config.hp, config.cp
     work = layout.sharding.work(boundaries, True, sliding_window)
@@ -104,8 +117,25 @@ def layout_seconds(
         local = seq_len // config.sp
         qkv = local * (shape.heads + 2 * max(shape.kv_heads, hp)) * shape.head_dim * shape.elem_bytes
         out = local * shape.heads * shape.head_dim * shape.elem_bytes
-        a2a = 2 * (qkv + out) * (hp - 1) / hp / speeds.all_to_all_bytes_per_s
-    return max(compute, ring / speeds.ring_bytes_per_s) + a2a
+        a2a = 2 * (qkv + out) * (hp - 1) / hp
+    seconds = max(compute, ring / speeds.ring_bytes_per_s) + a2a / speeds.all_to_all_bytes_per_s
+    return LayoutCost(seconds, compute, float(ring), a2a)
+
+
+def layout_seconds(
+    config: ParallelConfig,
+    seq_len: int,
+    boundaries: Boundaries | None,
+    sliding_window: int | None,
+    shape: AttentionShape,
+    speeds: LinkSpeeds,
+) -> float:
+    """Predicted seconds of one layer's attention (forward + backward) of a causal
+    microbatch of ``seq_len`` tokens with documents ``boundaries`` on ``config``:
+
+        max(busiest rank's kernels, its ring transfers) + its all-to-alls
+    """
+    return layout_cost(config, seq_len, boundaries, sliding_window, shape, speeds).seconds
 
 
 def choose_layout(

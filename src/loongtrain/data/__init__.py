@@ -17,6 +17,7 @@ _LAZY = {
     "Microbatch": "loongtrain.data.batch",
     "BatchLoader": "loongtrain.data.loader",
     "TokenFileSource": "loongtrain.data.loader",
+    "LengthGroupedSource": "loongtrain.data.loader",
     "IGNORE_INDEX": "loongtrain.data.recall",
     "PackedRecallTask": "loongtrain.data.recall",
     "RecallTask": "loongtrain.data.recall",
@@ -25,6 +26,7 @@ _LAZY = {
 __all__ = [
     "IGNORE_INDEX",
     "BatchLoader",
+    "LengthGroupedSource",
     "Microbatch",
     "PackedRecallTask",
     "RecallTask",
@@ -42,5 +44,5 @@ __getattr__ = lazy_attributes(__name__, _LAZY)
 
 if TYPE_CHECKING:
     from loongtrain.data.batch import Microbatch
-    from loongtrain.data.loader import BatchLoader, TokenFileSource
+    from loongtrain.data.loader import BatchLoader, LengthGroupedSource, TokenFileSource
     from loongtrain.data.recall import IGNORE_INDEX, PackedRecallTask, RecallTask

@@ -235,6 +235,72 @@ class TokenFileSource:
         return self._usable(int(self._perm[1][pos]))
 
 
+class LengthGroupedSource:
+    """A packed source whose training order groups sequences of alike documents: within each
+    window of ``window_steps`` steps (``window_steps * global_batch`` consecutive indices of an
+    epoch), the sequences are sorted by their longest document, cut into steps of
+    ``global_batch``, and the steps put in a seeded order. A step's microbatches (and its
+    replicas) then hold sequences of similar documents, so a layout per microbatch can run the
+    short ones without the ring while the long ones share theirs.
+
+    A sample is still a function of its index (the window's order is computed from the
+    window alone), so resuming from the loader's one integer and changing layouts see the
+    same order, and each epoch trains every sequence exactly once (windows stop at the
+    epoch's end). Held-out samples are not reordered.
+    """
+
+    def __init__(self, source: TokenFileSource, window_steps: int, global_batch: int) -> None:
+        if not source.pack:
+            raise ValueError(
+                "data.group_by_length groups sequences by their documents: it needs packed documents "
+                "(data.pack=true with source=tokens)"
+            )
+        if window_steps < 1 or global_batch < 1:
+            raise ValueError(f"window_steps={window_steps} and global_batch={global_batch} must be >= 1")
+        self.source, self.window_steps, self.global_batch = source, window_steps, global_batch
+        self.seq_len = source.seq_len
+        self.train_sequences = source.train_sequences
+        self._window: tuple[int, list[int]] | None = None  # (first index, the window's indices in order)
+
+    def __getattr__(self, name: str):  # describe(), pack, counts: the wrapped source's
+        if name == "source":
+            raise AttributeError(name)
+        return getattr(self.source, name)
+
+    def describe(self) -> str:
+        return f"{self.source.describe()}; steps grouped by longest document in windows of {self.window_steps} steps"
+
+    def window_order(self, index: int) -> tuple[int, list[int]]:
+        """The first index of ``index``'s window and the source indices its positions take."""
+        epoch, pos = divmod(index, self.train_sequences)
+        span, gb = self.window_steps * self.global_batch, self.global_batch
+        lo = epoch * self.train_sequences + pos // span * span
+        hi = epoch * self.train_sequences + min(self.train_sequences, (pos // span + 1) * span)
+        if self._window is None or self._window[0] != lo:
+            indices = list(range(lo, hi))
+            longest = [int(self.source.sample(i)[2].diff().max()) for i in indices]
+            ranked = [indices[j] for j in sorted(range(len(indices)), key=lambda j: longest[j])]
+            # the loader's steps within the window (absolute multiples of global_batch; the
+            # first and last may be partial): each takes the next run of alike sequences, in a
+            # seeded order of steps
+            edges = [lo, *range((lo // gb + 1) * gb, hi, gb), hi]
+            steps = list(zip(edges[:-1], edges[1:]))
+            gen = torch.Generator().manual_seed(sample_seed("group_by_length", self.source.seed, lo))
+            order, taken = [0] * len(indices), 0
+            for k in torch.randperm(len(steps), generator=gen).tolist():
+                a, b = steps[k]
+                order[a - lo : b - lo] = ranked[taken : taken + b - a]
+                taken += b - a
+            self._window = (lo, order)
+        return self._window
+
+    def sample(self, index: int, split: str = "train") -> Sample:
+        if split == "eval":
+            return self.source.sample(index, split)
+        lo, order = self.window_order(index)
+        return self.source.sample(order[index - lo])
+
+
 def rows_per_microbatch(global_batch: int, dp: int, micro_batches: int) -> int:
     """Sequences per microbatch per replica; raises unless the batch splits evenly."""
     per_step = dp * micro_batches
@@ -289,4 +355,4 @@ class BatchLoader:
         self.next_index = int(state["next_index"])
 
 
-__all__ = ["IGNORE_INDEX", "BatchLoader", "RecallTask", "TokenFileSource"]
+__all__ = ["IGNORE_INDEX", "BatchLoader", "LengthGroupedSource", "RecallTask", "TokenFileSource"]

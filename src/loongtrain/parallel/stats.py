@@ -1,4 +1,4 @@
-"""Counters of the distributed attention's work, kept on the ParallelState."""
+"""Counters of the distributed attention's work and ZeRO's collectives, kept on the ParallelState."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ class AttentionStats:
     checkpoint recomputes it) or ``bwd`` (its backward); what: ``all_to_all``,
     ``ring_kv``, ``ring_dkv`` (transfers sent, with ``bytes`` sent and ``received``) and
     ``block`` (block kernels run). A ring transfer that a rank only receives adds to
-    ``received`` alone. Counting is a dict update per event, cheap enough to stay on.
+    ``received`` alone. ZeRO's collectives count under ``zero.all_gather``,
+    ``zero.reduce_scatter`` and ``zero.all_reduce`` (:mod:`loongtrain.apply.zero_comm`).
+    Counting is a dict update per event, cheap enough to stay on.
     """
 
     counts: dict[str, int] = field(default_factory=dict)

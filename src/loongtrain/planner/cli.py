@@ -23,6 +23,10 @@ from loongtrain.planner.specs import PlanError
 #: ``check_groups(candidate, devices_per_node) -> lines``: builds the layout's process groups
 #: (the measuring side; passed in by ``loongtrain.plan_cli``)
 GroupCheck = Callable[..., list[str]]
+#: ``per_batch(args, cluster, workload, candidate) -> {"per_batch": ..., "per_batch_text": ...}``:
+#: ``--documents``' prediction, which prices layouts with the attention's layout code (torch;
+#: passed in by ``loongtrain.plan_cli``)
+PerBatchPrediction = Callable[..., dict]
 
 _SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30}
 
@@ -163,6 +167,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="find the longest sequence that trains on --devices (one sequence per step), with its layout",
     )
+    what.add_argument(
+        "--documents",
+        default=None,
+        metavar="FILE|MIX",
+        help="also predict per-batch layouts for packed documents of these lengths: a token file from `loongtrain "
+        "prepare` or lognormal:median=1024,sigma=1.5[,max=L]",
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=int, default=10, help="rows of the table (10)")
     out.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -207,8 +218,8 @@ def _sweep(args: argparse.Namespace, cluster, model) -> None:
     from loongtrain.planner.report import SWEEP_HEADER, format_length, json_report, sweep_row
     from loongtrain.planner.search import search_layouts
 
-    if args.layout or args.timeline or getattr(args, "check_groups", False):
-        raise PlanError("--layout, --timeline and --check-groups take one --seq-len and one --devices")
+    if args.layout or args.timeline or args.documents or getattr(args, "check_groups", False):
+        raise PlanError("--layout, --timeline, --documents and --check-groups take one --seq-len and one --devices")
     rows, lines = [], []
     for seq in args.seq_len:
         for devices in args.devices:
@@ -248,8 +259,8 @@ def _check_request(args: argparse.Namespace) -> None:
             raise PlanError("--max-seq-len finds the length itself; drop --seq-len")
         if args.global_batch is not None:
             raise PlanError("--max-seq-len plans one sequence per optimizer step; drop --global-batch")
-        if args.layout or args.timeline or getattr(args, "check_groups", False):
-            raise PlanError("--layout, --timeline and --check-groups take --seq-len, not --max-seq-len")
+        if args.layout or args.timeline or args.documents or getattr(args, "check_groups", False):
+            raise PlanError("--layout, --timeline, --documents and --check-groups take --seq-len, not --max-seq-len")
         return
     if args.seq_len is None or args.devices is None:
         raise PlanError("--seq-len and --devices are required to plan (or --max-seq-len, --calibrate, --validate)")
@@ -267,7 +278,7 @@ def _max_seq_len(args: argparse.Namespace, cluster, model) -> None:
     print("\n\n".join(max_seq_len_text(a, args.model) for a in answers))
 
 
-def _plan(args: argparse.Namespace, check_groups: GroupCheck | None) -> None:
+def _plan(args: argparse.Namespace, check_groups: GroupCheck | None, per_batch: PerBatchPrediction | None) -> None:
     from loongtrain.planner.estimate import estimate
     from loongtrain.planner.report import HEADER, json_report, row_dict, row_text, text_report
     from loongtrain.planner.search import check_candidate, search_layouts
@@ -298,7 +309,12 @@ def _plan(args: argparse.Namespace, check_groups: GroupCheck | None) -> None:
         extra["timeline"] = _timeline(cluster, workload, target.candidate, args.timeline)
     if getattr(args, "check_groups", False):
         extra["group_check"] = check_groups(target.candidate, cluster.devices_per_node)
+    if args.documents:
+        if per_batch is None:
+            raise PlanError("--documents prices layouts with the attention's code: run it through `loongtrain plan`")
+        extra.update(per_batch(args, cluster, workload, target.candidate))
     if args.json:
+        extra.pop("per_batch_text", None)
         out = json_report(result, args.model, args.top)
         if chosen is not None:
             out["layout"] = row_dict(chosen)
@@ -311,6 +327,8 @@ def _plan(args: argparse.Namespace, check_groups: GroupCheck | None) -> None:
         print(f"\n--layout ({where}; {chosen.step_s / result.best.step_s:.2f}x the winner's time):")
         print(HEADER)
         print(row_text("*", chosen))
+    if "per_batch" in extra:
+        print("\n" + extra["per_batch_text"])
     if "timeline" in extra:
         t = extra["timeline"]
         print(
@@ -323,7 +341,10 @@ def _plan(args: argparse.Namespace, check_groups: GroupCheck | None) -> None:
         print("\n".join(f"  {line}" for line in extra["group_check"]))
 
 
-def run(args: argparse.Namespace, check_groups: GroupCheck | None = None) -> None:
+def run(
+    args: argparse.Namespace, check_groups: GroupCheck | None = None, per_batch: PerBatchPrediction | None = None
+) -> None:
     """Plan as ``args`` ask (a table, a sweep, a layout, a timeline, the longest sequence);
-    ``check_groups`` builds the chosen layout's groups for ``--check-groups``."""
-    _plan(args, check_groups)
+    ``check_groups`` builds the chosen layout's groups for ``--check-groups``, ``per_batch``
+    predicts ``--documents``."""
+    _plan(args, check_groups, per_batch)

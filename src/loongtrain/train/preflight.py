@@ -15,6 +15,7 @@ from loongtrain.apply import check_model_fits
 from loongtrain.attention.sharding import check_sequence_length
 from loongtrain.config import ConfigError, ModelSection, OptimSection, TrainConfig
 from loongtrain.data import (
+    LengthGroupedSource,
     PackedRecallTask,
     RecallTask,
     TokenFile,
@@ -57,7 +58,7 @@ def parallel_config(cfg: TrainConfig) -> ParallelConfig:
     )  # fmt: skip
 
 
-def make_source(cfg: TrainConfig) -> RecallTask | PackedRecallTask | TokenFileSource:
+def make_source(cfg: TrainConfig) -> RecallTask | PackedRecallTask | TokenFileSource | LengthGroupedSource:
     """The configured data source (a token file is memory-mapped, so this is cheap)."""
     d = cfg.data
     if d.source == "recall":
@@ -74,7 +75,8 @@ def make_source(cfg: TrainConfig) -> RecallTask | PackedRecallTask | TokenFileSo
             f"end-of-document token (written before loongtrain recorded them, or by a tokenizer without one); "
             f"set data.eos_id or re-create it with `loongtrain prepare`"
         )
-    return TokenFileSource(file, d.seq_len, d.seed, eos=eos, pack=d.pack, long_documents=d.long_documents)
+    source = TokenFileSource(file, d.seq_len, d.seed, eos=eos, pack=d.pack, long_documents=d.long_documents)
+    return LengthGroupedSource(source, d.group_by_length, d.global_batch) if d.group_by_length else source
 
 
 def check_token_file(file: TokenFile, section: ModelSection, mcfg: ModelConfig) -> list[str]:
@@ -169,7 +171,7 @@ def preflight(cfg: TrainConfig, world_size: int, local_world_size: int | None = 
             f"the recall task needs {source.vocab_size} token ids but the model's vocabulary is "
             f"{mcfg.vocab_size}; set model.vocab_size >= {source.vocab_size} or use fewer keys/values/filler"
         )
-    if isinstance(source, TokenFileSource):
+    if isinstance(source, TokenFileSource | LengthGroupedSource):
         notices += check_token_file(source.file, cfg.model, mcfg)
     run_dir = Path(cfg.run.output_dir)
     check_run_dir(run_dir)
@@ -179,6 +181,7 @@ def preflight(cfg: TrainConfig, world_size: int, local_world_size: int | None = 
             check_model_shape(newest[1], newest[2], model_shape(mcfg))
     return RunSpec(
         parallel=layout, model=mcfg, memory=cfg.memory.options(), param_dtype=PARAM_DTYPES[cfg.parallel.param_dtype],
-        init_from=cfg.model.init_from, task=None if isinstance(source, TokenFileSource) else source,
+        init_from=cfg.model.init_from, task=None if isinstance(source, TokenFileSource | LengthGroupedSource)
+        else source,
         notices=tuple(n for n in notices if n),
     )  # fmt: skip

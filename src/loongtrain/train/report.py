@@ -25,11 +25,14 @@ class StepMetrics:
     tflops_per_device: float
     mfu: float | None
     peak_memory_gib: float
-    # MiB each device sent in the step's attention (mean over devices; forward, recompute and backward)
     layouts: str = ""  # hp x cp of rank 0's microbatches (parallel.layout = per_batch)
+    # MiB each device sent in the step (mean over devices): the attention's (forward, recompute
+    # and backward) and ZeRO's (parameter all-gathers; gradient reduce-scatters and HSDP all-reduces)
     ring_kv_mib: float = 0.0
     ring_dkv_mib: float = 0.0
     all_to_all_mib: float = 0.0
+    zero_all_gather_mib: float = 0.0
+    zero_reduce_mib: float = 0.0
 
     def record(self) -> dict:
         return {"kind": "train", **self.__dict__}
@@ -41,8 +44,13 @@ class StepMetrics:
             + (f" MFU {self.mfu:.1%}" if self.mfu is not None else "")
             + f" | mem {self.peak_memory_gib:.2f} GiB"
             + (
-                f" | sent ring {self.ring_kv_mib + self.ring_dkv_mib:.1f} a2a {self.all_to_all_mib:.1f} MiB"
-                if self.ring_kv_mib + self.ring_dkv_mib + self.all_to_all_mib
+                f" | sent ring {self.ring_kv_mib + self.ring_dkv_mib:.1f} a2a {self.all_to_all_mib:.1f}"
+                f" zero {self.zero_all_gather_mib + self.zero_reduce_mib:.1f} MiB"
+                if self.ring_kv_mib
+                + self.ring_dkv_mib
+                + self.all_to_all_mib
+                + self.zero_all_gather_mib
+                + self.zero_reduce_mib
                 else ""
             )
         )

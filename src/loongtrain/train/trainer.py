@@ -233,16 +233,19 @@ def peak_memory_gib(device: torch.device) -> float:
     return memory.item() / 2**30
 
 
-#: The attention's transfer kinds as the step's metrics group them (``AttentionStats`` kinds).
+#: The transfer kinds as the step's metrics group them (``AttentionStats`` kinds).
 COMM_KINDS = {
     "ring_kv_mib": ("fwd.ring_kv", "bwd.ring_kv"),
     "ring_dkv_mib": ("bwd.ring_dkv",),
     "all_to_all_mib": ("fwd.all_to_all", "bwd.all_to_all"),
+    "zero_all_gather_mib": ("zero.all_gather",),
+    "zero_reduce_mib": ("zero.reduce_scatter", "zero.all_reduce"),
 }
 
 
 def comm_mib_per_device(state: ParallelState, choose: PerBatchLayouts | None = None) -> dict[str, float]:
     """Collective: MiB each device sent since ``state.stats`` was reset, by :data:`COMM_KINDS`
+    (ZeRO's gradient reduction: reduce-scatter plus, with HSDP, the replicas' all-reduce)
     (mean over devices: with documents, ranks send different amounts). With a layout per
     microbatch (``choose``) the other layouts' states count too (reset with ``state``'s:
     :func:`reset_stats`)."""

@@ -1,0 +1,95 @@
+"""Counting ZeRO's collectives: the bytes FSDP2's all-gathers, reduce-scatters and (HSDP)
+all-reduces move per rank, into ``state.stats`` beside the attention's.
+
+FSDP2 takes a custom all-gather and reduce-scatter per module (``FSDPModule.
+set_custom_all_gather`` / ``set_custom_reduce_scatter``, public methods) but their base
+classes live in a private module: this file is the one place that imports it. The
+counting comms call the public collectives FSDP2's defaults call
+(``all_gather_into_tensor``, ``reduce_scatter_tensor``), on the buffers FSDP2 hands them,
+so what runs is unchanged. The HSDP all-reduce is seen through ``set_all_reduce_hook``,
+which FSDP2 calls after it.
+
+Bytes are those a bandwidth-optimal (ring) algorithm sends from each rank, which is also
+what it receives: all-gather and reduce-scatter ``(n - 1) x`` the shard, all-reduce
+``2 (n - 1) / n x`` the buffer (NCCL's "bus" bytes), for a group of ``n``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from loongtrain.parallel.stats import AttentionStats
+
+try:  # torch >= 2.9 (the custom-comm hooks); older FSDP2 runs uncounted
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+except ImportError:  # pragma: no cover - depends on the installed torch
+    AllGather = ReduceScatter = None  # type: ignore[assignment,misc]
+
+__all__ = ["ZERO_KINDS", "count_zero_comm", "zero_comm_countable"]
+
+#: ``state.stats`` kinds of ZeRO's collectives.
+ZERO_KINDS = ("zero.all_gather", "zero.reduce_scatter", "zero.all_reduce")
+
+
+def zero_comm_countable() -> bool:
+    """Whether this torch's FSDP2 takes custom collectives (so ZeRO's bytes can be counted)."""
+    return AllGather is not None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _alloc(size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(size, dtype=dtype, device=device)
+
+
+if AllGather is not None:
+
+    class _CountingAllGather(AllGather):
+        def __init__(self, stats: AttentionStats) -> None:
+            self.stats = stats
+
+        def allocate(self, size, *, dtype, device):
+            return _alloc(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            moved = _nbytes(input_tensor) * (group.size() - 1)
+            self.stats.add("zero.all_gather", moved)
+            self.stats.add_received("zero.all_gather", moved)
+            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+    class _CountingReduceScatter(ReduceScatter):
+        def __init__(self, stats: AttentionStats) -> None:
+            self.stats = stats
+
+        def allocate(self, size, *, dtype, device):
+            return _alloc(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            moved = _nbytes(output_tensor) * (group.size() - 1)
+            self.stats.add("zero.reduce_scatter", moved)
+            self.stats.add_received("zero.reduce_scatter", moved)
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+def _all_reduce_counter(stats: AttentionStats, replicas: int):
+    def hook(reduce_output: torch.Tensor) -> None:
+        moved = 2 * (replicas - 1) * _nbytes(reduce_output) // replicas
+        stats.add("zero.all_reduce", moved)
+        stats.add_received("zero.all_reduce", moved)
+
+    return hook
+
+
+def count_zero_comm(module, stats: AttentionStats, replicas: int) -> bool:
+    """Count ``module``'s (an ``FSDPModule``) collectives into ``stats``; ``replicas`` is the
+    size of the mesh's replicate dimension (1 without HSDP). False where this torch cannot."""
+    if not zero_comm_countable():
+        return False
+    module.set_custom_all_gather(_CountingAllGather(stats))
+    module.set_custom_reduce_scatter(_CountingReduceScatter(stats))
+    if replicas > 1:
+        module.set_all_reduce_hook(_all_reduce_counter(stats, replicas))
+    return True
