@@ -60,7 +60,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _packed_equivalence(cfg: dict, ckpt: str, overrides: dict, micro: int, others: tuple = ()) -> dict:
     state = cached_state(**cfg)
-    alternatives = [cached_state(**{**cfg, **o}) for o in others]  # other hp x cp splits of the same ranks
+    # other hp x cp splits of the same ranks; a balance alone: a view of the state (its groups)
+    alternatives = [state.with_balance(o["balance"]) if set(o) == {"balance"} else cached_state(**{**cfg, **o})
+                    for o in others]  # fmt: skip
     mcfg = model_config("debug", **overrides)
     device = torch.device("cpu")
     ref = build_model(mcfg)
@@ -115,6 +117,7 @@ PER_BATCH = [
         ({"hp": 1, "cp": 4}, {"hp": 4, "cp": 1, "ring_window": 1}),
     ),
     ({"hp": 2, "cp": 2, "balance": "locality"}, "full", {"sliding_window": 7}, ({"hp": 1, "cp": 4, "ring_window": 2},)),
+    ({"hp": 2, "cp": 2}, "sc++", {}, ({"balance": "locality"}, {"hp": 1, "cp": 4, "balance": "locality"})),
 ]
 
 

@@ -23,7 +23,7 @@ def check_model_fits(cfg: ModelConfig, hp: int) -> None:
 
 def _on_the_layouts_state(q, k, v, *, states: dict, default: ParallelState, layout: SequenceLayout | None = None,
                           sliding_window: int | None = None):  # fmt: skip
-    state = default if layout is None else states.get((layout.hp, layout.cp), default)
+    state = default if layout is None else states.get((layout.hp, layout.cp, layout.balance), default)
     return head_context_attention(q, k, v, state, causal=True, layout=layout, sliding_window=sliding_window)
 
 
@@ -32,8 +32,8 @@ def apply_attention(model: Transformer, state: ParallelState, alternatives: Sequ
 
     The model passes each batch's :class:`~loongtrain.attention.layout.SequenceLayout`
     (its documents, cut with the state's ``config.balance``) and its sliding window through.
-    ``alternatives``: states of other hp x cp splits of the same ranks (a layout per
-    microbatch, :mod:`loongtrain.attention.choose`); a layout made for one of them runs on it.
+    ``alternatives``: states of other hp x cp splits (or balances) of the same ranks (a layout
+    per microbatch, :mod:`loongtrain.attention.choose`); a layout made for one of them runs on it.
     """
     for s in (state, *alternatives):
         check_model_fits(model.config, s.hp)
@@ -43,7 +43,7 @@ def apply_attention(model: Transformer, state: ParallelState, alternatives: Sequ
                 f"sequence-parallel group as the state (hp={state.hp}, cp={state.cp}, dp={state.dp})"
             )
     if alternatives:
-        states = {(s.hp, s.cp): s for s in (*alternatives, state)}
+        states = {(s.hp, s.cp, s.config.balance): s for s in (*alternatives, state)}
         attention = partial(_on_the_layouts_state, states=states, default=state)
     else:
         attention = partial(head_context_attention, state=state, causal=True)

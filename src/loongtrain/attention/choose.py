@@ -61,11 +61,14 @@ class AttentionShape:
     elem_bytes: int  # bytes of one element of q/k/v (2 for bf16)
 
 
-def candidate_configs(config: ParallelConfig, heads: int, kv_heads: int) -> list[ParallelConfig]:
-    """Every hp x cp split of ``config.sp`` the model's heads allow, ``config`` first; each keeps
-    ``config``'s ring window where it divides the candidate's ``cp`` (else the plain ring),
-    its placement, context order, balance and ``dp``."""
-    out = [config]
+def candidate_configs(
+    config: ParallelConfig, heads: int, kv_heads: int, balances: Sequence[str] = ()
+) -> list[ParallelConfig]:
+    """Every hp x cp split of ``config.sp`` the model's heads allow, each under ``config``'s
+    balance and then each of ``balances``; ``config`` first. Each keeps ``config``'s ring
+    window where it divides the candidate's ``cp`` (else the plain ring), its placement,
+    context order and ``dp``."""
+    splits = [config]
     for hp in range(1, config.sp + 1):
         if config.sp % hp or hp == config.hp:
             continue
@@ -75,8 +78,9 @@ def candidate_configs(config: ParallelConfig, heads: int, kv_heads: int) -> list
             continue
         cp = config.sp // hp
         window = config.ring_window if cp % config.ring_window == 0 else 1
-        out.append(replace(config, hp=hp, cp=cp, ring_window=window))
-    return out
+        splits.append(replace(config, hp=hp, cp=cp, ring_window=window))
+    others = [b for b in dict.fromkeys(balances) if b != config.balance]
+    return splits + [replace(c, balance=b) for b in others for c in splits]
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ cluster's speeds for each layout's rank placement:
 
 - ``fixed``: the plan's layout and its balance, for every sequence (today's run);
 - ``locality``: the same split with the ``locality`` balance (the placement alone);
-- ``per_batch``: the cheapest split of the same sp group per sequence, ``locality`` balance.
+- ``per_batch``: the cheapest split of the same sp group per sequence, under the plan's
+  balance or ``locality`` (what ``parallel.layout = "per_batch"`` chooses among).
 
 The rest of a microbatch (linear layers, loss, exposed ZeRO: the planner's
 :func:`~loongtrain.planner.estimate.estimate` less its own attention terms) does not depend
@@ -174,8 +175,8 @@ def predict_per_batch(
     window = m.sliding_window or None
     fixed_cfg = p
     local_cfg = replace(p, balance="locality")
-    choices = candidate_configs(local_cfg, m.n_heads, m.n_kv_heads)
-    speeds = {cfg: cluster_speeds(c, replace(candidate, parallel=cfg)) for cfg in [fixed_cfg, *choices]}
+    choices = candidate_configs(fixed_cfg, m.n_heads, m.n_kv_heads, ("locality",))
+    speeds = {cfg: cluster_speeds(c, replace(candidate, parallel=cfg)) for cfg in [local_cfg, *choices]}
     count = w.batch * steps
     sequences = packed_sequences(lengths, w.seq_len, count)
 
@@ -183,13 +184,13 @@ def predict_per_batch(
         return layout_cost(cfg, w.seq_len, bounds, window, shape, speeds[cfg])
 
     def label(cfg) -> str:
-        return f"{cfg.hp}x{cfg.cp}"
+        return f"{cfg.hp}x{cfg.cp}" + ("" if cfg.balance == p.balance else f" {cfg.balance}")
 
     runs: dict[str, list] = {"fixed": [], "locality": [], "per_batch": []}
     for bounds in sequences:
-        runs["fixed"].append((fixed_cfg, cost(fixed_cfg, bounds)))
-        runs["locality"].append((local_cfg, cost(local_cfg, bounds)))
-        priced = [(cfg, cost(cfg, bounds)) for cfg in choices]
+        priced = [(cfg, cost(cfg, bounds)) for cfg in choices]  # choices[0] is the fixed layout
+        runs["fixed"].append(priced[0])
+        runs["locality"].append(next(x for x in priced if x[0] == local_cfg))
         runs["per_batch"].append(min(priced, key=lambda x: x[1].seconds))  # ties: the first (the run's own)
 
     def totals(run: list) -> LayoutTotals:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import types
@@ -83,6 +84,12 @@ class ParallelState:
     @property
     def dp(self) -> int:
         return self.layout.dp
+
+    def with_balance(self, balance: str) -> ParallelState:
+        """This state under another ``balance`` (its own key; the same groups, meshes and
+        ``stats``): a layout per microbatch places some batches otherwise."""
+        config = dataclasses.replace(self.config, balance=balance)
+        return dataclasses.replace(self, config=config, key=f"state-{next(_KEYS)}")
 
     def check_alive(self) -> None:
         """Raise if the default process group this state was built on is gone."""

@@ -1,7 +1,8 @@
 """``parallel.layout = "per_batch"``: every hp x cp split of the sequence-parallel group as
 its own :class:`~loongtrain.parallel.ParallelState` (process groups made once, at start),
-and each microbatch on the one :func:`~loongtrain.attention.choose.choose_layout` prices
-fastest for its documents. Every rank of a group chooses the same from the same batch, and
+each under the run's balance and under ``locality`` (a view of the split's state: the same
+groups), and each microbatch on the one :func:`~loongtrain.attention.choose.choose_layout`
+prices fastest for its documents. Every rank of a group chooses the same from the same batch, and
 every split covers the same ranks, so FSDP's collectives (one mesh over all ranks) and the
 number of forward/backward passes per step do not change."""
 
@@ -30,17 +31,28 @@ class PerBatchLayouts:
     def build(
         cls, state: ParallelState, model: ModelConfig, param_dtype: torch.dtype, verify_inputs: bool
     ) -> PerBatchLayouts:
-        """Collective: a state for every other split of ``state``'s ranks the model's heads allow."""
-        configs = candidate_configs(state.config, model.n_heads, model.n_kv_heads)
-        others = [
-            init_parallel(c, device=state.device, verify_inputs=verify_inputs, zero_scopes=()) for c in configs[1:]
-        ]
-        return cls([state, *others], model, torch.finfo(param_dtype).bits // 8)
+        """Collective: a state for every other split of ``state``'s ranks the model's heads allow
+        (groups made once per split; the other balance is a view of the split's state)."""
+        configs = candidate_configs(state.config, model.n_heads, model.n_kv_heads, ("locality",))
+        splits = {(state.hp, state.cp): state}
+        states = [state]
+        for c in configs[1:]:
+            base = splits.get((c.hp, c.cp))
+            if base is None:
+                base = init_parallel(c, device=state.device, verify_inputs=verify_inputs, zero_scopes=())
+                splits[(c.hp, c.cp)] = base
+            states.append(base if base.config == c else base.with_balance(c.balance))
+        return cls(states, model, torch.finfo(param_dtype).bits // 8)
 
     @property
     def alternatives(self) -> list[ParallelState]:
         """The states besides the run's own (``parallelize``'s ``alternatives``)."""
         return self.states[1:]
+
+    @property
+    def counters(self) -> list:
+        """Each distinct ``stats`` of the states once (a balance's view shares its split's)."""
+        return list({id(s.stats): s.stats for s in self.states}.values())
 
     def __call__(self, mb: Microbatch) -> ParallelState:
         documents = mb.attention_documents

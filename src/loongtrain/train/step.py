@@ -90,7 +90,7 @@ class StepResult:
     loss: float  # mean loss per target token over all replicas and microbatches
     accuracy: float  # fraction of targets whose argmax prediction is right
     targets: int  # target tokens in the global batch
-    layouts: tuple[str, ...] = ()  # this replica's hp x cp per microbatch
+    layouts: tuple[str, ...] = ()  # this replica's hp x cp (and balance, where not the state's) per microbatch
 
 
 def as_microbatch(batch: Microbatch | tuple[torch.Tensor, torch.Tensor]) -> Microbatch:
@@ -133,5 +133,9 @@ def forward_backward(
             sums[1] += correct
     dist.all_reduce(sums)
     loss_sum, correct = sums.tolist()
-    layouts = tuple(f"{sb.layout.hp}x{sb.layout.cp}" for sb in shards)
+    own = state.config.balance
+    layouts = tuple(
+        f"{sb.layout.hp}x{sb.layout.cp}" + ("" if sb.layout.balance == own else f" {sb.layout.balance}")
+        for sb in shards
+    )
     return StepResult(loss=loss_sum, accuracy=correct / total_targets, targets=int(total_targets), layouts=layouts)

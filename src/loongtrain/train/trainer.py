@@ -250,8 +250,8 @@ def comm_mib_per_device(state: ParallelState, choose: PerBatchLayouts | None = N
     microbatch (``choose``) the other layouts' states count too (reset with ``state``'s:
     :func:`reset_stats`)."""
     sent: dict[str, int] = {}
-    for s in _all_states(state, choose):
-        for kind, n in s.stats.bytes.items():
+    for stats in _counters(state, choose):
+        for kind, n in stats.bytes.items():
             sent[kind] = sent.get(kind, 0) + n
     totals = [float(sum(sent.get(kind, 0) for kind in kinds)) for kinds in COMM_KINDS.values()]
     mean = torch.tensor(totals, dtype=torch.float64, device=state.device)
@@ -259,14 +259,14 @@ def comm_mib_per_device(state: ParallelState, choose: PerBatchLayouts | None = N
     return {name: value / dist.get_world_size() / 2**20 for name, value in zip(COMM_KINDS, mean.tolist())}
 
 
-def _all_states(state: ParallelState, choose: PerBatchLayouts | None) -> list[ParallelState]:
-    return [state] if choose is None else choose.states
+def _counters(state: ParallelState, choose: PerBatchLayouts | None) -> list:
+    return [state.stats] if choose is None else choose.counters
 
 
 def reset_stats(state: ParallelState, choose: PerBatchLayouts | None = None) -> None:
     """Reset the attention counters of ``state`` and of the other layouts' states."""
-    for s in _all_states(state, choose):
-        s.stats.reset()
+    for stats in _counters(state, choose):
+        stats.reset()
 
 
 # -- the loop ------------------------------------------------------------------------------
