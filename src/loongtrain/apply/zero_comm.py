@@ -5,7 +5,8 @@ FSDP2 takes a custom all-gather and reduce-scatter per module (``FSDPModule.
 set_custom_all_gather`` / ``set_custom_reduce_scatter``, public methods) but their base
 classes live in a private module: this file is the one place that imports it. The
 counting comms call the public collectives FSDP2's defaults call
-(``all_gather_into_tensor``, ``reduce_scatter_tensor``), on the buffers FSDP2 hands them,
+(``all_gather_single``, ``reduce_scatter_single``; ``*_into_tensor``/``*_tensor`` before
+torch 2.13), on the buffers FSDP2 hands them,
 so what runs is unchanged. The HSDP all-reduce is seen through ``set_all_reduce_hook``,
 which FSDP2 calls after it.
 
@@ -41,6 +42,11 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# torch 2.13 renamed the tensor collectives (the old names warn); 2.11 has only the old ones
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _alloc(size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(size, dtype=dtype, device=device)
 
@@ -58,7 +64,7 @@ if AllGather is not None:
             moved = _nbytes(input_tensor) * (group.size() - 1)
             self.stats.add("zero.all_gather", moved)
             self.stats.add_received("zero.all_gather", moved)
-            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+            return _all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
 
     class _CountingReduceScatter(ReduceScatter):
         def __init__(self, stats: AttentionStats) -> None:
@@ -71,7 +77,7 @@ if AllGather is not None:
             moved = _nbytes(output_tensor) * (group.size() - 1)
             self.stats.add("zero.reduce_scatter", moved)
             self.stats.add_received("zero.reduce_scatter", moved)
-            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+            return _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
 def _all_reduce_counter(stats: AttentionStats, replicas: int):
