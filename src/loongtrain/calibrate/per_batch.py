@@ -173,10 +173,9 @@ def predict_per_batch(
     redo = 1 + (n_ckpt / n_layers) / 3.5  # full checkpointing re-runs the forward (1 of its 3.5 parts)
     shape = AttentionShape(m.n_heads, m.n_kv_heads, m.head_dim, w.dtype_bytes)
     window = m.sliding_window or None
-    fixed_cfg = p
     local_cfg = replace(p, balance="locality")
-    choices = candidate_configs(fixed_cfg, m.n_heads, m.n_kv_heads, ("locality",))
-    speeds = {cfg: cluster_speeds(c, replace(candidate, parallel=cfg)) for cfg in [local_cfg, *choices]}
+    choices = candidate_configs(p, m.n_heads, m.n_kv_heads, ("locality",))  # holds p and local_cfg
+    speeds = {cfg: cluster_speeds(c, replace(candidate, parallel=cfg)) for cfg in choices}
     count = w.batch * steps
     sequences = packed_sequences(lengths, w.seq_len, count)
 
@@ -208,7 +207,7 @@ def predict_per_batch(
         used = Counter(label(cfg) for cfg, _ in run)
         return LayoutTotals(sum(step_times) / steps, attention, ring, a2a, dict(used))
 
-    one_doc = cost(fixed_cfg, (0, w.seq_len)).seconds * n_layers * redo
+    one_doc = cost(p, (0, w.seq_len)).seconds * n_layers * redo
     return PerBatchPrediction(
         documents=about, sequences=count, steps=steps, rest_s=rest, one_document_attention_s=one_doc,
         planner_attention_s=attention_model, fixed=totals(runs["fixed"]), locality=totals(runs["locality"]),
