@@ -12,10 +12,12 @@ traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import socket
 import traceback
+import types
 from datetime import timedelta
 
 import torch
@@ -137,8 +139,7 @@ def _release(state) -> None:
     for ring in (state.inner_ring, state.outer_ring):
         if ring is not None:
             groups.append(ring.kv_group)
-    for mesh in state.zero_meshes.values():
-        groups += mesh.get_all_groups()
+    # The ZeRO meshes are not the state's own (see :func:`cached_state`) and stay alive.
     for group in dict.fromkeys(g for g in groups if g is not None and g != dist.group.WORLD):
         dist.destroy_process_group(group)
 
@@ -154,5 +155,29 @@ def cached_state(**config):
         return _state_cache[key]
     if len(_state_cache) >= MAX_CACHED_STATES:
         _release(_state_cache.pop(next(iter(_state_cache))))
-    _state_cache[key] = lt.init_parallel(lt.ParallelConfig(**config))
+    state = lt.init_parallel(lt.ParallelConfig(**config), zero_scopes=())
+    _state_cache[key] = dataclasses.replace(state, zero_meshes=_zero_meshes(state.layout.world_size, state.dp, state.device.type))
     return _state_cache[key]
+
+
+_mesh_cache: dict = {}
+
+
+def _zero_meshes(world: int, dp: int, device_type: str):
+    """The ZeRO meshes of every scope for ``dp``, built once per worker and shared by the
+    cached states (a mesh depends on the world size, dp and scope only). Shared and never
+    destroyed because DeviceMesh equality ignores the groups: DTensor's sharding caches hand
+    a later model an earlier, equal mesh, so destroying an evicted state's mesh groups broke
+    the next model with the same mesh (`Could not resolve the process group`)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from loongtrain.options import ZERO_SCOPES
+    from loongtrain.parallel.state import zero_mesh_ranks
+
+    if dp not in _mesh_cache:
+        meshes = {}
+        for scope in ZERO_SCOPES:
+            ranks, names = zero_mesh_ranks(world, dp, scope)
+            meshes[scope] = DeviceMesh(device_type, ranks, mesh_dim_names=names)
+        _mesh_cache[dp] = types.MappingProxyType(meshes)
+    return _mesh_cache[dp]

@@ -62,7 +62,7 @@ def _counted(layout: dict, zero: str) -> dict:
 @pytest.mark.skipif(not zero_comm_countable(), reason="this torch's FSDP2 takes no custom collectives")
 def test_zero_bytes_equal_counts_by_hand(dist_pool):
     pool = dist_pool(4)
-    # the layouts other tests of the pool use (each new one would evict a cached state)
+    # ZeRO over all four ranks, and HSDP (shard over sp=2, replicate over dp=2)
     for layout, zero in [({"hp": 2, "cp": 2}, "dp_sp"), ({"cp": 2, "dp": 2}, "sp")]:
         for rank, got in enumerate(pool.run(_counted, layout, zero)):
             assert got["counted"]
