@@ -156,7 +156,8 @@ def cached_state(**config):
     if len(_state_cache) >= MAX_CACHED_STATES:
         _release(_state_cache.pop(next(iter(_state_cache))))
     state = lt.init_parallel(lt.ParallelConfig(**config), zero_scopes=())
-    _state_cache[key] = dataclasses.replace(state, zero_meshes=_zero_meshes(state.layout.world_size, state.dp, state.device.type))
+    meshes = _zero_meshes(state.layout.world_size, state.dp, state.device.type)
+    _state_cache[key] = dataclasses.replace(state, zero_meshes=meshes)
     return _state_cache[key]
 
 
