@@ -42,7 +42,7 @@ from loongtrain.eval.report import (
     length_label,
     write_outputs,
 )
-from loongtrain.eval.runner import batches, needle_outcomes, score_batch, score_sequence
+from loongtrain.eval.runner import batches, needle_outcomes, score_batch
 from loongtrain.model import ModelConfig, build_model
 from loongtrain.train.checkpoint import CHECKSUM_FILE, STATE_FILE, CheckpointError
 
@@ -214,13 +214,13 @@ def _model(seed: int = 0, **shape) -> torch.nn.Module:
     return model
 
 
-def test_score_sequence_equals_full_logits_cross_entropy():
+def test_score_batch_equals_full_logits_cross_entropy():
     model = _model()
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 256, (96,), generator=gen)
     labels = torch.randint(0, 256, (96,), generator=gen)
     labels[::5] = IGNORE_INDEX
-    loss, correct = score_sequence(model, None, tokens, labels)
+    loss, correct = (r[0] for r in score_batch(model, None, tokens[None], labels[None]))
     with torch.no_grad():
         logits = model(tokens[None], torch.arange(96))[0]  # the reference: full [S, vocab] logits
     ref = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="none")
@@ -228,7 +228,7 @@ def test_score_sequence_equals_full_logits_cross_entropy():
     assert torch.equal(correct, (logits.argmax(-1) == labels) & (labels != IGNORE_INDEX))
     # labels = the model's own argmax: every scored position is correct
     own = logits.argmax(-1)
-    _, hit = score_sequence(model, None, tokens, own)
+    _, hit = (r[0] for r in score_batch(model, None, tokens[None], own[None]))
     assert hit.all()
 
 
@@ -238,7 +238,7 @@ def test_rows_of_one_forward_score_as_alone():
     tokens, labels = torch.randint(0, 256, (3, 40), generator=gen), torch.randint(0, 256, (3, 40), generator=gen)
     loss, correct = score_batch(model, None, tokens, labels)
     for row in range(3):
-        alone = score_sequence(model, None, tokens[row], labels[row])
+        alone = [r[0] for r in score_batch(model, None, tokens[row : row + 1], labels[row : row + 1])]
         torch.testing.assert_close(loss[row], alone[0], rtol=1e-5, atol=1e-6)
         assert torch.equal(correct[row], alone[1])
 

@@ -17,7 +17,7 @@ from loongtrain.apply import materialize, parallelize
 from loongtrain.config import load_config
 from loongtrain.data import write_tokens
 from loongtrain.eval.plan import make_plan
-from loongtrain.eval.runner import run_loss_by_position, run_needles, score_sequence
+from loongtrain.eval.runner import run_loss_by_position, run_needles, score_batch
 from loongtrain.model import ModelConfig, build_model
 
 from dist_pool import cached_state
@@ -55,7 +55,7 @@ def _evaluate(layout: dict | None, plan, probe) -> dict:
     materialize(model, torch.device("cpu"), seed=SEED)
     needles = run_needles(model, state, plan)
     loss = run_loss_by_position(model, state, plan)
-    probe_loss, probe_hits = score_sequence(model, state, *probe)
+    probe_loss, probe_hits = (r[0] for r in score_batch(model, state, probe[0][None], probe[1][None]))
     return {
         "correct": [o.correct for o in needles.outcomes],
         "keys": [(o.length, o.depth, o.sample, o.key, o.position) for o in needles.outcomes],

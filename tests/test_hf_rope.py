@@ -109,9 +109,15 @@ def test_extend_context_rules():
         (["model.rope_scaling=ntk"], "choose one of"),
         (["model.rope_theta=-1"], "must not be negative"),
         (["model.init_from=x", "model.n_layers=4"], "remove model.n_layers"),
-        (["model.rope_low_freq_factor=4"], "must exceed"),
+        (["model.rope_scaling=llama3", "model.rope_factor=8", "model.rope_low_freq_factor=4"], "must exceed"),
     ],
 )
 def test_model_section_checks(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_frequency_factors_are_checked_only_for_llama3_scaling():
+    # yarn and linear do not read them: an order that llama3 would refuse is no error there
+    for scaling in ("yarn", "linear"):
+        load_config(None, [f"model.rope_scaling={scaling}", "model.rope_factor=4", "model.rope_low_freq_factor=4"])

@@ -115,3 +115,13 @@ def test_top_level_exports_are_lazy_and_complete():
         "print('torch' in sys.modules)\n"
     )
     assert _python(code).split() == ["False", "True"]
+
+
+def test_every_subpackage_is_an_attribute_of_the_package():
+    import loongtrain as lt
+
+    root = Path(lt.__file__).parent
+    packages = sorted(p.name for p in root.iterdir() if (p / "__init__.py").exists())
+    assert {"hf", "eval", "train", "planner"} <= set(packages)
+    for name in packages:
+        assert getattr(lt, name).__name__ == f"loongtrain.{name}"

@@ -39,7 +39,10 @@ _EXPORTS: dict[str, str] = {
     "forward_backward": "loongtrain.train.step",
 }
 # subpackages reachable as attributes
-_SUBPACKAGES = ("apply", "attention", "bench", "calibrate", "data", "model", "parallel", "planner", "train")
+_SUBPACKAGES = (
+    "apply", "attention", "bench", "calibrate", "data", "eval", "gpucheck", "hf", "model", "parallel", "planner",
+    "train",
+)  # fmt: skip
 
 __all__ = [
     "MemoryOptions",

@@ -514,10 +514,10 @@ def _validate_model_section(m: ModelSection) -> None:
             )
     elif m.rope_factor < 1.0:
         raise ConfigError(f"model.rope_factor={m.rope_factor} must be >= 1 (the context grows by this factor)")
-    if m.rope_high_freq_factor <= m.rope_low_freq_factor:
+    if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
         raise ConfigError(
             f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
-            f"model.rope_low_freq_factor={m.rope_low_freq_factor}"
+            f"model.rope_low_freq_factor={m.rope_low_freq_factor} (llama3 scaling interpolates between them)"
         )
 
 

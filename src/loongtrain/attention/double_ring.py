@@ -1,4 +1,5 @@
-"""Double-Ring-Attention over the context group (zigzag, causal load balanced).
+"""Double-Ring-Attention over the context group (causal load balanced by the sequence layout:
+zigzag, or the ``documents`` / ``locality`` balance).
 
 The context group of ``cp`` ranks is cut into ``n = cp // ring_window`` ring windows. For each
 outer step ``j`` a rank first holds the key/value block that arrived over the outer ring

@@ -1,7 +1,8 @@
 """2D-Attention: head all-to-all (Ulysses) composed with the double ring (context).
 
-Per rank: ``q`` [B, S/sp, H, d] and ``k``/``v`` [B, S/sp, G, d] zigzag shards (see
-``shard_sequence``) with RoPE already applied.
+Per rank: ``q`` [B, S/sp, H, d] and ``k``/``v`` [B, S/sp, G, d] shards in the sequence layout's
+order (zigzag, or the ``documents`` / ``locality`` balance's; see ``shard_sequence``) with
+RoPE already applied.
 
 1. GQA: if ``hp > G`` each key/value head is replicated ``hp // G`` times (its backward
    sums the replicas' gradients); otherwise ``G % hp == 0``.

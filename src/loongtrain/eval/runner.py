@@ -59,14 +59,6 @@ def score_batch(
     return full[0].cpu(), full[1].cpu().bool()
 
 
-def score_sequence(
-    model: torch.nn.Module, state: ParallelState | None, tokens: torch.Tensor, labels: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`score_batch` of one sequence ``tokens``/``labels`` [S]: loss and hits [S]."""
-    loss, correct = score_batch(model, state, tokens.view(1, -1), labels.view(1, -1))
-    return loss[0], correct[0]
-
-
 def batches(items: Sequence[T], length_of: Callable[[T], int], tokens: int) -> list[list[T]]:
     """Consecutive items of the same length grouped into forwards of at most ``tokens`` tokens
     (at least one item each): a function of the items alone, so every layout groups alike."""

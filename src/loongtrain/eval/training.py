@@ -13,6 +13,7 @@ prints one line. The trainer knows nothing of this module: the
 from __future__ import annotations
 
 import argparse
+import weakref
 from pathlib import Path
 
 from loongtrain.config import TrainConfig
@@ -28,8 +29,10 @@ from loongtrain.train.trainer import Beat, Run
 
 EVAL_DIR = "eval"
 
-# one plan and context builder per training run in this process (the tokenizer is read once)
-_PLANS: dict[int, tuple[EvalPlan, NeedleBuilder]] = {}
+# the plan and context builder of the training run in this process (the tokenizer is read
+# once), held beside a weak reference to its run: an id() would match a later run that
+# reused the address of a collected one
+_PLAN: tuple[weakref.ref[Run], EvalPlan, NeedleBuilder] | None = None
 
 
 def check(cfg: TrainConfig, spec: RunSpec, world: int) -> None:
@@ -39,13 +42,12 @@ def check(cfg: TrainConfig, spec: RunSpec, world: int) -> None:
 
 
 def _plan(run: Run) -> tuple[EvalPlan, NeedleBuilder]:
-    key = id(run)
-    if key not in _PLANS:
-        _PLANS.clear()
+    global _PLAN
+    if _PLAN is None or _PLAN[0]() is not run:
         cfg, spec = run.cfg, run.spec
         plan = make_plan(cfg, spec.model, spec.parallel.hp, spec.parallel.cp, Path(cfg.run.output_dir))
-        _PLANS[key] = (plan, NeedleBuilder(plan))
-    return _PLANS[key]
+        _PLAN = (weakref.ref(run), plan, NeedleBuilder(plan))
+    return _PLAN[1], _PLAN[2]
 
 
 def after_step(run: Run, done: int, reporter: Reporter, beat: Beat) -> None:

@@ -157,11 +157,6 @@ def ring_step_flops(w: Workload, hp: int, cp: int) -> float:
     return full_block / 2 if w.causal else full_block
 
 
-def attention_flops_fwd(w: Workload, hp: int, cp: int) -> float:
-    """Forward attention kernel FLOPs of one layer on one rank (``cp`` ring steps)."""
-    return cp * ring_step_flops(w, hp, cp)
-
-
 def linear_flops_fwd(w: Workload, sp: int) -> float:
     """Forward FLOPs of one layer's matmuls on one rank (``S/sp`` tokens)."""
     return 2.0 * w.micro_batch * (w.seq_len / sp) * w.model.layer_matmul_params()

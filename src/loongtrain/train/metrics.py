@@ -86,13 +86,6 @@ def peak_memory_bytes(device: torch.device) -> int:
     return _proc_status_bytes("VmHWM")
 
 
-def current_memory_bytes(device: torch.device) -> int:
-    """Allocated bytes on a GPU, or the process's resident memory on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device)
-    return _proc_status_bytes("VmRSS")
-
-
 class MetricsWriter:
     """Appends one JSON object per record to ``metrics.jsonl``; TensorBoard when available.
 

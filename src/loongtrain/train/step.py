@@ -55,8 +55,8 @@ def batch_signature(batches: list[Microbatch]) -> int:
 def agree_and_count(batches: list[Microbatch], shards: list[ShardedBatch], state: ParallelState) -> int:
     """Global target count, checking that every sp group's ranks hold the same batch layout.
 
-    One all-gather of three numbers per rank and one host read per step (this replaces the
-    attention's per-call input check in training): ranks of an sp group that were handed
+    One all-gather of three numbers per rank per step, read on the host once (this replaces
+    the attention's per-call input check in training): ranks of an sp group that were handed
     different shapes or boundaries raise the same error on every rank, before any attention
     transfer could mismatch.
     """
