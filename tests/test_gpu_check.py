@@ -223,4 +223,4 @@ def test_what_cannot_run_is_a_skipped_row_with_the_reason():
     if importlib.util.find_spec("flash_attn") is None:  # no GPU needed: choosing a backend runs no kernel
         backends, missing = installed_backends(torch.device("cuda"))
         assert [name for name, _ in backends] == ["cuda-sdpa"]
-        assert missing == [("flash-attn", "flash_attn>=2.7 is not installed (pip install flash-attn to check it)")]
+        assert missing == [("flash-attn", "flash_attn>=2.7 is not installed (pip install flash-attn to use it)")]

@@ -187,3 +187,133 @@ def test_backward_over_head_groups_equals_one_call_and_float64(monkeypatch, limi
     assert dkv.shape == (2, *k.shape)
     for got, want in zip((dq, dkv[0], dkv[1]), split):
         assert torch.equal(got, want)
+
+
+def _flash_attn_visible(sq: int, sk: int, left: int, right: int) -> torch.Tensor:
+    """flash_attn's documented window: query ``i`` sees keys in ``[i + sk - sq - left, i + sk - sq + right]``
+    (bottom-right aligned; a negative size is unbounded)."""
+    i = torch.arange(sq)[:, None] + sk - sq
+    j = torch.arange(sk)[None]
+    lo = (j >= i - left) if left >= 0 else torch.ones(sq, sk, dtype=torch.bool)
+    hi = (j <= i + right) if right >= 0 else torch.ones(sq, sk, dtype=torch.bool)
+    return lo & hi
+
+
+def test_every_band_call_of_the_mask_plans_is_a_flash_attn_window():
+    import itertools
+
+    from loongtrain.attention.blocks import call_band
+    from loongtrain.attention.layout import sequence_layout
+    from loongtrain.attention.mask_plan import BAND
+    from loongtrain.parallel.config import ParallelConfig
+
+    seen = 0
+    grid = itertools.product([1, 2, 4], ["zigzag", "documents", "locality"], [True, False], [7, 64, 300],
+                             [None, [0, 500, 900, 1024]])  # fmt: skip
+    for cp, balance, causal, window, docs in grid:
+        plan = sequence_layout(1024, ParallelConfig(cp=cp, balance=balance), docs).mask_plan(causal, window)
+        for a, b in itertools.product(range(cp), repeat=2):
+            for call in plan.calls(a, b):
+                if call.kind != BAND:
+                    continue
+                sq, sk = call.row1 - call.row0, call.col1 - call.col0
+                band = call_band(call, causal, plan.sliding_window)
+                # the band as written out from global positions
+                i = call.q_start + torch.arange(sq)[:, None]
+                j = call.k_start + torch.arange(sk)[None]
+                want = (i - j < window) & ((j <= i) if causal else (j - i < window))
+                assert torch.equal(band.visible(sq, sk, torch.device("cpu")), want)
+                left, right = band.flash_window(sq, sk)
+                assert torch.equal(_flash_attn_visible(sq, sk, left, right), want), (call, left, right)
+                seen += 1
+    assert seen > 1000
+    # a band no window expresses (its rows start beyond the diagonal): None, so the mask is used
+    from loongtrain.attention.kernels import Band
+
+    assert Band(offset=-5, window=3, causal=True).flash_window(4, 8) is None
+
+
+def _fake_flash_attn():
+    """flash_attn 2.7's interface as custom ops with its parameter names (its kernels need CUDA),
+    computing the documented semantics in float64: what FlashAttnBackend's keyword calls bind to."""
+    import types
+
+    from reference import reference_attention
+
+    def keep(q, k, left, right, causal):
+        if causal:
+            right = 0
+        return _flash_attn_visible(q.shape[1], k.shape[1], left, right)
+
+    @torch.library.custom_op("lt_test::flash_fwd", mutates_args=())
+    def _flash_attn_forward(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, softmax_scale: float, causal: bool,
+        window_size_left: int, window_size_right: int, softcap: float, alibi_slopes: torch.Tensor | None,
+        return_softmax: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        seen = keep(q, k, window_size_left, window_size_right, causal)
+        out = reference_attention(q, k, v, False, softmax_scale, seen).to(q.dtype)
+        rep = q.shape[2] // k.shape[2]
+        s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double().repeat_interleave(rep, 2)) * softmax_scale
+        lse = s.masked_fill(~seen, float("-inf")).logsumexp(-1).float()
+        return out, lse, q.new_empty(0), q.new_empty(0)
+
+    @torch.library.custom_op("lt_test::flash_bwd", mutates_args=("dq", "dk", "dv"))
+    def _flash_attn_backward(
+        dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+        softmax_lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, dropout_p: float,
+        softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int, softcap: float,
+        alibi_slopes: torch.Tensor | None, deterministic: bool, rng_state: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        seen = keep(q, k, window_size_left, window_size_right, causal)
+        # by hand (a custom op runs below autograd): P = softmax(S), dS = P * (dP - rowsum(dO * O))
+        b, sq, h, d = q.shape
+        g = k.shape[2]
+        qd, kd, vd, od = (
+            q.double(),
+            k.double().repeat_interleave(h // g, 2),
+            v.double().repeat_interleave(h // g, 2),
+            dout.double(),
+        )
+        p = (torch.einsum("bqhd,bkhd->bhqk", qd, kd) * softmax_scale).masked_fill(~seen, float("-inf")).softmax(-1)
+        o = torch.einsum("bhqk,bkhd->bqhd", p, vd)
+        dp = torch.einsum("bqhd,bkhd->bhqk", od, vd)
+        ds = p * (dp - (od * o).sum(-1).transpose(1, 2)[..., None])
+        dq.copy_(torch.einsum("bhqk,bkhd->bqhd", ds, kd) * softmax_scale)
+        dk.copy_((torch.einsum("bhqk,bqhd->bkhd", ds, qd) * softmax_scale).view(b, -1, g, h // g, d).sum(3))
+        dv.copy_(torch.einsum("bhqk,bqhd->bkhd", p, od).view(b, -1, g, h // g, d).sum(3))
+        return softmax_lse.new_empty(0)
+
+    return types.SimpleNamespace(_flash_attn_forward=_flash_attn_forward, _flash_attn_backward=_flash_attn_backward)
+
+
+def test_flash_attn_backend_binds_by_keyword_and_runs_bands_as_windows():
+    from loongtrain.attention.kernels import Band, FlashAttnBackend, band_inputs, flash_attn_incompatibility
+
+    fake = _fake_flash_attn()
+    assert flash_attn_incompatibility(fake) is None  # the custom op's wrapped signature is read
+    old = types_with(fake, "_flash_attn_forward", lambda q, k, v, dropout_p, softmax_scale, causal, window_size: 0)
+    assert "window_size_left" in flash_attn_incompatibility(old)  # flash_attn 2.6's signature: refused
+    backend = FlashAttnBackend(fake)
+    q, k, v = _qkv(sq=20, sk=36, heads=4, groups=2)
+    dout = torch.randn_like(q)
+    for band in (Band(offset=16, window=9, causal=True), Band(offset=10, window=12, causal=False)):
+        mask, window = band_inputs(backend, band, 20, 36, q.dtype, q.device)
+        assert mask is None and window is not None
+        out, lse = backend.forward(q, k, v, False, 0.3, mask, window)
+        grads = backend.backward(dout, q, k, v, out, lse, False, 0.3, mask, window)
+        keep = band.visible(20, 36, q.device)
+        ref = attention_with_grads(q, k, v, dout, False, 0.3, keep)
+        scores = torch.einsum("bqhd,bkhd->bqhk", q.double(), k.double().repeat_interleave(2, 2)) * 0.3
+        want_lse = scores.masked_fill(~keep[:, None], float("-inf")).logsumexp(-1)
+        assert lse.shape == q.shape[:3] and rel_errors(lse, want_lse)[1] < 1e-6
+        for got, want in zip((out, *grads), ref):
+            assert rel_errors(got, want)[1] < 1e-5
+    out, _ = backend.forward(q, k[:, :20], v[:, :20], True, 0.3)  # no band: the causal kernel, unbounded window
+    assert rel_errors(out, reference_attention(q, k[:, :20], v[:, :20], True, 0.3))[1] < 1e-5
+
+
+def types_with(module, name: str, fn):
+    import types
+
+    return types.SimpleNamespace(**{**vars(module), name: fn})

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from loongtrain.attention.kernels import block_backward, block_forward
+from loongtrain.attention.kernels import Band, block_backward, block_forward
 from loongtrain.attention.mask_plan import BAND, CAUSAL, Call
 from loongtrain.attention.merge import merge_into
 from loongtrain.attention.schedule import BlockKind
@@ -118,18 +118,16 @@ def add_kv_grad(dkv_acc: Tensor, kv_rows: slice, dk: Tensor, dv: Tensor) -> None
     dkv_acc[1, :, kv_rows] += dv
 
 
-def band_mask(call: Call, causal: bool, sliding_window: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """Additive mask of a ``band`` call: 0 where ``j <= i`` (causal) and ``|i - j| < sliding_window``."""
-    i = call.q_start + torch.arange(call.row1 - call.row0, device=device).unsqueeze(1)
-    j = call.k_start + torch.arange(call.col1 - call.col0, device=device).unsqueeze(0)
-    visible = (i - j < sliding_window) & ((j <= i) if causal else (j - i < sliding_window))
-    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+def call_band(call: Call, causal: bool, sliding_window: int | None) -> Band | None:
+    """The :class:`~loongtrain.attention.kernels.Band` of a ``band`` call (None for the others):
+    visible where ``j <= i`` (causal) and ``|i - j| < sliding_window``."""
+    if call.kind != BAND:
+        return None
+    return Band(call.q_start - call.k_start, sliding_window, causal)
 
 
-def _call_inputs(call: Call, causal: bool, sliding_window: int | None, q: Tensor):
-    rows, cols = slice(call.row0, call.row1), slice(call.col0, call.col1)
-    mask = band_mask(call, causal, sliding_window, q.dtype, q.device) if call.kind == BAND else None
-    return rows, cols, mask
+def _call_inputs(call: Call, causal: bool, sliding_window: int | None):
+    return slice(call.row0, call.row1), slice(call.col0, call.col1), call_band(call, causal, sliding_window)
 
 
 def forward_calls(
@@ -138,8 +136,8 @@ def forward_calls(
     """Run the calls of one masked block and merge them into ``acc``."""
     k, v = kv[0], kv[1]
     for call in calls:
-        rows, cols, mask = _call_inputs(call, causal, sliding_window, q)
-        out, lse = block_forward(q[:, rows], k[:, cols], v[:, cols], causal=call.kind == CAUSAL, scale=scale, mask=mask)
+        rows, cols, band = _call_inputs(call, causal, sliding_window)
+        out, lse = block_forward(q[:, rows], k[:, cols], v[:, cols], causal=call.kind == CAUSAL, scale=scale, band=band)
         acc.add(call.row0, out, lse, call.row1)
 
 
@@ -162,10 +160,10 @@ def backward_calls(
     k, v = kv[0], kv[1]
     grads: KvGrads = []
     for call in calls:
-        rows, cols, mask = _call_inputs(call, causal, sliding_window, q)
+        rows, cols, band = _call_inputs(call, causal, sliding_window)
         dq, dk, dv = block_backward(
             dout[:, rows], q[:, rows], k[:, cols], v[:, cols], out[:, rows], lse[:, rows],
-            causal=call.kind == CAUSAL, scale=scale, mask=mask,
+            causal=call.kind == CAUSAL, scale=scale, band=band,
         )  # fmt: skip
         dq_acc[:, rows] += dq
         grads.append((cols, dk, dv))

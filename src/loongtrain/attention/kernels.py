@@ -5,23 +5,27 @@ Every distributed scheme is built from these two functions. Layout convention:
 head ``h`` uses key/value head ``h // (H // G)``), ``out`` is ``[B, Sq, H, d]`` in the
 input dtype and ``lse`` is ``[B, Sq, H]`` in float32 (float64 for float64 inputs), natural
 log, scale included.
-``causal`` masks top-left aligned (query ``i`` sees keys ``j <= i``). ``mask`` (optional,
-for partial blocks of document / sliding-window masks) is an additive float ``[Sq, Sk]`` tensor
-(0 visible, -inf hidden); every row must see at least one key.
+``causal`` masks top-left aligned (query ``i`` sees keys ``j <= i``). ``band`` (optional, the
+sliding-window edges of document / window masks) is a :class:`Band`: a kernel that takes a
+window (``flash_attn``'s ``window_size``) runs it as one, the others with the band's additive
+float ``[Sq, Sk]`` mask (0 visible, -inf hidden); every row must see at least one key.
 
 This module is the only place that picks a kernel by device; the rest of the code calls
 :func:`block_forward` / :func:`block_backward`. Kernels used:
 
 - CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``); GQA native.
-- CUDA, fp16/bf16: the ``flash_attn`` package (>= 2.7) when installed, else
-  ``aten._scaled_dot_product_flash_attention``; GQA native.
-- CUDA, fp32, and any masked call: ``aten._scaled_dot_product_efficient_attention`` with
-  key/value heads expanded to the query heads (that kernel has no GQA), gradients summed
-  back; a mask goes in as its additive bias.
+- CUDA, fp16/bf16: the ``flash_attn`` package (>= 2.7) when installed (a band as its
+  ``window_size``), else ``aten._scaled_dot_product_flash_attention``; GQA native.
+- CUDA, fp32, and a band no window expresses (or without ``flash_attn``):
+  ``aten._scaled_dot_product_efficient_attention`` with key/value heads expanded to the
+  query heads (that kernel has no GQA), gradients summed back; the band's mask goes in as
+  its additive bias.
 
-The aten ``_scaled_dot_product_*`` ops are private PyTorch API; they are the only
-kernels that return the log-sum-exp needed to merge partial results, so they are
-wrapped here and nowhere else.
+The aten ``_scaled_dot_product_*`` ops are private PyTorch API, and so are ``flash_attn``'s
+``_flash_attn_forward`` / ``_backward``: they are the only kernels that return the
+log-sum-exp needed to merge partial results (``flash_attn``'s public functions run their own
+backward, from their own output), so they are wrapped here and nowhere else, and
+``flash_attn``'s are called by keyword, checked against the installed version's signature.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -38,14 +42,56 @@ from loongtrain.attention.workspace import backward_heads_per_call
 Tensor = torch.Tensor
 
 
+class Band(NamedTuple):
+    """A sliding-window band: row ``i`` of a call (query position ``offset + i`` relative to
+    column 0's) sees column ``j`` where ``offset + i - j < window``, and ``j <= offset + i``
+    (``causal``) or ``j - offset - i < window``."""
+
+    offset: int  # query position of row 0 minus key position of column 0
+    window: int
+    causal: bool
+
+    def visible(self, sq: int, sk: int, device: torch.device) -> Tensor:
+        """[Sq, Sk] bool."""
+        i = self.offset + torch.arange(sq, device=device).unsqueeze(1)
+        j = torch.arange(sk, device=device).unsqueeze(0)
+        return (i - j < self.window) & ((j <= i) if self.causal else (j - i < self.window))
+
+    def mask(self, sq: int, sk: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """The additive [Sq, Sk] mask: 0 visible, -inf hidden."""
+        hidden = ~self.visible(sq, sk, device)
+        return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
+
+    def flash_window(self, sq: int, sk: int) -> tuple[int, int] | None:
+        """``flash_attn``'s ``(window_size_left, window_size_right)`` for this band, or None where
+        it has none. Its convention (bottom-right aligned): query ``i`` sees keys
+        ``[i + sk - sq - left, i + sk - sq + right]``; negative sizes mean unbounded."""
+        shift = sk - sq
+        left = shift - self.offset + self.window - 1
+        right = self.offset - shift + (0 if self.causal else self.window - 1)
+        return (left, right) if left >= 0 and right >= 0 else None
+
+
+Window = tuple[int, int]  # flash_attn's (window_size_left, window_size_right)
+
+
 class BlockBackend(Protocol):
-    """A kernel pair for one device family."""
+    """A kernel pair for one device family. ``takes_window``: ``forward``/``backward`` take a
+    ``window`` (a band as ``flash_attn``'s window sizes) in place of its mask."""
 
     name: str
     dtypes: tuple[torch.dtype, ...]
+    takes_window: bool
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, mask: Tensor | None = None
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        causal: bool,
+        scale: float,
+        mask: Tensor | None = None,
+        window: Window | None = None,
     ) -> tuple[Tensor, Tensor]: ...
 
     def backward(
@@ -59,6 +105,7 @@ class BlockBackend(Protocol):
         causal: bool,
         scale: float,
         mask: Tensor | None = None,
+        window: Window | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]: ...
 
 
@@ -72,14 +119,15 @@ class CpuFlashBackend:
 
     name = "cpu-flash"
     dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+    takes_window = False
 
-    def forward(self, q, k, v, causal, scale, mask=None):
+    def forward(self, q, k, v, causal, scale, mask=None, window=None):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, attn_mask=mask, scale=scale
         )
         return out.transpose(1, 2), lse.transpose(1, 2)
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None):
+    def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None, window=None):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             _bhsd(dout),
             _bhsd(q),
@@ -129,12 +177,13 @@ class CudaSdpaBackend:
 
     name = "cuda-sdpa"
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    takes_window = False
 
     @staticmethod
     def _use_flash(q: Tensor, mask: Tensor | None) -> bool:
         return mask is None and q.dtype in (torch.float16, torch.bfloat16)
 
-    def forward(self, q, k, v, causal, scale, mask=None):
+    def forward(self, q, k, v, causal, scale, mask=None, window=None):
         sq = q.shape[1]
         if self._use_flash(q, mask):
             res = torch.ops.aten._scaled_dot_product_flash_attention(
@@ -156,7 +205,7 @@ class CudaSdpaBackend:
             )
         return out.transpose(1, 2), lse[..., :sq].transpose(1, 2)
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None):
+    def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None, window=None):
         sq, sk = q.shape[1], k.shape[1]
         lse_bhs = lse.transpose(1, 2).contiguous()
         if self._use_flash(q, mask):
@@ -206,59 +255,89 @@ class CudaSdpaBackend:
 
 
 class FlashAttnBackend:
-    """The ``flash_attn`` package (2.7 or newer): fp16/bf16 on CUDA, head dim % 8 == 0."""
+    """The ``flash_attn`` package (2.7 or newer): fp16/bf16 on CUDA, head dim % 8 == 0; a band
+    as its window, an arbitrary mask on PyTorch's SDPA."""
 
     name = "flash-attn"
     dtypes = (torch.float16, torch.bfloat16)
+    takes_window = True
 
     def __init__(self, module) -> None:
         self._fa = module
         self._masked = CudaSdpaBackend()  # flash_attn takes no arbitrary mask
 
-    def forward(self, q, k, v, causal, scale, mask=None):
+    def forward(self, q, k, v, causal, scale, mask=None, window=None):
         if mask is not None:
             return self._masked.forward(q, k, v, causal, scale, mask)
-        out, lse, _, _ = self._fa._flash_attn_forward(
-            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, scale, causal, -1, -1, 0.0, None, False
-        )
-        return out, lse.transpose(1, 2)
+        left, right = window if window is not None else (-1, -1)
+        res = self._fa._flash_attn_forward(
+            q.contiguous(), k.contiguous(), v.contiguous(), dropout_p=0.0, softmax_scale=scale, causal=causal,
+            window_size_left=left, window_size_right=right, softcap=0.0, alibi_slopes=None, return_softmax=False,
+        )  # fmt: skip
+        return res[0], res[1].transpose(1, 2)
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None):
+    def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None, window=None):
         if mask is not None:
             return self._masked.backward(dout, q, k, v, out, lse, causal, scale, mask)
+        left, right = window if window is not None else (-1, -1)
         q, k, v, out, dout = (x.contiguous() for x in (q, k, v, out, dout))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         self._fa._flash_attn_backward(
-            dout,
-            q,
-            k,
-            v,
-            out,
-            lse.transpose(1, 2).contiguous(),
-            dq,
-            dk,
-            dv,
-            0.0,
-            scale,
-            causal,
-            -1,
-            -1,
-            0.0,
-            None,
-            False,
-            None,
-        )
+            dout, q, k, v, out, lse.transpose(1, 2).contiguous(), dq, dk, dv, dropout_p=0.0, softmax_scale=scale,
+            causal=causal, window_size_left=left, window_size_right=right, softcap=0.0, alibi_slopes=None,
+            deterministic=False, rng_state=None,
+        )  # fmt: skip
         return dq, dk, dv
+
+
+#: The keyword arguments the calls above pass (flash_attn 2.7 and 2.8 take these names).
+FLASH_FORWARD_ARGS = frozenset({"dropout_p", "softmax_scale", "causal", "window_size_left", "window_size_right",
+                                "softcap", "alibi_slopes", "return_softmax"})  # fmt: skip
+FLASH_BACKWARD_ARGS = frozenset({"dropout_p", "softmax_scale", "causal", "window_size_left", "window_size_right",
+                                 "softcap", "alibi_slopes", "deterministic", "rng_state"})  # fmt: skip
+
+
+def parameter_names(fn) -> frozenset[str]:
+    """Parameter names of ``fn``; of the Python function a ``torch.library.custom_op`` wraps
+    (flash_attn 2.7+ registers its kernels as custom ops, whose own ``__call__`` takes
+    ``*args, **kwargs``)."""
+    fn = getattr(fn, "_init_fn", fn)
+    try:
+        return frozenset(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return frozenset()
+
+
+def flash_attn_incompatibility(module) -> str | None:
+    """Why the ``flash_attn`` interface ``module`` cannot be called as above, or None."""
+    for fn_name, needed in (("_flash_attn_forward", FLASH_FORWARD_ARGS), ("_flash_attn_backward", FLASH_BACKWARD_ARGS)):
+        fn = getattr(module, fn_name, None)
+        if fn is None:
+            return f"flash_attn has no {fn_name}"
+        missing = needed - parameter_names(fn)
+        if missing:
+            return f"flash_attn's {fn_name} takes no {', '.join(sorted(missing))} (2.7 or newer needed)"
+    return None
+
+
+def flash_attn_unavailable() -> str | None:
+    """Why ``flash_attn`` is not used (not importable, or a version these calls do not fit), or None."""
+    try:
+        from flash_attn import flash_attn_interface as fa
+    except ModuleNotFoundError:
+        return "flash_attn>=2.7 is not installed (pip install flash-attn to use it)"
+    except Exception as e:  # installed but broken (e.g. built for another torch)
+        return f"flash_attn does not import ({type(e).__name__}: {e})"
+    return flash_attn_incompatibility(fa)
 
 
 def _load_flash_attn():
     """Return the flash_attn interface module if a compatible version is installed."""
-    try:
-        from flash_attn import flash_attn_interface as fa
-    except Exception:
+    if flash_attn_unavailable() is not None:
         return None
-    params = inspect.signature(fa._flash_attn_forward).parameters
-    return fa if "window_size_left" in params else None
+    from flash_attn import flash_attn_interface as fa
+
+    return fa
 
 
 @functools.cache
@@ -273,8 +352,8 @@ def _backend_for(device_type: str, dtype: torch.dtype) -> BlockBackend:
                 return FlashAttnBackend(fa)
             if choice == "flash-attn":
                 raise RuntimeError(
-                    "LOONGTRAIN_ATTENTION_BACKEND=flash-attn but flash_attn>=2.7 is not importable; "
-                    "install it or unset the variable to use PyTorch's SDPA kernels"
+                    f"LOONGTRAIN_ATTENTION_BACKEND=flash-attn, but {flash_attn_unavailable()}; "
+                    "unset the variable to use PyTorch's SDPA kernels"
                 )
         return CudaSdpaBackend()
     raise NotImplementedError(
@@ -297,11 +376,43 @@ def check_supported(device: torch.device, dtype: torch.dtype) -> None:
         )
 
 
+def band_inputs(
+    backend: BlockBackend,
+    band: Band | None,
+    sq: int,
+    sk: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    mask: Tensor | None = None,
+) -> tuple[Tensor | None, Window | None]:
+    """``(mask, window)`` that ``backend`` takes for ``band``: its window where the backend
+    takes one and the band has one, else its mask; with no band, ``mask`` as it is."""
+    if band is None:
+        return mask, None
+    if mask is not None:
+        raise ValueError("block attention takes a band or a mask, not both")
+    if backend.takes_window:
+        window = band.flash_window(sq, sk)
+        if window is not None:
+            return None, window
+    return band.mask(sq, sk, dtype, device), None
+
+
 def block_forward(
-    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, mask: Tensor | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    band: Band | None = None,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Attention of a query block against a key/value block: ``(out, lse)``."""
-    return backend_for(q.device, q.dtype).forward(q, k, v, causal, scale, mask)
+    """Attention of a query block against a key/value block: ``(out, lse)``; under a sliding-
+    window ``band`` or an arbitrary additive ``mask`` [Sq, Sk] (one of them)."""
+    backend = backend_for(q.device, q.dtype)
+    mask, window = band_inputs(backend, band, q.shape[1], k.shape[1], q.dtype, q.device, mask)
+    return backend.forward(q, k, v, causal, scale, mask, window)
 
 
 def block_backward(
@@ -314,6 +425,7 @@ def block_backward(
     *,
     causal: bool,
     scale: float,
+    band: Band | None = None,
     mask: Tensor | None = None,
     stacked: bool = False,
 ) -> tuple[Tensor, ...]:
@@ -331,14 +443,15 @@ def block_backward(
     backend = backend_for(q.device, q.dtype)
     b, rows, heads, _ = q.shape
     groups = k.shape[2]
+    mask, window = band_inputs(backend, band, rows, k.shape[1], q.dtype, q.device, mask)
     per_call = backward_heads_per_call(b * rows, heads, groups)
     if per_call == heads:
-        dq, dk, dv = backend.backward(dout, q, k, v, out, lse, causal, scale, mask)
+        dq, dk, dv = backend.backward(dout, q, k, v, out, lse, causal, scale, mask, window)
         return (dq, torch.stack((dk, dv))) if stacked else (dq, dk, dv)
 
     def call(qh: slice, kh: slice) -> tuple[Tensor, Tensor, Tensor]:
         return backend.backward(dout[:, :, qh], q[:, :, qh], k[:, :, kh], v[:, :, kh], out[:, :, qh], lse[:, :, qh],
-                                causal, scale, mask)  # fmt: skip
+                                causal, scale, mask, window)  # fmt: skip
 
     dq, dkv = torch.empty_like(q), k.new_empty((2, *k.shape))
     dk, dv = dkv[0], dkv[1]

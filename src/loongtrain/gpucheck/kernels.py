@@ -17,8 +17,16 @@ from dataclasses import dataclass
 
 import torch
 
-from loongtrain.attention.blocks import band_mask
-from loongtrain.attention.kernels import BlockBackend, CpuFlashBackend, CudaSdpaBackend, FlashAttnBackend, backend_for
+from loongtrain.attention.blocks import call_band
+from loongtrain.attention.kernels import (
+    BlockBackend,
+    CpuFlashBackend,
+    CudaSdpaBackend,
+    FlashAttnBackend,
+    backend_for,
+    band_inputs,
+    flash_attn_unavailable,
+)
 from loongtrain.attention.mask_plan import BAND, Call
 from loongtrain.attention.merge import merge_into
 from loongtrain.harness import make_inputs
@@ -116,7 +124,7 @@ def installed_backends(device: torch.device) -> tuple[list[tuple[str, BlockBacke
     if choice not in ("auto", "flash-attn"):
         why = f"LOONGTRAIN_ATTENTION_BACKEND={choice} selects another backend; unset it to check flash_attn"
     else:
-        why = "flash_attn>=2.7 is not installed (pip install flash-attn to check it)"
+        why = flash_attn_unavailable() or "flash_attn is not selected"
     return backends, [("flash-attn", why)]
 
 
@@ -126,7 +134,11 @@ def kernel_name(backend: str, case: KernelCase) -> str:
     if backend == "cuda-sdpa":
         return "flash" if half and not case.masked else "efficient"
     if backend == "flash-attn":
-        return "sdpa-efficient fallback" if case.masked else "flash_attn"
+        if not case.masked:
+            return "flash_attn"
+        sq, sk = case.shape
+        band = call_band(case.band_call(), case.causal, case.sliding_window)
+        return "flash_attn window" if band.flash_window(sq, sk) is not None else "sdpa-efficient fallback"
     return "flash"
 
 
@@ -142,10 +154,11 @@ def run_case(backend: BlockBackend, case: KernelCase, inputs: tuple[Tensor, ...]
     for non-causal unmasked cases ``merge_out``/``merge_lse`` of two key halves merged in fp32."""
     q, k, v, dout = inputs
     scale = case.head_dim**-0.5
-    mask = band_mask(case.band_call(), case.causal, case.sliding_window, q.dtype, q.device) if case.masked else None
+    band = call_band(case.band_call(), case.causal, case.sliding_window) if case.masked else None
+    mask, window = band_inputs(backend, band, q.shape[1], k.shape[1], q.dtype, q.device)
     causal = case.causal and not case.masked
-    out, lse = backend.forward(q, k, v, causal, scale, mask)
-    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, causal, scale, mask)
+    out, lse = backend.forward(q, k, v, causal, scale, mask, window)
+    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, causal, scale, mask, window)
     got = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
     if case.checks_merge:
         half = k.shape[1] // 2
