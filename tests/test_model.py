@@ -38,6 +38,30 @@ def test_rope_matches_complex_rotation():
     torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_rope_has_the_gradient_of_the_complex_rotation(dtype):
+    """Through torch.compile (aot_eager: the autograd.Function as compiled, no code generation),
+    RoPE's gradient is the inverse rotation; torch 2.11 once compiled it to zeros in float32."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 6, 2, 8).to(dtype).requires_grad_()
+    pos = torch.tensor([[0, 7, 3, 100, 2, 5]])
+    cos, sin = rope_tables(pos, 8, 10000.0)
+    weight = torch.randn(1, 6, 2, 8)
+
+    def loss(x):
+        return (apply_rope(x * 2, cos, sin).float() * weight).sum()
+
+    torch._dynamo.reset()
+    (got,) = torch.autograd.grad(torch.compile(loss, backend="aot_eager")(x), x)
+    # d/dx of <R(2x), w> = 2 R^T w = 2 R(-angle) w, written with complex numbers in float64
+    inv = 1.0 / (10000.0 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8))
+    angle = pos.double()[..., None] * inv
+    w = torch.view_as_complex(weight.double().reshape(1, 6, 2, 4, 2).contiguous())
+    ref = torch.view_as_real(2 * w * torch.polar(torch.ones_like(angle), -angle)[:, :, None]).reshape(1, 6, 2, 8)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol)
+
+
 def test_materialize_is_deterministic_and_trains():
     cfg = model_config("debug")
     a, b = build_model(cfg), build_model(cfg)

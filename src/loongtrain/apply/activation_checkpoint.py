@@ -12,9 +12,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from loongtrain.apply.offload import ActivationOffload, LayerStash
@@ -49,19 +51,43 @@ def _sc_plus_plus_context():
     return create_selective_checkpoint_contexts(_keep_attention)
 
 
+class _HandKeptOutputs(TorchDispatchMode):
+    """Hands the outputs of every op that sc++ keeps to ``stash`` (the forward only). Entered
+    above the selective-checkpoint mode, so it sees each op's outputs as that mode returns
+    them; PyTorch's policy context carries the outputs itself only from 2.13
+    (``SelectiveCheckpointContext.op_output``), and this works on every version we test.
+    ``TorchDispatchMode`` is PyTorch's documented extension point, though it lives in the
+    private ``torch.utils._python_dispatch``; this is its one use."""
+
+    def __init__(self, stash: LayerStash) -> None:
+        super().__init__()
+        self.stash = stash
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _KEPT_OPS:
+            for t in out if isinstance(out, tuple | list) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.stash.keep(t)
+        return out
+
+
 def _sc_plus_plus_offloading(stash: LayerStash):
     """The sc++ policy, handing every result it keeps to ``stash`` (moved to host memory)."""
 
-    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        decision = _keep_attention(ctx, op)
-        if decision is CheckpointPolicy.MUST_SAVE and not ctx.is_recompute:
-            outputs = ctx.op_output if isinstance(ctx.op_output, tuple | list) else (ctx.op_output,)
-            for t in outputs:
-                if isinstance(t, torch.Tensor):
-                    stash.keep(t)
-        return decision
+    def contexts():
+        forward, recompute = _sc_plus_plus_context()
+        return _entered_together(forward, _HandKeptOutputs(stash)), recompute
 
-    return lambda: create_selective_checkpoint_contexts(policy)
+    return contexts
+
+
+@contextlib.contextmanager
+def _entered_together(*managers):
+    with contextlib.ExitStack() as stack:
+        for manager in managers:
+            stack.enter_context(manager)
+        yield
 
 
 def apply_activation_checkpoint(

@@ -116,7 +116,10 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x32 = x.float().unflatten(-1, (-1, 2))
     a, b = x32[..., 0], x32[..., 1]
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).type_as(x)
+    out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+    # no cast where the dtype already matches: torch 2.11 compiles an autograd.Function whose
+    # result ends in a no-op ``type_as`` to zero gradients (float32 q/k lost theirs; 2.13 does not)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 class _Rope(torch.autograd.Function):
