@@ -144,3 +144,15 @@ def test_device_and_optimizer_checked_before_spawning(tmp_path):
     with pytest.raises(ConfigError, match="Invalid epsilon value: -1.0"):
         check_optimizer(OptimSection(eps=-1.0))  # AdamW's own check behind config validation
     check_optimizer(OptimSection())
+
+
+def test_torch_older_than_the_oldest_tested_is_refused_with_one_line():
+    from loongtrain.torch_support import check_torch, release
+
+    assert release("2.11.0+cu130") == (2, 11) and release("2.12.0a0+git1234") == (2, 12)
+    for ok in ("2.11.0+cu130", "2.13.0+cpu", "3.0.0"):
+        check_torch(ok)
+    with pytest.raises(RuntimeError, match=r"needs torch >= 2.11 .* this is torch 2.10.1\+cu128: pip install") as e:
+        check_torch("2.10.1+cu128")
+    assert "\n" not in str(e.value)
+    check_torch()  # the installed one is tested

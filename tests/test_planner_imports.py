@@ -18,6 +18,7 @@ PURE_MODULES = [
     "loongtrain",
     "loongtrain._lazy",
     "loongtrain.options",
+    "loongtrain.torch_support",
     "loongtrain.model.config",
     "loongtrain.parallel.config",
     "loongtrain.parallel.layout",

@@ -13,6 +13,8 @@ import signal
 import sys
 import threading
 
+from loongtrain.torch_support import check_torch
+
 # command -> (module with add_arguments/main, one-line help, main takes the unparsed extra args)
 COMMANDS: dict[str, tuple[str, str, bool]] = {
     # train comes through loongtrain.eval.training, which adds the [eval] section's evaluations
@@ -65,6 +67,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         parser = _holding_ctrl_c(build_parser, argv)  # imports the command's module (torch, for most): seconds
         args, extra = parser.parse_known_args(argv)
+        if "torch" in sys.modules:  # the command runs on torch (the planner does not)
+            try:
+                check_torch()
+            except RuntimeError as e:
+                print(f"loongtrain: {e}", file=sys.stderr)
+                raise SystemExit(2) from None
         if getattr(args, "takes_extra", False):
             args.run(args, extra)
             return

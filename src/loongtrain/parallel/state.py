@@ -19,6 +19,7 @@ from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.layout import RankCoords, RankLayout
 from loongtrain.parallel.stats import AttentionStats
 from loongtrain.parallel.zero_grid import zero_mesh_grid
+from loongtrain.torch_support import check_torch
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,7 @@ def init_parallel(
     shapes are known good to save that collective. ``zero_scopes`` are the ZeRO scopes
     whose DeviceMesh is built (``parallelize`` can use only those); ``()`` builds none.
     """
+    check_torch()
     zero_scopes = tuple(zero_scopes)
     for scope in zero_scopes:
         check_zero_scope(scope)
