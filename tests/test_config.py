@@ -6,7 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from loongtrain.config import ConfigError, load_config, to_toml
+from dataclasses import fields
+
+from loongtrain.config import RENAMED_KEYS, SECTIONS, ConfigError, TrainConfig, load_config, to_toml
+from loongtrain.model.config import ROPE_SCALINGS, RopeScaling
+from loongtrain.options import MemoryOptions
+from loongtrain.parallel.config import ParallelConfig
 from loongtrain.train.cli import split_overrides
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,7 +61,7 @@ def test_split_overrides():
         ("", ["run.steps=abc"], "'abc' is not a valid int"),
         ("", ["run.steps"], "must look like section.key=value"),
         ("", ["parallel.zero=zero9"], "parallel.zero='zero9'; choose one of"),
-        ("", ["parallel.cp=6", "parallel.ring_window=4"], "cp=6 is not divisible by parallel.ring_window=4"),
+        ("", ["parallel.cp=6", "parallel.ring_window=4"], "[parallel] ParallelConfig: cp=6 is not divisible by ring_"),
         ("", ["run.steps=0"], "run.steps=0 must be positive"),
         ("", ["optim.lr=nan"], "optim.lr=nan must be finite"),
         ("", ["data.source=tokens"], "needs data.path"),
@@ -101,6 +106,84 @@ def test_memory_keys_reach_memory_options(tmp_path):
         False,
         False,
     )
+
+
+def _config_keys_of(option_cls: type) -> dict[str, list[str]]:
+    """Every field of ``option_cls`` -> the config keys (section.key) that set it, found by
+    building each section with one key changed and reading which option field moved."""
+    found: dict[str, list[str]] = {f.name: [] for f in fields(option_cls)}
+    build = {ParallelConfig: lambda c: c.parallel.config(), MemoryOptions: lambda c: c.memory.options()}
+    reference = TrainConfig()
+    for sec_name, section_cls in SECTIONS.items():
+        for key in fields(section_cls):
+            meta = key.metadata.get("option")
+            if meta is not None and meta[0] is option_cls:
+                found[meta[1]].append(f"{sec_name}.{key.name}")
+    if option_cls in build:  # the declared mapping is also the one the section's builder uses
+        base = build[option_cls](reference)
+        for name, keys in found.items():
+            for dotted in keys:
+                cfg = TrainConfig()
+                sec, key = dotted.split(".")
+                value = getattr(getattr(cfg, sec), key)
+                if isinstance(value, bool):
+                    changed = not value
+                elif isinstance(value, int):
+                    changed = value + 2
+                else:
+                    choices = next(f for f in fields(SECTIONS[sec]) if f.name == key).metadata["choices"]
+                    changed = next(c for c in choices if c != value)
+                setattr(getattr(cfg, sec), key, changed)
+                if name == "ring_window":
+                    cfg.parallel.cp = changed * 2
+                built = build[option_cls](cfg)
+                moved = [f.name for f in fields(option_cls) if getattr(built, f.name) != getattr(base, f.name)]
+                assert name in moved, (dotted, moved)
+    return found
+
+
+@pytest.mark.parametrize("option_cls", [ParallelConfig, MemoryOptions, RopeScaling])
+def test_every_option_field_has_exactly_one_config_key(option_cls):
+    found = _config_keys_of(option_cls)
+    if option_cls is RopeScaling:
+        # its kind is model.rope_scaling, whose choices add keep and none to the kinds
+        assert found["kind"] == []
+        model = {f.name: f for f in fields(SECTIONS["model"])}
+        assert set(ROPE_SCALINGS) < set(model["rope_scaling"].metadata["choices"])
+        found["kind"] = ["model.rope_scaling"]
+    assert {name: len(keys) for name, keys in found.items()} == {name: 1 for name in found}, found
+
+
+def test_rope_keys_reach_rope_scaling():
+    cfg = load_config(
+        None,
+        [
+            "model.rope_scaling=yarn",
+            "model.rope_factor=4",
+            "model.rope_original_max_positions=512",
+            "model.rope_beta_fast=16",
+            "model.rope_truncate=false",
+            "model.rope_attention_factor=0",
+        ],
+    )
+    rope = RopeScaling(cfg.model.rope_scaling, **cfg.model.rope())
+    assert rope == RopeScaling("yarn", 4.0, 512, beta_fast=16.0, truncate=False, attention_factor=None)
+
+
+def test_renamed_keys_are_refused_naming_the_new_key():
+    for old, (new, _) in RENAMED_KEYS.items():
+        with pytest.raises(ConfigError, match=f"{old} was renamed to {new}.*; use {new}$"):
+            load_config(None, [f"{old}=1"])
+
+
+def test_a_resolved_config_written_before_loads():
+    """A run folder's resolved.toml from 2026-12-02 (before the sections were made from the
+    option objects) loads to the same values."""
+    cfg = load_config(Path(__file__).parent / "data" / "resolved_config_2026-12-02.toml")
+    assert cfg.parallel.config() == ParallelConfig(hp=2, cp=4, ring_window=2, dp=2)
+    assert cfg.memory.options() == MemoryOptions(activation_checkpoint="full")
+    assert RopeScaling(cfg.model.rope_scaling, **cfg.model.rope()) == RopeScaling("yarn", 4.0, 2048)
+    assert cfg.parallel.layout == "fixed" and cfg.memory.activation_checkpoint == "full"
 
 
 def test_missing_config_file():

@@ -9,90 +9,149 @@ from __future__ import annotations
 import dataclasses
 import math
 import tomllib
+import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any, Literal
 
+from loongtrain.model.config import ROPE_SCALINGS, RopeScaling
 from loongtrain.options import (
-    ACTIVATION_CHECKPOINT_MODES,
-    BALANCES,
-    CONTEXT_ORDERS,
     LAYOUT_MODES,
     LONG_DOCUMENTS,
-    PLACEMENTS,
     ZERO_SCOPES,
     MemoryOptions,
+    bound_error,
+    option,
 )
+from loongtrain.parallel.config import ParallelConfig
 
 
-def _f(default, help: str, choices: tuple | None = None):
-    meta = {"help": help}
-    if choices is not None:
-        meta["choices"] = choices
-    return field(default=default, metadata=meta)
+def _key_type(hint: Any) -> type:
+    """The plain type a config key holds for an option field's type: a Literal is a str, an
+    optional field holds its type (its ``none_as`` value standing for None)."""
+    if typing.get_origin(hint) is Literal:
+        return str
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        (inner,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        return _key_type(inner)
+    return hint
+
+
+def option_keys(option_cls: type, *, prefix: str = "", skip: tuple[str, ...] = (), defaults: dict | None = None):
+    """A dataclass of config keys made from the fields of the option dataclass ``option_cls``
+    (its help, choices and bound carried over, the key named ``prefix + field``), to derive a
+    config section from: each option is declared once, on the library's own object.
+    ``defaults`` replaces a field's default where the trainer's differs (each says why)."""
+    hints = typing.get_type_hints(option_cls)
+    keys = []
+    for f in fields(option_cls):
+        if f.name in skip:
+            continue
+        default = (defaults or {}).get(f.name, f.default)
+        if default is None:
+            default = f.metadata["none_as"]
+        if default is dataclasses.MISSING:
+            raise TypeError(f"option_keys({option_cls.__name__}): {f.name} needs a config default")
+        metadata = {**f.metadata, "option": (option_cls, f.name)}
+        keys.append((prefix + f.name, _key_type(hints[f.name]), field(default=default, metadata=metadata)))
+    return dataclasses.make_dataclass(f"{option_cls.__name__}Keys", keys)
+
+
+def option_values(section: object, option_cls: type) -> dict[str, Any]:
+    """The fields of ``option_cls`` that ``section`` holds keys for, as keyword arguments
+    (a key's ``none_as`` value becomes None)."""
+    out = {}
+    for f in fields(section):  # type: ignore[arg-type]
+        owner, name = f.metadata.get("option", (None, None))
+        if owner is option_cls:
+            value = getattr(section, f.name)
+            out[name] = None if "none_as" in f.metadata and value == f.metadata["none_as"] else value
+    return out
 
 
 @dataclass
 class RunSection:
-    output_dir: str = _f("runs/debug", "run folder: resolved config, metrics, plots and checkpoints go here")
-    steps: int = _f(200, "optimizer steps to train (a resumed run continues up to this step)")
-    seed: int = _f(0, "seed of the initial weights (data has its own seed)")
-    log_every: int = _f(10, "print metrics every this many steps (every step goes to metrics.jsonl)")
-    eval_every: int = _f(0, "evaluate on held-out batches every this many steps (0: only at the end)")
-    eval_batches: int = _f(4, "held-out global batches per evaluation")
-    device: str = _f("auto", "auto (cuda when available, else cpu), cpu or cuda", ("auto", "cpu", "cuda"))
-    progress: str = _f("auto", "progress bar: auto (when stdout is a terminal), on or off", ("auto", "on", "off"))
-    tensorboard: bool = _f(True, "also write TensorBoard logs when the tensorboard package is installed")
-    peak_tflops: float = _f(0.0, "peak dense TFLOP/s per device for MFU; 0 looks the GPU up in a table")
-    compile: bool = _f(
+    output_dir: str = option("runs/debug", "run folder: resolved config, metrics, plots and checkpoints go here")
+    steps: int = option(200, "optimizer steps to train (a resumed run continues up to this step)", bound="positive")
+    seed: int = option(0, "seed of the initial weights (data has its own seed)")
+    log_every: int = option(
+        10, "print metrics every this many steps (every step goes to metrics.jsonl)", bound="positive"
+    )
+    eval_every: int = option(
+        0, "evaluate on held-out batches every this many steps (0: only at the end)", bound="non_negative"
+    )
+    eval_batches: int = option(4, "held-out global batches per evaluation", bound="positive")
+    device: str = option("auto", "auto (cuda when available, else cpu), cpu or cuda", choices=("auto", "cpu", "cuda"))
+    progress: str = option(
+        "auto", "progress bar: auto (when stdout is a terminal), on or off", choices=("auto", "on", "off")
+    )
+    tensorboard: bool = option(True, "also write TensorBoard logs when the tensorboard package is installed")
+    peak_tflops: float = option(
+        0.0, "peak dense TFLOP/s per device for MFU; 0 looks the GPU up in a table", bound="non_negative"
+    )
+    compile: bool = option(
         False,
         "torch.compile each transformer block (the distributed attention stays opaque); the first steps "
         "take longer while it compiles (raise run.timeout_s if that exceeds it)",
     )
-    timeout_s: float = _f(
+    timeout_s: float = option(
         300.0,
         "a rank that makes no progress for this many seconds ends the job with a message naming it "
         "(collectives give up later, as a backstop); raise it if one step or checkpoint takes longer",
+        bound="positive",
     )
 
 
 @dataclass
-class ModelSection:
-    preset: str = _f("debug", "model preset: debug, 7b-mha, 7b-gqa, 13b, llama3-8b")
-    vocab_size: int = _f(0, "override the preset's vocabulary size (0: keep)")
-    dim: int = _f(0, "override the hidden size (0: keep)")
-    n_layers: int = _f(0, "override the number of layers (0: keep)")
-    n_heads: int = _f(0, "override the number of query heads (0: keep)")
-    n_kv_heads: int = _f(0, "override the number of key/value heads (0: keep)")
-    ffn_dim: int = _f(0, "override the SwiGLU hidden size (0: keep)")
-    tie_embeddings: str = _f(
-        "preset", "tie input and output embeddings: preset, true or false", ("preset", "true", "false")
+class _ModelShapeKeys:
+    preset: str = option("debug", "model preset: debug, 7b-mha, 7b-gqa, 13b, llama3-8b")
+    vocab_size: int = option(0, "override the preset's vocabulary size (0: keep)", bound="non_negative")
+    dim: int = option(0, "override the hidden size (0: keep)", bound="non_negative")
+    n_layers: int = option(0, "override the number of layers (0: keep)", bound="non_negative")
+    n_heads: int = option(0, "override the number of query heads (0: keep)", bound="non_negative")
+    n_kv_heads: int = option(0, "override the number of key/value heads (0: keep)", bound="non_negative")
+    ffn_dim: int = option(0, "override the SwiGLU hidden size (0: keep)", bound="non_negative")
+    tie_embeddings: str = option(
+        "preset", "tie input and output embeddings: preset, true or false", choices=("preset", "true", "false")
     )
-    init_from: str = _f(
+    init_from: str = option(
         "", "local Hugging Face model folder (config.json + *.safetensors) to start from; replaces preset and shape"
     )
-    rope_theta: float = _f(0.0, "override the RoPE base (0: keep the preset's or the imported model's)")
-    rope_scaling: str = _f(
+    rope_theta: float = option(
+        0.0, "override the RoPE base (0: keep the preset's or the imported model's)", bound="non_negative"
+    )
+    rope_scaling: str = option(
         "keep",
-        "RoPE scaling for a longer context: keep (the model's), none, linear, llama3 or yarn (as transformers)",
-        ("keep", "none", "linear", "llama3", "yarn"),
+        "RoPE scaling for a longer context: keep (the model's), none, linear, llama3 or yarn (as transformers); "
+        "the rope_* keys below are its fields",
+        choices=("keep", "none", *ROPE_SCALINGS),
     )
-    rope_factor: float = _f(1.0, "rope_scaling: context growth factor (e.g. 4 for 4x)")
-    rope_original_max_positions: int = _f(
-        0, "llama3/yarn: pretraining context length (0: the imported model's max_position_embeddings)"
+
+
+#: the trainer's defaults where they differ from the option object's (each with its reason)
+ROPE_KEY_DEFAULTS = {"factor": 1.0}  # RopeScaling has no default factor; 1.0 goes with rope_scaling = "keep"
+
+
+@dataclass
+class ModelSection(
+    option_keys(RopeScaling, prefix="rope_", skip=("kind",), defaults=ROPE_KEY_DEFAULTS),
+    _ModelShapeKeys,
+):
+    """``[model]``: a preset and its shape overrides (or an HF folder), then the RoPE: the
+    ``rope_*`` keys are the fields of :class:`RopeScaling` (``rope_scaling`` its kind)."""
+
+    max_positions: int = option(
+        0,
+        "context length written as max_position_embeddings on export (0: original x factor, or the model's)",
+        bound="non_negative",
     )
-    rope_low_freq_factor: float = _f(1.0, "llama3: low_freq_factor")
-    rope_high_freq_factor: float = _f(4.0, "llama3: high_freq_factor")
-    rope_beta_fast: float = _f(32.0, "yarn: beta_fast")
-    rope_beta_slow: float = _f(1.0, "yarn: beta_slow")
-    rope_attention_factor: float = _f(0.0, "yarn: cos/sin multiplier (0: 0.1 * ln(factor) + 1)")
-    max_positions: int = _f(
-        0, "context length written as max_position_embeddings on export (0: original x factor, or the model's)"
+    sliding_window: int = option(
+        0,
+        "sliding-window attention: token i sees j only if i - j < this (0: keep the preset's or imported model's)",
+        bound="non_negative",
     )
-    sliding_window: int = _f(
-        0, "sliding-window attention: token i sees j only if i - j < this (0: keep the preset's or imported model's)"
-    )
-    allow_longer_context: bool = _f(
+    allow_longer_context: bool = option(
         False,
         "init_from: train at a data.seq_len beyond the context the model's RoPE was pretrained (or scaled) for; "
         "false refuses it and names the rope_scaling/rope_factor that reach it",
@@ -108,125 +167,117 @@ class ModelSection:
             out["tie_embeddings"] = self.tie_embeddings == "true"
         return out
 
+    def rope(self) -> dict[str, Any]:
+        """The ``rope_*`` keys as :class:`RopeScaling` keyword arguments (its ``kind`` is
+        ``rope_scaling``), for :func:`loongtrain.model.config.extend_context`."""
+        return option_values(self, RopeScaling)
+
 
 @dataclass
-class ParallelSection:
-    hp: int = _f(1, "head-parallel degree (Ulysses all-to-all group)")
-    cp: int = _f(1, "context-parallel degree (ring group)")
-    ring_window: int = _f(1, "Double-Ring-Attention inner ring size; divides cp (1 or cp: plain ring)")
-    placement: str = _f("head_first", "rank placement", PLACEMENTS)
-    context_order: str = _f("contiguous", "ring window membership in the context group", CONTEXT_ORDERS)
-    balance: str = _f(
-        "zigzag",
-        "sequence layout over the sp group: zigzag (balanced for one document), documents (from each packed "
-        "batch) or locality (documents whole or on runs of adjacent ranks: the ring carries only what they need)",
-        BALANCES,
-    )
-    layout: str = _f(
+class ParallelSection(option_keys(ParallelConfig)):
+    """``[parallel]``: the fields of :class:`ParallelConfig`, then how the run uses them."""
+
+    layout: str = option(
         "fixed",
         "fixed: every microbatch on hp x cp; per_batch: each microbatch on the hp x cp split of the same ranks "
         "its documents run fastest on (process groups for each built at start; eager only)",
-        LAYOUT_MODES,
+        choices=LAYOUT_MODES,
     )
-    dp: int = _f(0, "data-parallel degree (0: world size // (hp*cp))")
-    zero: str = _f("dp_sp", "ZeRO sharding scope of model states", ZERO_SCOPES)
-    param_dtype: str = _f("float32", "compute dtype of parameters (fp32 master copy kept)", ("float32", "bfloat16"))
-    reshard_after_forward: bool = _f(True, "free gathered weights after forward (ZeRO-3); false: keep (ZeRO-2)")
-    verify_inputs: bool = _f(
+    zero: str = option("dp_sp", "ZeRO sharding scope of model states", choices=ZERO_SCOPES)
+    param_dtype: str = option(
+        "float32", "compute dtype of parameters (fp32 master copy kept)", choices=("float32", "bfloat16")
+    )
+    reshard_after_forward: bool = option(True, "free gathered weights after forward (ZeRO-3); false: keep (ZeRO-2)")
+    verify_inputs: bool = option(
         False,
         "also check with an all-gather in every attention call that the sp ranks agree on shapes and masks "
         "(a debugging aid: each step already checks the batch layout once)",
     )
 
+    def config(self) -> ParallelConfig:
+        """These keys as the :class:`ParallelConfig` that ``init_parallel`` takes."""
+        return ParallelConfig(**option_values(self, ParallelConfig))
+
+
+#: the trainer checkpoints with sc++ unless told otherwise (a long-sequence trainer's choice);
+#: MemoryOptions() itself is no checkpointing, what ``parallelize`` does when not asked
+MEMORY_KEY_DEFAULTS = {"activation_checkpoint": "sc++"}
+
 
 @dataclass
-class MemorySection:
-    activation_checkpoint: str = _f(
-        "sc++",
-        "activation checkpointing per block: none, full (recompute the block, attention included) or sc++ "
-        "(Selective Checkpoint++: recompute the block but keep the distributed attention's results)",
-        ACTIVATION_CHECKPOINT_MODES,
-    )
-    activation_checkpoint_every: int = _f(1, "activation-checkpoint every k-th layer")
-    loss_chunk: int = _f(
-        1024, "tokens of logits at a time in the loss (output layer + cross entropy); 0: the whole shard at once"
-    )
-    mlp_tile: int = _f(0, "run the MLP over sequence tiles of this many tokens, recomputed per tile (0: off)")
-    offload_activations: bool = _f(
-        False, "keep what activation checkpointing saves per layer in host memory between forward and backward"
-    )
-    offload_states: bool = _f(
-        False, "keep parameters, gradients and optimizer states in host memory (FSDP2 CPU offload; CPU optimizer)"
-    )
+class MemorySection(option_keys(MemoryOptions, defaults=MEMORY_KEY_DEFAULTS)):
+    """``[memory]``: the fields of :class:`MemoryOptions`."""
 
     def options(self) -> MemoryOptions:
         """These keys as the :class:`MemoryOptions` that ``parallelize`` takes."""
-        return MemoryOptions(
-            activation_checkpoint=self.activation_checkpoint,  # type: ignore[arg-type]  # checked by validate
-            activation_checkpoint_every=self.activation_checkpoint_every,
-            loss_chunk=self.loss_chunk,
-            mlp_tile=self.mlp_tile,
-            offload_activations=self.offload_activations,
-            offload_states=self.offload_states,
-        )
+        return MemoryOptions(**option_values(self, MemoryOptions))
 
 
 @dataclass
 class DataSection:
-    source: str = _f("recall", "recall (synthetic associative recall) or tokens (a token file)", ("recall", "tokens"))
-    path: str = _f("", "token file for source=tokens (made by `loongtrain prepare`)")
-    seq_len: int = _f(256, "tokens per sequence; a multiple of 2*hp*cp")
-    pack: bool = _f(
+    source: str = option(
+        "recall", "recall (synthetic associative recall) or tokens (a token file)", choices=("recall", "tokens")
+    )
+    path: str = option("", "token file for source=tokens (made by `loongtrain prepare`)")
+    seq_len: int = option(256, "tokens per sequence; a multiple of 2*hp*cp", bound="positive")
+    pack: bool = option(
         False,
         "packed documents: attention, RoPE positions and targets stop at document boundaries (tokens: documents "
         "end after data.eos_id; recall: the packed variant with conflicting facts across documents)",
     )
-    eos_id: int = _f(-1, "pack with source=tokens: end-of-document token id (-1: the one the token file records)")
-    document_masks: bool = _f(True, "pack: mask attention at document boundaries (false: an ablation, positions only)")
-    long_documents: str = _f(
+    eos_id: int = option(-1, "pack with source=tokens: end-of-document token id (-1: the one the token file records)")
+    document_masks: bool = option(
+        True, "pack: mask attention at document boundaries (false: an ablation, positions only)"
+    )
+    long_documents: str = option(
         "split",
         "source=tokens: a document longer than seq_len is split (continued in the next sequence) or drop (left "
         "out; the start-up line counts what was dropped)",
-        LONG_DOCUMENTS,
+        choices=LONG_DOCUMENTS,
     )
-    group_by_length: int = _f(
+    group_by_length: int = option(
         0,
         "pack with source=tokens: within windows of this many steps, give each step sequences whose longest "
         "documents are alike (a layout per microbatch then skips the ring for short ones; 0: off)",
+        bound="non_negative",
     )
-    doc_len: int = _f(64, "pack with source=recall: mean document length (documents of doc_len/2 to 3*doc_len/2)")
-    global_batch: int = _f(8, "sequences per optimizer step over all data-parallel replicas")
-    micro_batches: int = _f(1, "gradient accumulation: microbatches per step per replica")
-    seed: int = _f(1234, "seed of the data order / synthetic samples")
-    recall_keys: int = _f(8, "recall: distinct keys")
-    recall_values: int = _f(8, "recall: distinct values (chance accuracy = 1/recall_values)")
-    recall_facts: int = _f(4, "recall: key-value facts spread over each sequence")
-    recall_queries: int = _f(32, "recall: queries at the end of each sequence (or document when packed), scored")
-    recall_filler: int = _f(16, "recall: distinct filler tokens between the facts")
+    doc_len: int = option(
+        64, "pack with source=recall: mean document length (documents of doc_len/2 to 3*doc_len/2)", bound="positive"
+    )
+    global_batch: int = option(8, "sequences per optimizer step over all data-parallel replicas", bound="positive")
+    micro_batches: int = option(1, "gradient accumulation: microbatches per step per replica", bound="positive")
+    seed: int = option(1234, "seed of the data order / synthetic samples")
+    recall_keys: int = option(8, "recall: distinct keys", bound="positive")
+    recall_values: int = option(8, "recall: distinct values (chance accuracy = 1/recall_values)", bound="positive")
+    recall_facts: int = option(4, "recall: key-value facts spread over each sequence", bound="positive")
+    recall_queries: int = option(
+        32, "recall: queries at the end of each sequence (or document when packed), scored", bound="positive"
+    )
+    recall_filler: int = option(16, "recall: distinct filler tokens between the facts", bound="positive")
 
 
 @dataclass
 class OptimSection:
-    lr: float = _f(3e-3, "peak learning rate (AdamW)")
-    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr (cosine decay)")
-    warmup_steps: int = _f(20, "linear warm-up steps")
-    weight_decay: float = _f(0.0, "AdamW weight decay")
-    beta1: float = _f(0.9, "AdamW beta1")
-    beta2: float = _f(0.95, "AdamW beta2")
-    eps: float = _f(1e-8, "AdamW epsilon")
-    grad_clip: float = _f(1.0, "clip the global gradient norm to this (0: no clipping)")
+    lr: float = option(3e-3, "peak learning rate (AdamW)", bound="positive")
+    min_lr_ratio: float = option(0.1, "final learning rate as a fraction of lr (cosine decay)", bound="non_negative")
+    warmup_steps: int = option(20, "linear warm-up steps", bound="non_negative")
+    weight_decay: float = option(0.0, "AdamW weight decay", bound="non_negative")
+    beta1: float = option(0.9, "AdamW beta1")
+    beta2: float = option(0.95, "AdamW beta2")
+    eps: float = option(1e-8, "AdamW epsilon", bound="positive")
+    grad_clip: float = option(1.0, "clip the global gradient norm to this (0: no clipping)", bound="non_negative")
 
 
 @dataclass
 class CheckpointSection:
-    every: int = _f(0, "save a checkpoint every this many steps (0: only at the end)")
-    keep: int = _f(2, "keep the newest k complete checkpoints")
-    resume: bool = _f(True, "resume from the newest complete checkpoint in the run folder")
-    save_final: bool = _f(True, "save a checkpoint after the last step")
-    on_damaged: str = _f(
+    every: int = option(0, "save a checkpoint every this many steps (0: only at the end)", bound="non_negative")
+    keep: int = option(2, "keep the newest k complete checkpoints", bound="positive")
+    resume: bool = option(True, "resume from the newest complete checkpoint in the run folder")
+    save_final: bool = option(True, "save a checkpoint after the last step")
+    on_damaged: str = option(
         "fallback",
         "a damaged or incomplete newest checkpoint: fallback (resume from the newest intact one) or stop",
-        ("fallback", "stop"),
+        choices=("fallback", "stop"),
     )
 
 
@@ -235,39 +286,49 @@ EVAL_TASKS = ("auto", "recall", "text")
 
 @dataclass
 class EvalSection:
-    every: int = _f(
-        0, "run the long-context evaluation (needle grid, loss by position) every this many steps (0: never)"
+    every: int = option(
+        0,
+        "run the long-context evaluation (needle grid, loss by position) every this many steps (0: never)",
+        bound="non_negative",
     )
-    lengths: str = _f(
+    lengths: str = option(
         "", "needle context lengths, comma-separated, K = 1024 (e.g. '1K,2K,4K'); empty: max_len/8, /4, /2 and max_len"
     )
-    depths: int = _f(5, "needle depths per length, evenly spaced from 0% to 100% of the filler")
-    needles: int = _f(4, "needles per context (distinct keys), each asked at the end and scored")
-    samples: int = _f(1, "contexts per (length, depth) cell, with other keys, values and filler")
-    max_len: int = _f(
-        0, "longest context evaluated (0: the model's context length when it records one, else data.seq_len)"
+    depths: int = option(5, "needle depths per length, evenly spaced from 0% to 100% of the filler", bound="positive")
+    needles: int = option(4, "needles per context (distinct keys), each asked at the end and scored", bound="positive")
+    samples: int = option(1, "contexts per (length, depth) cell, with other keys, values and filler", bound="positive")
+    max_len: int = option(
+        0,
+        "longest context evaluated (0: the model's context length when it records one, else data.seq_len)",
+        bound="non_negative",
     )
-    task: str = _f(
+    task: str = option(
         "auto",
         "needle format: recall (the synthetic recall task's tokens), text (tokenized sentences) or auto "
         "(recall for a model trained on data.source=recall, else text)",
-        EVAL_TASKS,
+        choices=EVAL_TASKS,
     )
-    tokens: str = _f(
+    tokens: str = option(
         "",
         "token file (`loongtrain prepare`) of real text: the needles' filler and the loss by position; empty: "
         "the run's data.path (its held-out windows for the loss) or synthetic filler",
     )
-    tokenizer: str = _f(
+    tokenizer: str = option(
         "", "text needles: tokenizer (HF folder or tokenizer.json); empty: model.init_from's or the run's imported one"
     )
-    chat: str = _f("auto", "text needles: wrap the prompt in the tokenizer's chat template", ("auto", "on", "off"))
-    position_buckets: int = _f(14, "buckets of the loss-by-position curve: position 0, then log-spaced up to the end")
-    loss_windows: int = _f(4, "held-out windows in the loss by position (0: skip it)")
-    loss_len: int = _f(
-        0, "tokens per loss-by-position window (0: the longest needle length; data.seq_len for held-out windows)"
+    chat: str = option(
+        "auto", "text needles: wrap the prompt in the tokenizer's chat template", choices=("auto", "on", "off")
     )
-    seed: int = _f(0, "seed of the needles (keys, values) and of where the filler is taken")
+    position_buckets: int = option(
+        14, "buckets of the loss-by-position curve: position 0, then log-spaced up to the end", bound="positive"
+    )
+    loss_windows: int = option(4, "held-out windows in the loss by position (0: skip it)", bound="non_negative")
+    loss_len: int = option(
+        0,
+        "tokens per loss-by-position window (0: the longest needle length; data.seq_len for held-out windows)",
+        bound="non_negative",
+    )
+    seed: int = option(0, "seed of the needles (keys, values) and of where the filler is taken")
 
 
 def parse_lengths(text: str) -> tuple[int, ...]:
@@ -382,70 +443,37 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
-def _check_choice(section: object, name: str) -> None:
-    meta = {f.name: f.metadata for f in fields(section)}[name]
-    value = getattr(section, name)
-    if "choices" in meta and value not in meta["choices"]:
-        raise ConfigError(
-            f"{type(section).__name__.removesuffix('Section').lower()}.{name}={value!r}; "
-            f"choose one of {list(meta['choices'])}"
-        )
+def _check_field(sec_name: str, section: object, f: dataclasses.Field) -> None:
+    """A key's declared choices, finiteness and bound (its ``none_as`` value passes)."""
+    value = getattr(section, f.name)
+    where = f"{sec_name}.{f.name}"
+    if "choices" in f.metadata and value not in f.metadata["choices"]:
+        raise ConfigError(f"{where}={value!r}; choose one of {list(f.metadata['choices'])}")
+    if "none_as" in f.metadata and value == f.metadata["none_as"]:
+        return
+    if "bound" in f.metadata:
+        error = bound_error(where, value, f.metadata["bound"])
+        if error is not None:
+            raise ConfigError(error)
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}={value} must be finite")
+
+
+def _option_object(sec_name: str, build: typing.Callable[[], object]) -> None:
+    """Build a section's option object, its cross-field checks refused as a ConfigError."""
+    try:
+        build()
+    except ValueError as exc:
+        raise ConfigError(f"[{sec_name}] {exc}") from None
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Field-level checks (the world-size-dependent ones happen at start-up)."""
+    """Every key against its declared choices and bound, the option objects' own checks, then
+    what spans sections (the world-size-dependent checks happen at start-up)."""
     for sec_name in SECTIONS:
-        sec = getattr(cfg, sec_name)
-        for f in fields(sec):
-            _check_choice(sec, f.name)
-            value = getattr(sec, f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"{sec_name}.{f.name}={value} must be finite")
-    positive = {
-        "run": ("steps", "log_every", "eval_batches", "timeout_s"),
-        "parallel": ("hp", "cp", "ring_window"),
-        "memory": ("activation_checkpoint_every",),
-        "data": (
-            "seq_len",
-            "global_batch",
-            "micro_batches",
-            "recall_keys",
-            "recall_values",
-            "recall_facts",
-            "recall_queries",
-            "recall_filler",
-            "doc_len",
-        ),
-        "checkpoint": ("keep",),
-        "optim": ("lr", "eps"),
-        "eval": ("depths", "needles", "samples", "position_buckets"),
-    }
-    for sec_name, names in positive.items():
-        for name in names:
-            value = getattr(getattr(cfg, sec_name), name)
-            if value <= 0:
-                raise ConfigError(f"{sec_name}.{name}={value} must be positive")
-    non_negative = {
-        "model": (
-            "sliding_window",
-            "rope_theta",
-            "rope_original_max_positions",
-            "rope_attention_factor",
-            "max_positions",
-        ),  # fmt: skip
-        "run": ("eval_every", "peak_tflops"),
-        "parallel": ("dp",),
-        "memory": ("loss_chunk", "mlp_tile"),
-        "optim": ("warmup_steps", "weight_decay", "grad_clip", "min_lr_ratio"),
-        "checkpoint": ("every",),
-        "data": ("group_by_length",),
-        "eval": ("every", "max_len", "loss_windows", "loss_len"),
-    }
-    for sec_name, names in non_negative.items():
-        for name in names:
-            value = getattr(getattr(cfg, sec_name), name)
-            if value < 0:
-                raise ConfigError(f"{sec_name}.{name}={value} must not be negative")
+        section = getattr(cfg, sec_name)
+        for f in fields(section):
+            _check_field(sec_name, section, f)
     for name in ("beta1", "beta2"):
         value = getattr(cfg.optim, name)
         if not 0.0 <= value < 1.0:
@@ -454,14 +482,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must be at most 1 (the final lr is this fraction of lr)"
         )
-    try:
-        cfg.memory.options()
-    except ValueError as exc:
-        raise ConfigError(f"[memory] {exc}") from None
-    if cfg.parallel.cp % cfg.parallel.ring_window:
-        raise ConfigError(
-            f"parallel.cp={cfg.parallel.cp} is not divisible by parallel.ring_window={cfg.parallel.ring_window}"
-        )
+    _option_object("memory", cfg.memory.options)
+    _option_object("parallel", cfg.parallel.config)
     if cfg.run.compile and cfg.parallel.layout == "per_batch":
         raise ConfigError(
             "run.compile=true compiles the blocks for one layout; parallel.layout='per_batch' changes it per "
@@ -512,13 +534,11 @@ def _validate_model_section(m: ModelSection) -> None:
                 f"model.rope_factor={m.rope_factor} has no effect with model.rope_scaling={m.rope_scaling!r}; "
                 "set model.rope_scaling to linear, llama3 or yarn"
             )
-    elif m.rope_factor < 1.0:
-        raise ConfigError(f"model.rope_factor={m.rope_factor} must be >= 1 (the context grows by this factor)")
-    if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
-        raise ConfigError(
-            f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
-            f"model.rope_low_freq_factor={m.rope_low_freq_factor} (llama3 scaling interpolates between them)"
-        )
+        return
+    rope = m.rope()
+    # original_max_positions 0 is the imported model's, known when the model is read (extend_context)
+    rope["original_max_positions"] = rope["original_max_positions"] or 1
+    _option_object("model", lambda: RopeScaling(m.rope_scaling, **rope))
 
 
 def _toml_value(value) -> str:

@@ -5,8 +5,9 @@ parallelize functions and the planner all read the same names from here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, get_args
+import math
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Literal, get_args
 
 Placement = Literal["head_first", "context_first"]
 ContextOrder = Literal["contiguous", "interleaved"]
@@ -31,6 +32,64 @@ LONG_DOCUMENTS: tuple[str, ...] = ("split", "drop")
 LAYOUT_MODES: tuple[str, ...] = ("fixed", "per_batch")
 
 
+#: the bounds an option may declare (``bound=`` of :func:`option`)
+BOUNDS = ("positive", "non_negative")
+
+
+def option(
+    default: Any = MISSING,
+    help: str = "",
+    *,
+    choices: tuple[str, ...] | None = None,
+    bound: str | None = None,
+    none_as: Any = None,
+) -> Any:
+    """A dataclass field with what the training config needs to know of it, declared once:
+    its one-line ``help``, its ``choices`` or its ``bound`` (``"positive"`` or
+    ``"non_negative"``), and for an optional field the config value that stands for None
+    (``none_as``: a config key holds a plain str/int/float/bool). The config sections are
+    made from these fields (``loongtrain.config``) and validated from this metadata."""
+    if bound is not None and bound not in BOUNDS:
+        raise ValueError(f"option bound {bound!r}; choose one of {list(BOUNDS)}")
+    meta: dict[str, Any] = {"help": help}
+    if choices is not None:
+        meta["choices"] = choices
+    if bound is not None:
+        meta["bound"] = bound
+    if none_as is not None:
+        meta["none_as"] = none_as
+    return field(default=default, metadata=meta)
+
+
+def bound_error(name: str, value: object, bound: str) -> str | None:
+    """Why ``value`` breaks ``bound`` (a sentence naming ``name``), or None if it keeps it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"{name}={value!r} must be a number"
+    if not math.isfinite(value):
+        return f"{name}={value} must be finite"
+    if bound == "positive" and not value > 0:
+        return f"{name}={value} must be positive"
+    if bound == "non_negative" and value < 0:
+        return f"{name}={value} must not be negative"
+    return None
+
+
+def check_bounds(obj: object) -> None:
+    """Raise ValueError for the first field of the dataclass ``obj`` that breaks its declared
+    choices or bound (None is allowed where the field declares ``none_as``)."""
+    for f in fields(obj):  # type: ignore[arg-type]
+        value = getattr(obj, f.name)
+        if value is None and "none_as" in f.metadata:
+            continue
+        where = f"{type(obj).__name__}: {f.name}"
+        if "choices" in f.metadata and value not in f.metadata["choices"]:
+            raise ValueError(f"{where}={value!r}; choose one of {list(f.metadata['choices'])}")
+        if "bound" in f.metadata:
+            error = bound_error(f.name, value, f.metadata["bound"])
+            if error is not None:
+                raise ValueError(f"{type(obj).__name__}: {error}")
+
+
 def check_activation_checkpoint(mode: str, every: int = 1) -> None:
     """Raise ValueError unless ``mode`` is an activation checkpoint mode and ``every`` a positive integer."""
     if mode not in ACTIVATION_CHECKPOINT_MODES:
@@ -49,30 +108,31 @@ def check_zero_scope(scope: str) -> None:
 
 @dataclass(frozen=True)
 class MemoryOptions:
-    """How a run trades recomputation and host transfers for device memory (the ``[memory]``
-    keys of a training config; the planner prices the same options).
+    """How a run trades recomputation and host transfers for device memory: the ``[memory]``
+    keys of a training config (made from these fields) and what the planner prices. Each
+    field's help says what it does; ``offload_activations`` needs ``full`` or ``sc++``."""
 
-    Args:
-        activation_checkpoint: per block, ``"none"``, ``"full"`` (recompute the whole block,
-            distributed attention included) or ``"sc++"`` (recompute the block but keep the
-            attention's results: Selective Checkpoint++).
-        activation_checkpoint_every: checkpoint layers ``0, k, 2k, ...``.
-        loss_chunk: the output layer and cross entropy run over chunks of this many tokens,
-            one chunk's logits alive at a time (0: all of the rank's tokens at once).
-        mlp_tile: the SwiGLU MLP runs over sequence tiles of this many tokens, recomputed per
-            tile in backward (0: off).
-        offload_activations: what activation checkpointing keeps per layer lives in host
-            memory between the layer's forward and its backward (needs ``full`` or ``sc++``).
-        offload_states: parameters, gradients and optimizer states live in host memory
-            (FSDP2's ``CPUOffloadPolicy``; the optimizer steps on the CPU).
-    """
-
-    activation_checkpoint: ActivationCheckpoint = "none"
-    activation_checkpoint_every: int = 1
-    loss_chunk: int = 1024
-    mlp_tile: int = 0
-    offload_activations: bool = False
-    offload_states: bool = False
+    activation_checkpoint: ActivationCheckpoint = option(
+        "none",
+        "activation checkpointing per block: none, full (recompute the block, attention included) or sc++ "
+        "(Selective Checkpoint++: recompute the block but keep the distributed attention's results)",
+        choices=ACTIVATION_CHECKPOINT_MODES,
+    )
+    activation_checkpoint_every: int = option(1, "activation-checkpoint every k-th layer", bound="positive")
+    loss_chunk: int = option(
+        1024,
+        "tokens of logits at a time in the loss (output layer + cross entropy); 0: the whole shard at once",
+        bound="non_negative",
+    )
+    mlp_tile: int = option(
+        0, "run the MLP over sequence tiles of this many tokens, recomputed per tile (0: off)", bound="non_negative"
+    )
+    offload_activations: bool = option(
+        False, "keep what activation checkpointing saves per layer in host memory between forward and backward"
+    )
+    offload_states: bool = option(
+        False, "keep parameters, gradients and optimizer states in host memory (FSDP2 CPU offload; CPU optimizer)"
+    )
 
     def __post_init__(self) -> None:
         check_activation_checkpoint(self.activation_checkpoint, self.activation_checkpoint_every)

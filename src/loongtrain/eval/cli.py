@@ -78,10 +78,10 @@ def _spec(cfg: TrainConfig, world: int, local: int) -> RunSpec:
     folder, optimizer, resume)."""
     from loongtrain.apply import check_model_fits
     from loongtrain.train.model_setup import model_config_for
-    from loongtrain.train.preflight import PARAM_DTYPES, RunSpec, parallel_config
+    from loongtrain.train.preflight import PARAM_DTYPES, RunSpec
 
     try:
-        layout = parallel_config(cfg)
+        layout = cfg.parallel.config()
         layout.resolve_dp(world)
         model = model_config_for(cfg.model)
         check_model_fits(model, layout.hp)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import MISSING, dataclass, fields, replace
+
+from loongtrain.options import option
 
 ROPE_SCALINGS: tuple[str, ...] = ("linear", "llama3", "yarn")
 
@@ -18,15 +20,21 @@ class RopeScaling:
     ``attention_factor`` (``None``: ``0.1 * ln(factor) + 1``).
     """
 
-    kind: str
-    factor: float
-    original_max_positions: int = 0  # pretraining context length (llama3, yarn)
-    low_freq_factor: float = 1.0  # llama3
-    high_freq_factor: float = 4.0  # llama3
-    beta_fast: float = 32.0  # yarn
-    beta_slow: float = 1.0  # yarn
-    attention_factor: float | None = None  # yarn
-    truncate: bool = True  # yarn: round the ramp's ends to whole dimensions
+    kind: str = option(MISSING, "linear, llama3 or yarn", choices=ROPE_SCALINGS)
+    factor: float = option(MISSING, "context growth factor (e.g. 4 for 4x)")
+    original_max_positions: int = option(
+        0, "llama3/yarn: pretraining context length (0: the imported model's max_position_embeddings)",
+        bound="non_negative",
+    )  # fmt: skip
+    low_freq_factor: float = option(1.0, "llama3: low_freq_factor")
+    high_freq_factor: float = option(4.0, "llama3: high_freq_factor")
+    beta_fast: float = option(32.0, "yarn: beta_fast")
+    beta_slow: float = option(1.0, "yarn: beta_slow")
+    attention_factor: float | None = option(
+        None, "yarn: cos/sin multiplier (0 in a config, None here: 0.1 * ln(factor) + 1)", bound="positive",
+        none_as=0.0,
+    )  # fmt: skip
+    truncate: bool = option(True, "yarn: round the ramp's ends to whole dimensions (transformers' truncate)")
 
     def __post_init__(self) -> None:
         if self.kind not in ROPE_SCALINGS:
@@ -40,8 +48,8 @@ class RopeScaling:
             )
         if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
             raise ValueError(
-                f"RopeScaling: llama3 needs high_freq_factor > low_freq_factor, got {self.high_freq_factor} "
-                f"and {self.low_freq_factor}"
+                f"RopeScaling: high_freq_factor={self.high_freq_factor} must exceed low_freq_factor="
+                f"{self.low_freq_factor} (llama3 scaling interpolates between them)"
             )
         if self.attention_factor is not None and not self.attention_factor > 0:
             raise ValueError(f"RopeScaling: attention_factor={self.attention_factor} must be positive")
@@ -164,39 +172,27 @@ def model_config(name: str, **overrides) -> ModelConfig:
 
 
 def extend_context(
-    cfg: ModelConfig,
-    *,
-    rope_theta: float = 0.0,
-    scaling: str = "keep",
-    factor: float = 1.0,
-    original_max_positions: int = 0,
-    low_freq_factor: float = 1.0,
-    high_freq_factor: float = 4.0,
-    beta_fast: float = 32.0,
-    beta_slow: float = 1.0,
-    attention_factor: float = 0.0,
-    max_positions: int = 0,
+    cfg: ModelConfig, *, rope_theta: float = 0.0, scaling: str = "keep", max_positions: int = 0, **rope
 ) -> ModelConfig:
     """``cfg`` with its RoPE changed for a longer context (the ``[model]`` rope keys).
 
-    ``rope_theta`` > 0 replaces the base. ``scaling``: ``keep`` (``cfg``'s), ``none``, or
-    ``linear`` / ``llama3`` / ``yarn`` with ``factor``; ``original_max_positions`` 0 means
-    ``cfg.max_positions`` (the context the model was trained for). ``max_positions`` > 0
-    sets the new context length, else it becomes original x factor when scaling changes.
+    ``rope_theta`` > 0 replaces the base. ``scaling``: ``keep`` (``cfg``'s), ``none``, or a
+    :class:`RopeScaling` kind (``linear`` / ``llama3`` / ``yarn``) made with the other
+    RopeScaling fields in ``rope`` (``factor`` and what the kind reads);
+    ``original_max_positions`` 0 or absent means ``cfg.max_positions`` (the context the model
+    was trained for). ``max_positions`` > 0 sets the new context length, else it becomes
+    original x factor when scaling changes.
     """
     theta = rope_theta or cfg.rope_theta
     if scaling == "keep":
         return replace(cfg, rope_theta=theta, max_positions=max_positions or cfg.max_positions)
     if scaling == "none":
         return replace(cfg, rope_theta=theta, rope_scaling=None, max_positions=max_positions or cfg.max_positions)
-    original = original_max_positions or cfg.max_positions
+    original = rope.pop("original_max_positions", 0) or cfg.max_positions
     if scaling != "linear" and original < 1:
         raise ValueError(
             f"rope scaling {scaling!r} needs the pretraining context length: set model.rope_original_max_positions"
         )
-    rope = RopeScaling(
-        scaling, float(factor), original if scaling != "linear" else 0, low_freq_factor=low_freq_factor,
-        high_freq_factor=high_freq_factor, beta_fast=beta_fast, beta_slow=beta_slow,
-        attention_factor=attention_factor or None,
-    )  # fmt: skip
-    return replace(cfg, rope_theta=theta, rope_scaling=rope, max_positions=max_positions or int(original * factor))
+    factor = float(rope.pop("factor", 1.0))
+    scaled = RopeScaling(scaling, factor, original if scaling != "linear" else 0, **rope)
+    return replace(cfg, rope_theta=theta, rope_scaling=scaled, max_positions=max_positions or int(original * factor))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loongtrain.options import BALANCES, CONTEXT_ORDERS, PLACEMENTS, Balance, ContextOrder, Placement
+from loongtrain.options import BALANCES, CONTEXT_ORDERS, PLACEMENTS, Balance, ContextOrder, Placement, option
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -22,31 +22,37 @@ class ParallelConfig:
     ranks joined by an outer ring (Double-Ring-Attention); ``ring_window=1`` and
     ``ring_window=cp`` are a plain ring.
 
-    Args:
-        hp: head-parallel degree (Ulysses all-to-all group size).
-        cp: context-parallel degree (ring size).
-        ring_window: inner-ring size of the double ring; must divide ``cp``.
-        placement: ``"head_first"`` puts the ``hp`` ranks of a head group on consecutive
-            ranks (context group strided by ``hp``); ``"context_first"`` the reverse.
-        dp: data-parallel degree; ``None`` means ``world_size // (hp * cp)``.
-        context_order: ``"contiguous"`` makes ring windows of consecutive context-group
-            members; ``"interleaved"`` makes ring window ``o`` take every ``n``-th member
-            (``n = n_ring_windows``), so the outer ring joins neighbouring members.
-        balance: how sequences are laid out on the sp group when the caller does not say:
-            ``"zigzag"`` (balanced for one causal document), ``"documents"`` (chunks
-            assigned from each batch's document boundaries) or ``"locality"`` (each document
-            whole on one rank or on a run of ring-adjacent ranks, balanced: the ring then
-            carries only what the documents need); the default of
-            ``shard_sequence``, ``unshard_sequence`` and ``head_context_attention``.
+    Each field's help says what it holds (the ``[parallel]`` keys of a training config are
+    made from these fields); ``balance`` is also the default layout of ``shard_sequence``,
+    ``unshard_sequence`` and ``head_context_attention``.
     """
 
-    hp: int = 1
-    cp: int = 1
-    ring_window: int = 1
-    placement: Placement = "head_first"
-    dp: int | None = None
-    context_order: ContextOrder = "contiguous"
-    balance: Balance = "zigzag"
+    hp: int = option(1, "head-parallel degree (Ulysses all-to-all group)", bound="positive")
+    cp: int = option(1, "context-parallel degree (ring group)", bound="positive")
+    ring_window: int = option(
+        1, "Double-Ring-Attention inner ring size; divides cp (1 or cp: plain ring)", bound="positive"
+    )
+    placement: Placement = option(
+        "head_first",
+        "rank placement: head_first (a head group on consecutive ranks, the context group strided by hp) or "
+        "context_first (the reverse)",
+        choices=PLACEMENTS,
+    )
+    dp: int | None = option(
+        None, "data-parallel degree (0 in a config, None here: world size // (hp*cp))", bound="positive", none_as=0
+    )
+    context_order: ContextOrder = option(
+        "contiguous",
+        "ring window membership in the context group: contiguous (windows of consecutive members) or "
+        "interleaved (window o takes every n-th member, n = cp // ring_window)",
+        choices=CONTEXT_ORDERS,
+    )
+    balance: Balance = option(
+        "zigzag",
+        "sequence layout over the sp group: zigzag (balanced for one document), documents (from each packed "
+        "batch) or locality (documents whole or on runs of adjacent ranks: the ring carries only what they need)",
+        choices=BALANCES,
+    )
 
     def __post_init__(self) -> None:
         _check_positive_int("hp", self.hp)

@@ -34,12 +34,12 @@ def model_config_for(section: ModelSection) -> ModelConfig:
         base = model_config(section.preset, **section.overrides())
     try:
         return extend_context(
-            base, rope_theta=section.rope_theta, scaling=section.rope_scaling, factor=section.rope_factor,
-            original_max_positions=section.rope_original_max_positions,
-            low_freq_factor=section.rope_low_freq_factor, high_freq_factor=section.rope_high_freq_factor,
-            beta_fast=section.rope_beta_fast, beta_slow=section.rope_beta_slow,
-            attention_factor=section.rope_attention_factor, max_positions=section.max_positions,
-        )  # fmt: skip
+            base,
+            rope_theta=section.rope_theta,
+            scaling=section.rope_scaling,
+            max_positions=section.max_positions,
+            **section.rope(),
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -50,14 +50,6 @@ class RunSpec:
     notices: tuple[str, ...] = ()  # one-line notices for the user (printed once by the launcher)
 
 
-def parallel_config(cfg: TrainConfig) -> ParallelConfig:
-    p = cfg.parallel
-    return ParallelConfig(
-        hp=p.hp, cp=p.cp, ring_window=p.ring_window, placement=p.placement, dp=p.dp or None,
-        context_order=p.context_order, balance=p.balance,
-    )  # fmt: skip
-
-
 def make_source(cfg: TrainConfig) -> RecallTask | PackedRecallTask | TokenFileSource | LengthGroupedSource:
     """The configured data source (a token file is memory-mapped, so this is cheap)."""
     d = cfg.data
@@ -152,7 +144,7 @@ def preflight(cfg: TrainConfig, world_size: int, local_world_size: int | None = 
     """Every check that needs no process group; raises ConfigError/TokenFileError/CheckpointError
     naming the fix. ``local_world_size``: ranks on this node (default: all)."""
     try:
-        layout = parallel_config(cfg)
+        layout = cfg.parallel.config()
         dp = layout.resolve_dp(world_size)
         mcfg = model_config_for(cfg.model)  # a preset or the [model] init_from HF folder, with the RoPE keys
         check_model_fits(mcfg, layout.hp)
