@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from loongtrain.attention.ops import ATTENTION_OPS
-from loongtrain.bench.trace import LiveTensors, _python_implementations, by_line
+from loongtrain.tools.bench.trace import LiveTensors, _python_implementations, by_line
 
 MiB = 2**20
 

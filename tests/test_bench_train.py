@@ -42,7 +42,7 @@ def test_bench_train_rows_are_consistent(tmp_path):
 @pytest.mark.unit
 def test_bench_train_refuses_bad_input_before_spawning(monkeypatch):
     """In process; spawning is replaced by an exception, so input that got through is seen."""
-    import loongtrain.bench.train as bench_train
+    import loongtrain.tools.bench.train as bench_train
     from loongtrain.cli import main
 
     def spawn(*args, **kwargs):

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
-
-from dataclasses import fields
 
 from loongtrain.config import RENAMED_KEYS, SECTIONS, ConfigError, TrainConfig, load_config, to_toml
 from loongtrain.model.config import ROPE_SCALINGS, RopeScaling

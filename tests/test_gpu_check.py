@@ -26,12 +26,12 @@ import pytest
 import torch
 
 from loongtrain.attention.kernels import CudaSdpaBackend
-from loongtrain.gpucheck.check import PROFILES, Budget, dist_rows, kernel_rows, replay_status, training_status
-from loongtrain.gpucheck.dist import check_layouts, documents, training_layout
-from loongtrain.gpucheck.kernels import case_inputs, installed_backends, kernel_grid, run_case
-from loongtrain.gpucheck.train import TrainCase, predict_step
 from loongtrain.parallel.layout import check_head_split, check_sequence_length
 from loongtrain.planner import cluster_spec
+from loongtrain.tools.gpucheck.check import PROFILES, Budget, dist_rows, kernel_rows, replay_status, training_status
+from loongtrain.tools.gpucheck.dist import check_layouts, documents, training_layout
+from loongtrain.tools.gpucheck.kernels import case_inputs, installed_backends, kernel_grid, run_case
+from loongtrain.tools.gpucheck.train import TrainCase, predict_step
 
 REPO = Path(__file__).resolve().parents[1]
 # norm-relative bounds against float64 for out/dq/dk/dv, absolute for lse (nats)

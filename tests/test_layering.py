@@ -22,8 +22,7 @@ LAYERS: list[set[str]] = [
     {"hf"},  # Hugging Face mapping and loading
     {"train"},  # the trainer, checkpoints, export
     {"eval"},  # long-context evaluation
-    {"harness"},  # shared by the tools below
-    {"bench", "calibrate", "gpucheck", "demo"},  # benchmarks, the planner's measuring side, the GPU check, demo
+    {"tools"},  # benchmarks, the planner's measuring side, the GPU check, the demo and their shared harness
     {"plan_cli", "cli", "__main__", "__init__"},  # the commands and the package's lazy exports
 ]
 

@@ -300,3 +300,53 @@ def test_offload_holds_the_kept_tensors_on_the_host_until_backward(dist_pool):
         # three checkpointed layers: each block input, plus sc++'s kept attention results
         assert r["held"] > 3 * r["per_layer_input"], r
         assert r["after"] == 0, r
+
+
+# The memory model against the real code, measured live (the static table of
+# tests/test_planner_memory.py records one day's peaks; this follows the code as it changes).
+# (hp, cp, activation checkpoint, ZeRO scope) on 4 ranks, fp32, one 4096-token sequence, the
+# whole-shard loss: the debug model scaled as in that table.
+LIVE_ROWS = [(2, 2, "sc++", "dp_sp"), (2, 2, "none", "dp_sp"), (1, 4, "full", "none")]
+LIVE_SEQ = 4096
+
+
+def _live_model():
+    from loongtrain.model import model_config
+
+    return model_config("debug", dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=704, vocab_size=1024)
+
+
+def _live_peaks(rows: list) -> list[int]:
+    from loongtrain.tools.bench.memory import measure
+
+    peaks = []
+    for hp, cp, checkpoint, zero in rows:
+        state = cached_state(hp=hp, cp=cp)
+        options = MemoryOptions(activation_checkpoint=checkpoint, loss_chunk=0)
+        peaks.append(measure(_live_model(), state, options, LIVE_SEQ, torch.device("cpu"), False, zero)["device"])
+    return peaks
+
+
+@pytest.mark.dist
+def test_memory_model_follows_the_peaks_of_the_real_code(dist_pool):
+    from loongtrain.planner.cost import Candidate
+    from loongtrain.planner.memory import predict_peak_memory
+
+    per_rank = dist_pool(4).run(_live_peaks, LIVE_ROWS)
+    measured = [max(rank[i] for rank in per_rank) for i in range(len(LIVE_ROWS))]
+    predicted = [
+        predict_peak_memory(
+            _live_model(), LIVE_SEQ, 1, 4,
+            Candidate.of(dp=1, hp=hp, cp=cp, zero=zero, activation_checkpoint=checkpoint, loss_chunk=0),
+            optimizer=False, gpu=False,
+        ).total
+        for hp, cp, checkpoint, zero in LIVE_ROWS
+    ]  # fmt: skip
+    ratios = [p / m for p, m in zip(predicted, measured)]
+    print("live peaks MiB", [round(m / 2**20, 1) for m in measured], "predicted / measured", ratios)
+    # each peak within the memory model's acceptance bound
+    assert all(0.80 <= r <= 1.20 for r in ratios), (measured, predicted)
+    # what checkpointing saves (no checkpointing minus sc++ on the same layout): the activations
+    # the model counts per layer, the part that changes when the real code changes what it keeps
+    saved_measured, saved_predicted = measured[1] - measured[0], predicted[1] - predicted[0]
+    assert 0.80 <= saved_predicted / saved_measured <= 1.20, (saved_measured, saved_predicted)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from loongtrain.calibrate.per_batch import document_lengths, packed_sequences, predict_per_batch
 from loongtrain.data import write_tokens
 from loongtrain.planner.cli import parse_candidate
 from loongtrain.planner.cost import Workload
 from loongtrain.planner.specs import PlanError, cluster_spec, model_spec
+from loongtrain.tools.calibrate.per_batch import document_lengths, packed_sequences, predict_per_batch
 
 
 def test_sequences_are_cut_from_the_documents_stream():

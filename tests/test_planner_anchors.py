@@ -1,4 +1,4 @@
-"""The cost model against published measurements (planner/anchors.py: each number's source).
+"""The cost model against published measurements (tests/planner_anchors.py: each number's source).
 
 - ring-flash-attention's zigzag ring reaches 89.8% (8xA100) and 90.2% (8xH800) of eight
   single-GPU flash_attn calls, forward + backward, at 8192 tokens per GPU; the kernel
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from loongtrain.planner.anchors import (
+from loongtrain.planner.specs import CLUSTER_PRESETS
+from planner_anchors import (
     QWEN3_8B,
     RFA_FLASH_ITERS,
     RING_FLASH_ATTENTION_EFFICIENCY,
@@ -22,7 +23,6 @@ from loongtrain.planner.anchors import (
     ring_flash_attention_clusters,
     trl_qwen3_8b_1m,
 )
-from loongtrain.planner.specs import CLUSTER_PRESETS
 
 
 @pytest.mark.parametrize("gpu", ["a100", "h800"])

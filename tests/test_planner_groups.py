@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from loongtrain.calibrate.groups import check_groups
 from loongtrain.model.config import PRESETS
 from loongtrain.planner.cost import Candidate, Workload
 from loongtrain.planner.search import search_layouts
 from loongtrain.planner.specs import CLUSTER_PRESETS
+from loongtrain.tools.calibrate.groups import check_groups
 
 A100 = CLUSTER_PRESETS["a100"]
 

@@ -171,8 +171,9 @@ def test_peak_is_the_largest_phase_and_predict_peak_memory_is_memory_bytes():
     assert no_optimizer.total < peak.total
 
 
-# Peaks of one forward + backward on CPU (gloo), measured on the real code by
-# `loongtrain.bench.memory.measure` (the profiler's allocator events over the step on top of the
+# Peaks of one forward + backward on CPU (gloo), measured on the real code (a record of one day's
+# code; tests/test_memory_options.py measures three of these rows live, so it follows the code) by
+# `loongtrain.tools.bench.memory.measure` (the profiler's allocator events over the step on top of the
 # live tensors before it: the tracking `loongtrain bench memory` does), max over ranks, MiB. The
 # debug model scaled: dim 256, 4 layers, 4/2 heads, ffn 704, vocab 1024; the whole-shard loss
 # (loss_chunk = 0) unless the row names options. Measured 2026-12-01 on the code with the norms,

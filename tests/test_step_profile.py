@@ -10,7 +10,7 @@ import torch
 from torch.profiler import profile, record_function
 
 from loongtrain.attention.kernels import CpuFlashBackend
-from loongtrain.bench.step_profile import Span, breakdown, classify, spans_of
+from loongtrain.tools.bench.step_profile import Span, breakdown, classify, spans_of
 
 
 def test_breakdown_counts_each_instant_once_by_precedence():

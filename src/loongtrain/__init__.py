@@ -39,10 +39,7 @@ _EXPORTS: dict[str, str] = {
     "forward_backward": "loongtrain.train.step",
 }
 # subpackages reachable as attributes
-_SUBPACKAGES = (
-    "apply", "attention", "bench", "calibrate", "data", "eval", "gpucheck", "hf", "model", "parallel", "planner",
-    "train",
-)  # fmt: skip
+_SUBPACKAGES = ("apply", "attention", "data", "eval", "hf", "model", "parallel", "planner", "tools", "train")
 
 __all__ = [
     "MemoryOptions",

@@ -23,16 +23,16 @@ COMMANDS: dict[str, tuple[str, str, bool]] = {
     "export": ("loongtrain.train.export", "write a training checkpoint as a Hugging Face model folder", False),
     "plan": ("loongtrain.plan_cli", "rank layouts for a cluster, model and length (cost model)", False),
     "prepare": ("loongtrain.data.prepare", "tokenize text, chat or prompt+completion records into a token file", False),
-    "demo": ("loongtrain.demo", "distributed attention on local processes vs full attention", False),
-    "gpu-check": ("loongtrain.gpucheck.check", "every device path vs float64, overhead, MFU: one table", False),
+    "demo": ("loongtrain.tools.demo", "distributed attention on local processes vs full attention", False),
+    "gpu-check": ("loongtrain.tools.gpucheck.check", "every device path vs float64, overhead, MFU: one table", False),
 }
 BENCHES: dict[str, tuple[str, str]] = {
-    "attention": ("loongtrain.bench.attention", "scheme times and the ring decomposition overhead"),
-    "documents": ("loongtrain.bench.documents", "packed documents: work balance and time vs full causal"),
-    "memory": ("loongtrain.bench.memory", "peak memory per rank by sp degree, checkpoint mode, ZeRO scope"),
-    "train": ("loongtrain.bench.train", "the trainer's step: tokens/s eager vs compiled, and its time breakdown"),
-    "prepare": ("loongtrain.bench.prepare", "prepare on generated chats: tokens/s by workers, memory by size"),
-    "eval": ("loongtrain.bench.eval", "the evaluation's forward vs a training step: tokens/s at the same length"),
+    "attention": ("loongtrain.tools.bench.attention", "scheme times and the ring decomposition overhead"),
+    "documents": ("loongtrain.tools.bench.documents", "packed documents: work balance and time vs full causal"),
+    "memory": ("loongtrain.tools.bench.memory", "peak memory per rank by sp degree, checkpoint mode, ZeRO scope"),
+    "train": ("loongtrain.tools.bench.train", "the trainer's step: tokens/s eager vs compiled, and its time breakdown"),
+    "prepare": ("loongtrain.tools.bench.prepare", "prepare on generated chats: tokens/s by workers, memory by size"),
+    "eval": ("loongtrain.tools.bench.eval", "the evaluation's forward vs a training step: tokens/s at the same length"),
 }
 
 

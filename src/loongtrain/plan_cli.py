@@ -1,5 +1,5 @@
 """``loongtrain plan``: the planner's command line (``loongtrain.planner.cli``, pure) joined
-with its measuring side (``loongtrain.calibrate``: ``--calibrate``, ``--validate``,
+with its measuring side (``loongtrain.tools.calibrate``: ``--calibrate``, ``--validate``,
 ``--check-groups``, ``--documents``), which imports torch and is imported only when asked for.
 
     loongtrain plan --cluster a100 --model 7b-gqa --seq-len 1M --devices 64 --check-groups
@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check_groups(candidate, devices_per_node: int) -> list[str]:
-    from loongtrain.calibrate.groups import check_groups  # builds process groups: imports torch
+    from loongtrain.tools.calibrate.groups import check_groups  # builds process groups: imports torch
 
     return check_groups(candidate, devices_per_node)
 
@@ -44,7 +44,11 @@ def _check_groups(candidate, devices_per_node: int) -> list[str]:
 def _per_batch(args: argparse.Namespace, cluster, workload, candidate) -> dict:
     import dataclasses
 
-    from loongtrain.calibrate.per_batch import document_lengths, per_batch_text, predict_per_batch  # imports torch
+    from loongtrain.tools.calibrate.per_batch import (  # imports torch
+        document_lengths,
+        per_batch_text,
+        predict_per_batch,
+    )
 
     steps = 8
     lengths, about = document_lengths(args.documents, workload.seq_len * workload.batch * steps)
@@ -62,15 +66,15 @@ def _run(args: argparse.Namespace) -> None:
         if args.nproc < 2:
             raise PlanError(f"--nproc={args.nproc}: calibration and validation need at least 2 processes")
     if args.calibrate:
-        from loongtrain.calibrate import calibrate  # spawns processes: imports torch
+        from loongtrain.tools.calibrate import calibrate  # spawns processes: imports torch
 
         args.reps = args.reps or 7
         args.calib_heads, args.calib_head_dim = args.heads, args.head_dim
         calibrate.run(args)
         return
     if args.validate:
-        from loongtrain.calibrate import validate  # spawns processes: imports torch
         from loongtrain.planner.specs import cluster_spec
+        from loongtrain.tools.calibrate import validate  # spawns processes: imports torch
 
         cluster = cluster_spec(args.cluster or "local")
         args.dtype = "float32"  # the dtype --calibrate measures

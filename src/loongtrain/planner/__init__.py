@@ -9,9 +9,9 @@ link and ring times), ``zero``, ``memory`` (peak device and host memory, named t
 ``estimate`` (one candidate), ``search`` (all candidates, their memory options,
 baselines), ``maxlen`` (the longest sequence that fits), ``explain``, ``report``,
 ``simulate`` (event-driven schedule on modelled links), ``timeline`` (PNG, matplotlib),
-``fit`` (calibration fits), ``validation`` (what ``--validate`` compares) and ``anchors``
-(published measurements the model is checked against). CLI: ``cli``; the measuring side
-(``--calibrate``, ``--validate``, ``--check-groups``) is ``loongtrain.calibrate``, joined
+``fit`` (calibration fits) and ``validation`` (what ``--validate`` compares); the published
+measurements the model is checked against are in ``tests/planner_anchors.py``. CLI: ``cli``; the measuring side
+(``--calibrate``, ``--validate``, ``--check-groups``) is ``loongtrain.tools.calibrate``, joined
 with this one by ``loongtrain.plan_cli``.
 """
 

@@ -8,7 +8,7 @@ one layout, draw a schedule, or find the longest sequence that trains. Pure (no 
     loongtrain plan --model /path/to/hf/folder ...     # a Hugging Face model folder (config.json)
 
 The measuring side (``--calibrate``, ``--validate``, ``--check-groups``) is
-``loongtrain.calibrate``; the command that joins both is ``loongtrain.plan_cli``, which
+``loongtrain.tools.calibrate``; the command that joins both is ``loongtrain.plan_cli``, which
 passes the group check in (:func:`run`), so nothing here imports above the planner.
 """
 

@@ -134,7 +134,7 @@ _REQUIRED = tuple(name for name in CLUSTER_FIELDS if name not in _OPTIONAL)
 #   matmul: 75% of peak (A100) / 70% (Hopper), assumed for cuBLAS bf16 GEMMs of 7B shapes;
 #   attention on A100: FlashAttention-2 at the rates that reproduce ring-flash-attention's
 #     published single-GPU flash_attn step (one 8192-token causal call, 32 heads of 128:
-#     373.4 it/s forward, 94.7 it/s forward + backward; anchors.flash_attention2_rates):
+#     373.4 it/s forward, 94.7 it/s forward + backward; tests/planner_anchors.py, flash_attention2_rates):
 #     forward 215.6, backward 182.2 TFLOP/s; 20 us fixed per kernel call (assumed);
 #   attention on Hopper: the cuDNN / FlashAttention-3 class kernel (PyTorch SDPA's cuDNN
 #     backend), time = overhead + FLOPs / rate fitted to FA3's published H100 times

@@ -1,6 +1,6 @@
 """What ``loongtrain plan --validate`` compares: the layouts it runs, the predicted time of
 each, and the summary of measured against predicted. Pure (the measuring side is
-``loongtrain.calibrate.validate``).
+``loongtrain.tools.calibrate.validate``).
 
 Targets: median absolute error of forward+backward at most 15%, and the layout
 predicted fastest among the two measured fastest.

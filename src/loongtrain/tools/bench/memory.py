@@ -42,12 +42,12 @@ import torch.distributed as dist
 
 from loongtrain.apply import materialize, parallelize
 from loongtrain.data.batch import Microbatch
-from loongtrain.harness import release_memory
 from loongtrain.launch import launch
 from loongtrain.model import build_model, model_config
 from loongtrain.model.config import ModelConfig
 from loongtrain.options import MemoryOptions
 from loongtrain.parallel import ParallelConfig, init_parallel
+from loongtrain.tools.harness import release_memory
 from loongtrain.train.step import agree_and_count, shard_microbatch
 
 MiB = 2**20
@@ -359,9 +359,9 @@ TRACE_OPTIONS = dict(activation_checkpoint="full", loss_chunk=1024, mlp_tile=204
 def _trace(device: torch.device, args: argparse.Namespace, rows: list) -> None:
     """The tensors alive at the peak of one bf16 forward+backward (hp = cp = 1, the long-sequence
     options), grouped by the line of code that made them, beside the planner's terms."""
-    from loongtrain.bench.trace import LiveTensors, by_line
     from loongtrain.planner.cost import Candidate
     from loongtrain.planner.memory import predict_peak_memory
+    from loongtrain.tools.bench.trace import LiveTensors, by_line
 
     rank, world = dist.get_rank(), dist.get_world_size()
     state = init_parallel(ParallelConfig(dp=world), verify_inputs=False)

@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 
 from loongtrain.apply import materialize
-from loongtrain.bench.train import CASES, MAIN_CONFIG, case_config, launch_cases
 from loongtrain.eval.model import build_eval_model
 from loongtrain.eval.runner import score_batch
-from loongtrain.harness import sync
+from loongtrain.tools.bench.train import CASES, MAIN_CONFIG, case_config, launch_cases
+from loongtrain.tools.harness import sync
 from loongtrain.train.preflight import preflight
 from loongtrain.train.trainer import build_run, to_device, train_step
 

@@ -10,9 +10,9 @@ import torch.distributed as dist
 
 from loongtrain.attention import unshard_sequence
 from loongtrain.attention.kernels import block_backward, block_forward
-from loongtrain.harness import make_inputs, run_sharded_attention, standard_layouts
 from loongtrain.launch import launch
 from loongtrain.parallel import init_parallel
+from loongtrain.tools.harness import make_inputs, run_sharded_attention, standard_layouts
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 

@@ -13,7 +13,6 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from loongtrain.calibrate.calibrate import load_average, time_block
 from loongtrain.planner.specs import ClusterSpec
 from loongtrain.planner.validation import (
     MEDIAN_ERROR_TARGET,
@@ -24,6 +23,7 @@ from loongtrain.planner.validation import (
     summarize,
     validation_layouts,
 )
+from loongtrain.tools.calibrate.calibrate import load_average, time_block
 
 
 def _probe(args: argparse.Namespace, gen: torch.Generator) -> tuple[float, float]:
@@ -34,8 +34,8 @@ def _probe(args: argparse.Namespace, gen: torch.Generator) -> tuple[float, float
 
 
 def _validate_rank(device: torch.device, args: argparse.Namespace, cluster: ClusterSpec) -> None:
-    from loongtrain.harness import make_inputs, run_sharded_attention
     from loongtrain.parallel import init_parallel
+    from loongtrain.tools.harness import make_inputs, run_sharded_attention
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = getattr(torch, args.dtype)

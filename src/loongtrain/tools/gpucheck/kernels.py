@@ -29,7 +29,7 @@ from loongtrain.attention.kernels import (
 )
 from loongtrain.attention.mask_plan import BAND, Call
 from loongtrain.attention.merge import merge_into
-from loongtrain.harness import make_inputs
+from loongtrain.tools.harness import make_inputs
 
 Tensor = torch.Tensor
 

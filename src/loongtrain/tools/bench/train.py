@@ -9,7 +9,7 @@ rank builds the run exactly as ``loongtrain train`` does (:func:`~loongtrain.tra
 in a scratch folder, no checkpoints), warms up, times ``--steps`` calls of
 :func:`~loongtrain.train.train_step`, then profiles one more step and splits its wall time
 into attention kernels, communication wait, other compute and framework (Python, hooks,
-autograd bookkeeping): see :mod:`loongtrain.bench.step_profile`.
+autograd bookkeeping): see :mod:`loongtrain.tools.bench.step_profile`.
 
 The figures are the median step over the timed steps (slowest rank), tokens/s per device,
 and the breakdown averaged over ranks. Run it with nothing else on the machine.
@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from loongtrain.bench.step_profile import PARTS, breakdown, spans_of
 from loongtrain.config import ConfigError, TrainConfig, load_config
-from loongtrain.harness import sync
 from loongtrain.launch import launch
+from loongtrain.tools.bench.step_profile import PARTS, breakdown, spans_of
+from loongtrain.tools.harness import sync
 from loongtrain.train.preflight import preflight
 from loongtrain.train.trainer import Run, build_run, to_device, train_step
 

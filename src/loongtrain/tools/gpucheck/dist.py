@@ -21,10 +21,10 @@ from torch.distributed.tensor import DTensor
 
 import loongtrain as lt
 from loongtrain.apply import MemoryOptions, materialize, parallelize
-from loongtrain.gpucheck.kernels import float64_attention, relative_error, tolerance, visibility
-from loongtrain.harness import NamedLayout, make_inputs, standard_layouts
 from loongtrain.model import ModelConfig, build_model
 from loongtrain.parallel import ParallelConfig
+from loongtrain.tools.gpucheck.kernels import float64_attention, relative_error, tolerance, visibility
+from loongtrain.tools.harness import NamedLayout, make_inputs, standard_layouts
 from loongtrain.train.step import forward_backward
 
 MAX_LAYOUTS = 5

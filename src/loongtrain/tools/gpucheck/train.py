@@ -20,12 +20,12 @@ import torch
 
 from loongtrain.apply import MemoryOptions, materialize, parallelize
 from loongtrain.config import OptimSection
-from loongtrain.harness import median_time, sync
 from loongtrain.model import ModelConfig, build_model
 from loongtrain.parallel import ParallelConfig, ParallelState, init_parallel
 from loongtrain.planner import Candidate, ClusterSpec, PlanError, Workload, cluster_spec, estimate
 from loongtrain.planner.report import format_length
 from loongtrain.planner.specs import CLUSTER_PRESETS
+from loongtrain.tools.harness import median_time, sync
 from loongtrain.train.metrics import device_peak_tflops, mfu, reset_peak_memory
 from loongtrain.train.preflight import build_optimizer
 from loongtrain.train.trainer import peak_memory_gib, train_step
@@ -133,7 +133,7 @@ def measure_training_step(
 ) -> dict:
     """Build, time ``steps`` training steps after ``warmup`` ones, and report throughput and memory.
 
-    The model and optimizer are freed when this returns; call :func:`~loongtrain.harness.release_memory` then."""
+    The model and optimizer are freed when this returns; call :func:`~loongtrain.tools.harness.release_memory` then."""
     model = build_model(cfg)
     parallelize(
         model,

@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 from loongtrain.attention.kernels import block_backward, block_forward
 from loongtrain.attention.replay import RingReplay
-from loongtrain.harness import make_inputs, median_time, run_sharded_attention, standard_layouts
 from loongtrain.launch import launch, under_torchrun
 from loongtrain.parallel import init_parallel
+from loongtrain.tools.harness import make_inputs, median_time, run_sharded_attention, standard_layouts
 
 
 def decomposition_overhead(

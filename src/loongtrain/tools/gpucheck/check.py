@@ -35,10 +35,14 @@ from pathlib import Path
 
 import torch
 
-from loongtrain.bench.attention import decomposition_overhead
-from loongtrain.gpucheck.dist import DistSizes, run_dist_checks
-from loongtrain.gpucheck.kernels import check_case, installed_backends, kernel_grid, kernel_name, tolerance
-from loongtrain.gpucheck.train import (
+from loongtrain.launch import launch, under_torchrun
+from loongtrain.model import ModelConfig, model_config
+from loongtrain.planner.report import format_length
+from loongtrain.planner.specs import PlanError
+from loongtrain.tools.bench.attention import decomposition_overhead
+from loongtrain.tools.gpucheck.dist import DistSizes, run_dist_checks
+from loongtrain.tools.gpucheck.kernels import check_case, installed_backends, kernel_grid, kernel_name, tolerance
+from loongtrain.tools.gpucheck.train import (
     Peak,
     TrainCase,
     longest_case,
@@ -48,11 +52,7 @@ from loongtrain.gpucheck.train import (
     predict_step,
     stated_peak,
 )
-from loongtrain.harness import release_memory
-from loongtrain.launch import launch, under_torchrun
-from loongtrain.model import ModelConfig, model_config
-from loongtrain.planner.report import format_length
-from loongtrain.planner.specs import PlanError
+from loongtrain.tools.harness import release_memory
 
 PASS, FAIL, SKIP, MEASURED, MET, MISSED = "pass", "FAIL", "skipped", "measured", "goal met", "below goal"
 # goals of the issue, judged on CUDA only

@@ -37,9 +37,9 @@ from loongtrain.attention.mask_plan import BAND, CAUSAL, MaskPlan
 from loongtrain.attention.routes import full_routes
 from loongtrain.attention.schedule import ring_source
 from loongtrain.attention.sharding import sequence_sharding
-from loongtrain.harness import make_inputs
 from loongtrain.launch import launch, under_torchrun
 from loongtrain.parallel import ParallelConfig, init_parallel
+from loongtrain.tools.harness import make_inputs
 
 DISTRIBUTIONS = ("lognormal", "long+short")
 BALANCES = ("zigzag", "documents", "locality")
