@@ -13,6 +13,7 @@ traceback.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import queue
 import socket
@@ -51,9 +52,14 @@ def _worker(rank: int, world: int, port: int, jobs, results) -> None:
             break
         fn, args, kwargs = job
         try:
-            results.put((rank, True, fn(*args, **kwargs)))
+            result = (rank, True, fn(*args, **kwargs))
         except BaseException:
-            results.put((rank, False, traceback.format_exc()))
+            result = (rank, False, traceback.format_exc())
+        # the job's garbage (models, pending works: reference cycles) goes now, while every
+        # group it used is alive; collected later, after an evicted state's groups were
+        # destroyed, it crashed torch 2.11 workers (a segfault in the collector, seen twice)
+        gc.collect()
+        results.put(result)
     # Exit without destroy_process_group: with the groups of many layouts alive, tearing
     # them down took up to the 10 s join timeout per pool (measured), and the process's
     # exit releases them anyway. Every result was consumed by the parent already.
@@ -135,6 +141,7 @@ def _release(state) -> None:
     """Destroy the process groups of ``state`` (every rank evicts the same state at the same call)."""
     import torch.distributed as dist
 
+    gc.collect()  # nothing that still refers to these groups outlives them
     groups = [state.sp_group, state.dp_group, state.head_group, state.context_group, state.dkv_group]
     for ring in (state.inner_ring, state.outer_ring):
         if ring is not None:

@@ -13,8 +13,11 @@ import torch
 
 from loongtrain.attention.balance import LOCALITY_IMBALANCE, balance_documents, balance_locality
 from loongtrain.attention.documents import as_boundaries, check_sliding_window, range_work
-from loongtrain.attention.mask_plan import BAND, CAUSAL, FULL, MaskPlan
+from loongtrain.attention.layout import sequence_layout
+from loongtrain.attention.mask_plan import BAND, CAUSAL, FULL, MaskPlan, zigzag_calls
 from loongtrain.attention.replay import RingReplay
+from loongtrain.attention.routes import full_routes
+from loongtrain.attention.schedule import block_kind
 from loongtrain.attention.sharding import sequence_sharding, zigzag_sharding
 from loongtrain.parallel.config import ParallelConfig
 
@@ -215,6 +218,21 @@ def test_one_document_runs_the_plain_ring_kernels():
                 assert call[:4] == (0, 16, 0, 8)
             elif src > c:  # the second query chunk against all keys
                 assert call[:4] == (8, 16, 0, 16)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
+def test_the_plain_ring_is_the_plan_of_one_zigzag_document(cp, causal):
+    """The ring runs the plan's calls for every sequence: for one document under zigzag they
+    are the zigzag block kinds' single kernels (the schedule's rule, written independently)."""
+    seq = 2 * cp * 12
+    layout = sequence_layout(seq, ParallelConfig(cp=cp))
+    plan = layout.mask_plan(causal, None)
+    for c in range(cp):
+        for src in range(cp):
+            assert plan.calls(c, src) == zigzag_calls(block_kind(src, c, causal), seq // cp), (c, src)
+    assert layout.mask_plan(causal, seq).calls(0, 0) == plan.calls(0, 0)  # a window of the whole sequence is none
+    assert plan.routes(ParallelConfig(cp=cp)) == full_routes(ParallelConfig(cp=cp))
 
 
 def test_documents_on_chunk_edges_skip_every_foreign_block():

@@ -3,12 +3,11 @@ fp32 accumulation. Shared by the distributed ring and its single-process replay
 (benchmarks, schedule tests), so both run the very same block computations.
 
 Shapes: ``q`` [B, Sc, H, d] holds one context rank's content; ``kv`` [2, B, Sc, G, d]
-stacks k and v of the visiting block. Two kinds of block work:
-
-- a :class:`BlockKind` of the plain causal/full zigzag ring (``q = [q0 | q1]``, ``kv =
-  [kv0 | kv1]``): one kernel per block;
-- a tuple of :class:`~loongtrain.attention.mask_plan.Call` s for document / sliding-window masks:
-  one kernel per call on contiguous row and column ranges (masked only for ``band``).
+stacks k and v of the visiting block. A block's work is a tuple of
+:class:`~loongtrain.attention.mask_plan.Call` s from the layout's :class:`MaskPlan`: one kernel
+per call on contiguous row and column ranges (masked only for ``band``). The plain causal ring
+is the plan of one zigzag document, whose calls are the zigzag's one kernel per block (the
+diagonal's causal square, the first key half, or the second query half).
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import torch
 from loongtrain.attention.kernels import Band, block_backward, block_forward
 from loongtrain.attention.mask_plan import BAND, CAUSAL, Call
 from loongtrain.attention.merge import merge_into
-from loongtrain.attention.schedule import BlockKind
 
 Tensor = torch.Tensor
 
@@ -59,63 +57,6 @@ class OutputAccumulator:
     def result(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """``(out in dtype, lse)``; rows that saw nothing (only possible for an empty mask) are 0."""
         return self.out.to(dtype), self.lse
-
-
-def forward_block(q: Tensor, kv: Tensor, kind: BlockKind, scale: float, acc: OutputAccumulator) -> None:
-    """Compute the block of ``kind`` and merge it into ``acc``."""
-    half = q.shape[1] // 2
-    k, v = kv[0], kv[1]
-    if kind is BlockKind.DIAGONAL:
-        out, lse = block_forward(q, k, v, causal=True, scale=scale)
-        acc.add(0, out, lse)
-    elif kind is BlockKind.FULL:
-        out, lse = block_forward(q, k, v, causal=False, scale=scale)
-        acc.add(0, out, lse)
-    elif kind is BlockKind.KV_FIRST_HALF:
-        out, lse = block_forward(q, k[:, :half], v[:, :half], causal=False, scale=scale)
-        acc.add(0, out, lse)
-    else:  # Q_SECOND_HALF
-        out, lse = block_forward(q[:, half:], k, v, causal=False, scale=scale)
-        acc.add(half, out, lse)
-
-
-def backward_block(
-    dout: Tensor,
-    q: Tensor,
-    kv: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    kind: BlockKind,
-    scale: float,
-    dq_acc: Tensor,
-) -> tuple[slice, Tensor, Tensor]:
-    """Gradients of one block: adds dq into ``dq_acc`` (fp32), returns ``(kv_rows, dk, dv)``.
-
-    ``out``/``lse`` are the final (fully merged) results of the local query rows.
-    """
-    half = q.shape[1] // 2
-    k, v = kv[0], kv[1]
-    if kind is BlockKind.Q_SECOND_HALF:
-        rows = slice(half, None)
-        dq, dk, dv = block_backward(
-            dout[:, rows], q[:, rows], k, v, out[:, rows], lse[:, rows], causal=False, scale=scale
-        )
-        dq_acc[:, rows] += dq
-        return slice(None), dk, dv
-    if kind is BlockKind.KV_FIRST_HALF:
-        dq, dk, dv = block_backward(dout, q, k[:, :half], v[:, :half], out, lse, causal=False, scale=scale)
-        dq_acc += dq
-        return slice(0, half), dk, dv
-    causal = kind is BlockKind.DIAGONAL
-    dq, dk, dv = block_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
-    dq_acc += dq
-    return slice(None), dk, dv
-
-
-def add_kv_grad(dkv_acc: Tensor, kv_rows: slice, dk: Tensor, dv: Tensor) -> None:
-    """Add a block's ``dk``/``dv`` into the fp32 ``dkv_acc`` [2, B, Sc, G, d]."""
-    dkv_acc[0, :, kv_rows] += dk
-    dkv_acc[1, :, kv_rows] += dv
 
 
 def call_band(call: Call, causal: bool, sliding_window: int | None) -> Band | None:
@@ -170,7 +111,7 @@ def backward_calls(
     return grads
 
 
-BlockWork = BlockKind | tuple[Call, ...]
+BlockWork = tuple[Call, ...]
 
 
 def forward_work(
@@ -182,10 +123,7 @@ def forward_work(
     scale: float,
     acc: OutputAccumulator,
 ) -> bool:
-    """Run one block's work (a zigzag :class:`BlockKind` or masked calls); False if there was none."""
-    if isinstance(work, BlockKind):
-        forward_block(q, kv, work, scale, acc)
-        return True
+    """Run one block's calls and merge them into ``acc``; False if there were none."""
     if not work:  # nothing visible (the block may not even have come this far: ``kv`` None)
         return False
     forward_calls(q, kv, work, causal, sliding_window, scale, acc)
@@ -205,8 +143,6 @@ def backward_work(
     dq_acc: Tensor,
 ) -> KvGrads:
     """Gradients of one block's work: dq into ``dq_acc``; returns the dk/dv pieces (empty: no work)."""
-    if isinstance(work, BlockKind):
-        return [backward_block(dout, q, kv, out, lse, work, scale, dq_acc)]
     if not work:
         return []
     return backward_calls(dout, q, kv, out, lse, work, causal, sliding_window, scale, dq_acc)
@@ -215,4 +151,16 @@ def backward_work(
 def add_kv_grads(dkv_acc: Tensor, grads: KvGrads) -> None:
     """Add the pieces returned by :func:`backward_work` into ``dkv_acc`` [2, B, Sc, G, d]."""
     for rows, dk, dv in grads:
-        add_kv_grad(dkv_acc, rows, dk, dv)
+        dkv_acc[0, :, rows] += dk
+        dkv_acc[1, :, rows] += dv
+
+
+def whole_block(work: BlockWork, rows: int) -> bool | None:
+    """For work that is one unmasked call over every row and column of a ``rows``-row block:
+    whether that call is causal; else None."""
+    if len(work) != 1:
+        return None
+    (call,) = work
+    if (call.row0, call.row1, call.col0, call.col1) != (0, rows, 0, rows) or call.kind == BAND:
+        return None
+    return call.kind == CAUSAL

@@ -25,7 +25,6 @@ from dataclasses import dataclass, replace
 
 from loongtrain.attention.documents import Boundaries
 from loongtrain.attention.layout import sequence_layout
-from loongtrain.attention.routes import full_routes
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.layout import check_head_split
 
@@ -110,8 +109,7 @@ def layout_cost(
     hp, cp = config.hp, config.cp
     work = layout.sharding.work(boundaries, True, sliding_window)
     compute = max(work) * (shape.heads / hp) * shape.head_dim * FLOPS_PER_PAIR / speeds.flops
-    plan = layout.mask_plan(True, sliding_window)
-    routes = full_routes(config) if plan is None else plan.routes(config)
+    routes = layout.mask_plan(True, sliding_window).routes(config)
     kv_heads = max(shape.kv_heads, hp) // hp
     block = 2 * (seq_len // cp) * kv_heads * shape.head_dim * shape.elem_bytes
     grad_block = block * 4 // shape.elem_bytes  # dK/dV partials travel in float32

@@ -72,11 +72,6 @@ def check_sliding_window(sliding_window: int | None) -> int | None:
     return sliding_window
 
 
-def is_plain(boundaries: Boundaries | None, sliding_window: int | None, seq_len: int) -> bool:
-    """True when the mask is the plain causal/full one (one document, no effective sliding window)."""
-    return (boundaries is None or len(boundaries) == 2) and (sliding_window is None or sliding_window >= seq_len)
-
-
 def document_of(boundaries: Boundaries, position: int) -> int:
     """Index of the document holding global ``position``."""
     return bisect_right(boundaries, position) - 1

@@ -14,9 +14,10 @@ key/value block's gradient stays with its owner for its own queries, and the oth
 that read it pass one float32 partial per ring window along their chain and send the
 window's total to the owner (:mod:`~loongtrain.attention.routes`).
 
-Under a document / sliding-window mask (``RingSetup.masks``) each step runs the calls of its
-(query block, key/value block) pair from the pure :class:`MaskPlan`; a pair with nothing
-visible runs no kernel (``*.block_skipped`` in ``state.stats``; ``*.step_skipped`` when
+Each step runs the calls of its (query block, key/value block) pair from the layout's pure
+:class:`MaskPlan` (``RingSetup.masks``): for one zigzag document, the plain causal ring's one
+kernel per block; under documents or a sliding window, a pair with nothing visible runs no
+kernel (``*.block_skipped`` in ``state.stats``; ``*.step_skipped`` when
 the step is empty for every rank of the context group). Transfers follow the mask's
 routes: a block travels only as far as its farthest reader, a partial only between ranks
 that read the block, so a microbatch whose documents each lie on one rank sends nothing.
@@ -36,12 +37,13 @@ from loongtrain.attention.blocks import (
     add_kv_grads,
     backward_work,
     forward_work,
+    whole_block,
 )
 from loongtrain.attention.comm import Pending, post_p2p, ring_exchange
 from loongtrain.attention.kernels import block_backward
 from loongtrain.attention.mask_plan import MaskPlan
-from loongtrain.attention.routes import RingRoutes, full_routes
-from loongtrain.attention.schedule import BlockKind, block_kind, ring_source
+from loongtrain.attention.routes import RingRoutes
+from loongtrain.attention.schedule import ring_source
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.state import ParallelState, RingLink
 from loongtrain.parallel.stats import AttentionStats
@@ -60,15 +62,15 @@ class RingSetup:
     causal: bool
     scale: float
     stats: AttentionStats
-    masks: MaskPlan | None = None  # document / sliding-window mask; None: plain causal or full zigzag ring
+    masks: MaskPlan  # the kernel calls of every block pair under the layout's documents and window
     sliding_window: int | None = None
     dkv_group: dist.ProcessGroup | None = None  # the context group's dK/dV communicator
     context_ranks: tuple[int, ...] = ()  # global rank of each context index
 
     @property
     def routes(self) -> RingRoutes:
-        """Which transfers this call makes (every one, without a mask)."""
-        return full_routes(self.config) if self.masks is None else self.masks.routes(self.config)
+        """Which transfers this call makes (every one for a document that spans the ring)."""
+        return self.masks.routes(self.config)
 
     @classmethod
     def from_state(
@@ -77,7 +79,7 @@ class RingSetup:
         *,
         causal: bool,
         scale: float,
-        masks: MaskPlan | None = None,
+        masks: MaskPlan,
         sliding_window: int | None = None,
     ) -> RingSetup:
         return cls(
@@ -96,10 +98,7 @@ class RingSetup:
 
     def work(self, outer_step: int, inner_step: int) -> BlockWork:
         """The block work at step ``(outer_step, inner_step)``."""
-        src = ring_source(self.context, self.config, outer_step, inner_step)
-        if self.masks is None:
-            return block_kind(src, self.context, self.causal)
-        return self.masks.calls(self.context, src)
+        return self.masks.calls(self.context, ring_source(self.context, self.config, outer_step, inner_step))
 
     def count(self, phase: str, ran: bool, outer_step: int, inner_step: int) -> None:
         if ran:
@@ -194,13 +193,12 @@ def ring_backward(
 ) -> tuple[Tensor, Tensor]:
     """Gradients ``(dq, dkv)`` of :func:`ring_forward`, in the dtypes of ``q`` and ``kv``.
 
-    One rank of context (``cp == 1``) without a mask is one kernel call, whose gradients are
-    the result: no fp32 accumulators (they would hold the same values).
+    One rank of context (``cp == 1``) whose block is one unmasked call is that call, whose
+    gradients are the result: no fp32 accumulators (they would hold the same values).
     """
     n, w = plan.config.n_ring_windows, plan.config.ring_window
-    if n * w == 1 and (work := plan.work(0, 0)) in (BlockKind.DIAGONAL, BlockKind.FULL):
+    if n * w == 1 and (causal := whole_block(plan.work(0, 0), q.shape[1])) is not None:
         plan.count("bwd", True, 0, 0)
-        causal = work is BlockKind.DIAGONAL
         return block_backward(dout, q, kv[0], kv[1], out, lse, causal=causal, scale=plan.scale, stacked=True)
     routes, c = plan.routes, plan.context
     dq = torch.zeros(q.shape, dtype=accum_dtype(q.dtype), device=q.device)

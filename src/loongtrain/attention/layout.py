@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from loongtrain.attention.comm import all_gather_flat
-from loongtrain.attention.documents import Boundaries, as_boundaries, is_plain
+from loongtrain.attention.documents import Boundaries, as_boundaries
 from loongtrain.attention.mask_plan import MaskPlan
 from loongtrain.attention.sharding import SequenceSharding, restore_order, sequence_sharding, take_ranges
 from loongtrain.parallel.config import ParallelConfig
@@ -59,15 +59,14 @@ class SequenceLayout:
         """Global ``(start, length)`` token ranges of rank ``(head, context)``, in local order."""
         return self.sharding.ranges(head, context)
 
-    def mask_plan(self, causal: bool, sliding_window: int | None) -> MaskPlan | None:
-        """The ring's kernel calls under this layout's documents and ``sliding_window`` (cached),
-        or None for the plain causal/full zigzag ring."""
+    def mask_plan(self, causal: bool, sliding_window: int | None) -> MaskPlan:
+        """The ring's kernel calls under this layout's documents and ``sliding_window`` (cached;
+        a window as long as the sequence is none). For one zigzag document they are the plain
+        causal (or full) ring's: one kernel per block."""
         sliding = sliding_window if sliding_window and sliding_window < self.seq_len else None
         key = (causal, sliding)
         if key not in self._plans:
-            plain = self.balance == "zigzag" and is_plain(self.boundaries, sliding, self.seq_len)
-            boundaries = self.boundaries or (0, self.seq_len)
-            self._plans[key] = None if plain else MaskPlan(self.sharding, boundaries, causal, sliding)
+            self._plans[key] = MaskPlan(self.sharding, self.boundaries or (0, self.seq_len), causal, sliding)
         return self._plans[key]
 
     def check_matches(self, config: ParallelConfig, seq_len: int, where: str) -> None:

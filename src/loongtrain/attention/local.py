@@ -13,7 +13,6 @@ import torch
 from loongtrain.attention.blocks import OutputAccumulator, accum_dtype, add_kv_grads, backward_calls, forward_calls
 from loongtrain.attention.documents import check_sliding_window
 from loongtrain.attention.layout import SequenceLayout, sequence_layout
-from loongtrain.attention.mask_plan import MaskPlan
 
 Tensor = torch.Tensor
 
@@ -62,9 +61,6 @@ def masked_attention(
             f"for S={layout.seq_len} on hp={layout.hp} x cp={layout.cp}; use sequence_layout(S, None, cu_seqlens)"
         )
     plan = layout.mask_plan(causal, sliding_window)
-    if plan is None:  # no documents, no effective window: one plain call
-        boundaries = (0, seq_len)
-        plan = MaskPlan(layout.sharding, boundaries, causal, None)
     calls = plan.calls(0, 0)
     sliding_window = plan.sliding_window
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 from loongtrain.attention.documents import Boundaries, document_of
 from loongtrain.attention.routes import RingRoutes, ring_routes
-from loongtrain.attention.schedule import ring_source
+from loongtrain.attention.schedule import BlockKind, ring_source
 from loongtrain.attention.sharding import SequenceSharding
 from loongtrain.parallel.config import ParallelConfig
 
@@ -69,6 +69,18 @@ class Call(NamedTuple):
         """Score elements the kernel computes (a causal square counts its triangle)."""
         rows, cols = self.row1 - self.row0, self.col1 - self.col0
         return rows * (rows + 1) // 2 if self.kind == CAUSAL else rows * cols
+
+
+def zigzag_calls(kind: BlockKind, rows: int) -> tuple[Call, ...]:
+    """The one call of a zigzag block of ``kind`` on ``rows`` local tokens (two chunks): what a
+    :class:`MaskPlan` of one zigzag document gives (tested), for pricing and timing a block."""
+    half = rows // 2
+    return {
+        BlockKind.DIAGONAL: (Call(0, rows, 0, rows, CAUSAL),),
+        BlockKind.FULL: (Call(0, rows, 0, rows, FULL),),
+        BlockKind.KV_FIRST_HALF: (Call(0, rows, 0, half, FULL),),
+        BlockKind.Q_SECOND_HALF: (Call(half, rows, 0, rows, FULL),),
+    }[kind]
 
 
 def segments(ranges, boundaries: Boundaries) -> list[Segment]:

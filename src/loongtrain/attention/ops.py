@@ -160,13 +160,12 @@ def ring_attention(
 def _setup(
     state: ParallelState, q_h: Tensor, causal: bool, scale: float, cu_seqlens: Tensor | None, sliding_window: int
 ) -> RingSetup:
-    """The ring of this call: the plain zigzag ring, or the mask plan of the batch's layout
-    (found again from its boundaries) under its documents and the sliding window; the
-    layout's :meth:`~loongtrain.attention.layout.SequenceLayout.mask_plan` decides which."""
+    """The ring of this call: the mask plan of the batch's layout (found again from its
+    boundaries) under its documents and the sliding window (:meth:`SequenceLayout.mask_plan`;
+    one zigzag document: the plain ring's calls)."""
     seq_len = q_h.shape[1] * state.cp
     masks = layout_of_op(state.config, seq_len, cu_seqlens).mask_plan(causal, sliding_window)
-    sliding = masks.sliding_window if masks is not None else None
-    return RingSetup.from_state(state, causal=causal, scale=scale, masks=masks, sliding_window=sliding)
+    return RingSetup.from_state(state, causal=causal, scale=scale, masks=masks, sliding_window=masks.sliding_window)
 
 
 @ring_attention.register_fake

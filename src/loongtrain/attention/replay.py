@@ -14,7 +14,7 @@ import torch
 
 from loongtrain.attention.blocks import OutputAccumulator, accum_dtype, add_kv_grads, backward_work, forward_work
 from loongtrain.attention.mask_plan import MaskPlan
-from loongtrain.attention.schedule import block_kind, ring_source
+from loongtrain.attention.schedule import ring_source
 from loongtrain.attention.sharding import SequenceSharding, restore_order, take_ranges, zigzag_sharding
 from loongtrain.parallel.config import ParallelConfig
 
@@ -26,7 +26,7 @@ class RingReplay:
     """The double ring over ``cp`` context ranks (``hp = 1``) replayed in one process.
 
     ``masks`` (a :class:`MaskPlan` with ``hp = 1``) replays a document / sliding-window mask on its
-    sharding; without it, the plain zigzag ring.
+    sharding; without it, the plan of one zigzag document (the plain ring).
     """
 
     cp: int
@@ -34,8 +34,13 @@ class RingReplay:
     causal: bool = True
     masks: MaskPlan | None = None
 
+    def _plan(self, seq_len: int) -> MaskPlan:
+        if self.masks is not None:
+            return self.masks
+        return MaskPlan(zigzag_sharding(seq_len, 1, self.cp), (0, seq_len), self.causal, None)
+
     def _sharding(self, seq_len: int) -> SequenceSharding:
-        return self.masks.sharding if self.masks is not None else zigzag_sharding(seq_len, 1, self.cp)
+        return self._plan(seq_len).sharding
 
     def shard(self, x: Tensor) -> list[Tensor]:
         """Shards of full-sequence ``x`` [*, S, ...] (dim 1), one per context rank."""
@@ -47,25 +52,21 @@ class RingReplay:
         sharding = self._sharding(sum(x.shape[1] for x in shards))
         return restore_order(torch.cat(shards, dim=1), 1, [(0, c) for c in range(self.cp)], sharding)
 
-    def _schedule(self, c: int):
+    def _schedule(self, plan: MaskPlan, c: int):
         config = ParallelConfig(cp=self.cp, ring_window=self.ring_window)
         for j in range(config.n_ring_windows):
             for s in range(config.ring_window):
                 src = ring_source(c, config, j, s)
-                work = block_kind(src, c, self.causal) if self.masks is None else self.masks.calls(c, src)
-                yield src, work
-
-    @property
-    def _sliding(self) -> int | None:
-        return self.masks.sliding_window if self.masks is not None else None
+                yield src, plan.calls(c, src)
 
     def forward(self, qs: list[Tensor], kvs: list[Tensor], scale: float) -> tuple[list[Tensor], list[Tensor]]:
         """Per-rank ``(out, lse)`` from per-rank ``q`` [B,Sc,H,d] and ``kv`` [2,B,Sc,G,d]."""
         outs, lses = [], []
+        plan = self._plan(sum(q.shape[1] for q in qs))
         for c in range(self.cp):
             acc = OutputAccumulator(qs[c])
-            for src, work in self._schedule(c):
-                forward_work(qs[c], kvs[src], work, self.causal, self._sliding, scale, acc)
+            for src, work in self._schedule(plan, c):
+                forward_work(qs[c], kvs[src], work, self.causal, plan.sliding_window, scale, acc)
             out, lse = acc.result(qs[c].dtype)
             outs.append(out)
             lses.append(lse)
@@ -83,10 +84,11 @@ class RingReplay:
         """Per-rank ``(dq, dkv)`` of :meth:`forward`."""
         dqs = [torch.zeros(q.shape, dtype=accum_dtype(q.dtype), device=q.device) for q in qs]
         dkvs = [torch.zeros(kv.shape, dtype=accum_dtype(kv.dtype), device=kv.device) for kv in kvs]
+        plan = self._plan(sum(q.shape[1] for q in qs))
         for c in range(self.cp):
-            for src, work in self._schedule(c):
+            for src, work in self._schedule(plan, c):
                 grads = backward_work(
-                    douts[c], qs[c], kvs[src], outs[c], lses[c], work, self.causal, self._sliding, scale, dqs[c]
+                    douts[c], qs[c], kvs[src], outs[c], lses[c], work, self.causal, plan.sliding_window, scale, dqs[c]
                 )
                 add_kv_grads(dkvs[src], grads)
         return [d.to(q.dtype) for d, q in zip(dqs, qs)], [d.to(kv.dtype) for d, kv in zip(dkvs, kvs)]

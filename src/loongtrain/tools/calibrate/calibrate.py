@@ -6,7 +6,7 @@ paths the attention uses and every rank busy at once (as in a real run):
 - point to point: ``ring_exchange`` (``batch_isend_irecv``) between two ranks, and around
   a ring of all ranks at once (-> per-device and whole-node bandwidth, latency);
 - all-to-all: ``all_to_all_start`` on packed buffers, over pairs and over all ranks;
-- attention: the ring step functions (``forward_block``/``backward_block``: the CPU
+- attention: the ring step functions (``forward_work``/``backward_work`` on a zigzag block's call: the CPU
   flash kernels plus the fp32 merge/accumulation) on non-causal half blocks and causal
   diagonal blocks of several sizes, on every rank at once (ranks share the cores);
 - matmul: ``torch.mm`` alone in one process (the "peak") and on every rank at once;
@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from loongtrain.attention.mask_plan import zigzag_calls
+from loongtrain.attention.schedule import BlockKind
 from loongtrain.planner.fit import fit_cluster
 from loongtrain.planner.specs import cluster_to_toml, default_local_path
 
@@ -94,32 +96,36 @@ def measure_comm(reps: int) -> dict:
     return out
 
 
+def _forward(q, kv, kind: BlockKind, scale: float, acc) -> None:
+    """One zigzag ring block of ``kind`` (its call, as the ring runs it) merged into ``acc``."""
+    from loongtrain.attention.blocks import forward_work
+
+    forward_work(q, kv, zigzag_calls(kind, q.shape[1]), True, None, scale, acc)
+
+
 def time_block(tokens: int, kind, heads: int, head_dim: int, reps: int, gen) -> tuple[float, float]:
     """Forward and backward seconds of one ring step of ``kind`` on ``tokens`` local tokens."""
-    from loongtrain.attention.blocks import OutputAccumulator, add_kv_grad, backward_block, forward_block
-    from loongtrain.attention.schedule import BlockKind
+    from loongtrain.attention.blocks import OutputAccumulator, add_kv_grads, backward_work
 
     scale = head_dim**-0.5
     q = torch.randn(1, tokens, heads, head_dim, generator=gen)
     kv = torch.randn(2, 1, tokens, heads, head_dim, generator=gen)
     dout = torch.randn_like(q)
     acc = OutputAccumulator()
-    forward_block(q, kv, BlockKind.DIAGONAL, scale, acc)  # later blocks merge into it
-    fwd_s = _median_of_slowest(lambda: forward_block(q, kv, kind, scale, acc), reps)
+    _forward(q, kv, BlockKind.DIAGONAL, scale, acc)  # later blocks merge into it
+    fwd_s = _median_of_slowest(lambda: _forward(q, kv, kind, scale, acc), reps)
     out, lse = acc.out.clone(), acc.lse.clone()
     dq, partial = torch.zeros_like(q), torch.zeros_like(kv)
+    calls = zigzag_calls(kind, tokens)
 
     def backward():
-        rows, dk, dv = backward_block(dout, q, kv, out, lse, kind, scale, dq)
-        add_kv_grad(partial, rows, dk, dv)
+        add_kv_grads(partial, backward_work(dout, q, kv, out, lse, calls, True, None, scale, dq))
 
     return fwd_s, _median_of_slowest(backward, reps)
 
 
 def measure_blocks(heads: int, head_dim: int, reps: int) -> dict:
     """Ring-step forward/backward times on every rank at once: ``[(fwd FLOPs, seconds, causal)]``."""
-    from loongtrain.attention.schedule import BlockKind
-
     gen = torch.Generator().manual_seed(dist.get_rank())
     out: dict = {"fwd": [], "bwd": []}
     shapes = [(s, BlockKind.KV_FIRST_HALF) for s in NONCAUSAL_TOKENS] + [(s, BlockKind.DIAGONAL) for s in CAUSAL_TOKENS]
@@ -141,9 +147,8 @@ def measure_matmul(reps: int, n: int = 1024) -> dict:
 
 def measure_overlap(heads: int, head_dim: int, reps: int, tokens: int = 2048, nbytes: int = 2**26) -> dict:
     """A non-causal block alone, a whole-ring transfer alone, and both at once."""
-    from loongtrain.attention.blocks import OutputAccumulator, forward_block
+    from loongtrain.attention.blocks import OutputAccumulator
     from loongtrain.attention.comm import ring_exchange
-    from loongtrain.attention.schedule import BlockKind
     from loongtrain.parallel.stats import AttentionStats
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -152,10 +157,10 @@ def measure_overlap(heads: int, head_dim: int, reps: int, tokens: int = 2048, nb
     kv = torch.randn(2, 1, tokens, heads, head_dim)
     x = torch.randn(nbytes // 4)
     acc = OutputAccumulator()
-    forward_block(q, kv, BlockKind.DIAGONAL, head_dim**-0.5, acc)
+    _forward(q, kv, BlockKind.DIAGONAL, head_dim**-0.5, acc)
 
     def compute():
-        forward_block(q, kv, BlockKind.KV_FIRST_HALF, head_dim**-0.5, acc)
+        _forward(q, kv, BlockKind.KV_FIRST_HALF, head_dim**-0.5, acc)
 
     def both():
         pending = ring_exchange(x, link, stats, "calib")
@@ -172,9 +177,8 @@ def measure_overlap(heads: int, head_dim: int, reps: int, tokens: int = 2048, nb
 def measure_step(heads: int, head_dim: int, reps: int, tokens: int = 1024, steps: int = 4) -> dict:
     """``steps`` ring steps of every rank (a non-causal half block, then a 1 KiB exchange with
     the ring neighbours) against the same blocks without the exchange: seconds per step."""
-    from loongtrain.attention.blocks import OutputAccumulator, forward_block
+    from loongtrain.attention.blocks import OutputAccumulator
     from loongtrain.attention.comm import ring_exchange
-    from loongtrain.attention.schedule import BlockKind
     from loongtrain.parallel.stats import AttentionStats
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -183,11 +187,11 @@ def measure_step(heads: int, head_dim: int, reps: int, tokens: int = 1024, steps
     kv = torch.randn(2, 1, tokens, heads, head_dim)
     token = torch.zeros(256)
     acc = OutputAccumulator()
-    forward_block(q, kv, BlockKind.DIAGONAL, head_dim**-0.5, acc)
+    _forward(q, kv, BlockKind.DIAGONAL, head_dim**-0.5, acc)
 
     def blocks(exchange: bool):
         for _ in range(steps):
-            forward_block(q, kv, BlockKind.KV_FIRST_HALF, head_dim**-0.5, acc)
+            _forward(q, kv, BlockKind.KV_FIRST_HALF, head_dim**-0.5, acc)
             if exchange:
                 ring_exchange(token, link, stats, "calib").wait()
 
