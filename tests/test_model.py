@@ -7,6 +7,7 @@ import torch
 
 from loongtrain.apply import check_model_fits, materialize
 from loongtrain.model import PRESETS, build_model, model_config
+from loongtrain.model.lean import tiled_rope
 from loongtrain.model.llama import apply_rope, rope_tables
 from loongtrain.options import check_activation_checkpoint, check_zero_scope
 from loongtrain.parallel.state import zero_mesh_ranks
@@ -25,12 +26,13 @@ def test_preset_sizes(name, billions):
     assert all(p.device.type == "meta" for p in model.parameters())
 
 
-def test_rope_matches_complex_rotation():
+@pytest.mark.parametrize("rope", [apply_rope, tiled_rope], ids=["plain", "tiled"])
+def test_rope_matches_complex_rotation(rope):
     torch.manual_seed(0)
     x = torch.randn(2, 5, 3, 8)
     pos = torch.tensor([[0, 7, 3, 100, 2], [1, 1, 1, 1, 1]])
     cos, sin = rope_tables(pos, 8, 10000.0)
-    got = apply_rope(x, cos, sin)
+    got = rope(x, cos, sin)
     inv = 1.0 / (10000.0 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8))
     angle = pos.double()[..., None] * inv  # [B, S, 4]
     z = torch.view_as_complex(x.double().reshape(2, 5, 3, 4, 2).contiguous())
@@ -38,10 +40,11 @@ def test_rope_matches_complex_rotation():
     torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("rope", [apply_rope, tiled_rope], ids=["plain", "tiled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_rope_has_the_gradient_of_the_complex_rotation(dtype):
+def test_compiled_rope_has_the_gradient_of_the_complex_rotation(dtype, rope):
     """Through torch.compile (aot_eager: the autograd.Function as compiled, no code generation),
-    RoPE's gradient is the inverse rotation; torch 2.11 once compiled it to zeros in float32."""
+    RoPE's gradient is the inverse rotation; torch 2.11 once compiled the tiled one to zeros in float32."""
     torch.manual_seed(0)
     x = torch.randn(1, 6, 2, 8).to(dtype).requires_grad_()
     pos = torch.tensor([[0, 7, 3, 100, 2, 5]])
@@ -49,7 +52,7 @@ def test_compiled_rope_has_the_gradient_of_the_complex_rotation(dtype):
     weight = torch.randn(1, 6, 2, 8)
 
     def loss(x):
-        return (apply_rope(x * 2, cos, sin).float() * weight).sum()
+        return (rope(x * 2, cos, sin).float() * weight).sum()
 
     torch._dynamo.reset()
     (got,) = torch.autograd.grad(torch.compile(loss, backend="aot_eager")(x), x)
@@ -138,7 +141,7 @@ def test_normed_projections_equal_autograd_of_norm_then_linears(monkeypatch, til
     forward and backward in one tile of the 5 tokens, or three): output and every gradient equal autograd
     through the plain formula (float64 reference)."""
     from loongtrain.model import norm
-    from loongtrain.model.llama import _NormedProjections
+    from loongtrain.model.lean import NormedProjections
 
     monkeypatch.setattr(norm, "TOKEN_TILE", tile)
 
@@ -157,7 +160,7 @@ def test_normed_projections_equal_autograd_of_norm_then_linears(monkeypatch, til
     got = leaves(dtype)
     bias_of = iter(got[5:])
     gb = [next(bias_of) if bias else None for _ in range(3)]
-    outs = _NormedProjections.apply(got[0], got[1], eps, got[2], gb[0], got[3], gb[1], got[4], gb[2])
+    outs = NormedProjections.apply(got[0], got[1], eps, got[2], gb[0], got[3], gb[1], got[4], gb[2])
     torch.autograd.backward(outs, [t.to(dtype) for t in douts])
 
     ref = leaves(torch.float64)
@@ -207,14 +210,49 @@ def test_tiled_rms_norm_and_rope_equal_autograd_of_their_formulas(monkeypatch, t
     cos, sin = rope_tables(pos, 8, 10000.0)
     x = torch.randn(2, 5, 3, 8, generator=g)
     dout = torch.randn(2, 5, 3, 8, generator=g)
-    xg = x.to(dtype).requires_grad_()
-    out = apply_rope(xg, cos, sin)
-    out.backward(dout.to(dtype))
     inv = 1.0 / (10000.0 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8))
     angle = pos.double()[..., None] * inv
     xr = x.double().requires_grad_()
     z = torch.view_as_complex(xr.reshape(2, 5, 3, 4, 2))
     want = torch.view_as_real(z * torch.polar(torch.ones_like(angle), angle)[:, :, None]).reshape(2, 5, 3, 8)
     want.backward(dout.double())
-    for a, b in ((out, want), (xg.grad, xr.grad)):
-        assert ((a.double() - b).norm() / b.norm()).item() < tol
+    for rope in (apply_rope, tiled_rope):
+        xg = x.to(dtype).requires_grad_()
+        out = rope(xg, cos, sin)
+        out.backward(dout.to(dtype))
+        for a, b in ((out, want), (xg.grad, xr.grad)):
+            assert ((a.double() - b).norm() / b.norm()).item() < tol, rope
+
+
+@pytest.mark.parametrize("qwen", [False, True], ids=["llama", "qwen3-like"])
+def test_the_pieces_parallelize_swaps_in_train_like_the_plain_model(monkeypatch, qwen):
+    """``apply_memory_options`` swaps the lean norm + projections, the tiled RoPE and the tiled
+    MLP into the plain model (tiles of 8 of 24 tokens here): loss and every gradient equal the
+    plain formulas' (float64 weights; the norm statistics are float32 by design, and the lean
+    pieces recompute the normalised input from them: ~3e-8 apart, measured)."""
+    from loongtrain.apply import apply_memory_options, materialize
+    from loongtrain.model import build_model, model_config, norm
+    from loongtrain.options import MemoryOptions
+
+    monkeypatch.setattr(norm, "TOKEN_TILE", 8)
+    cfg = model_config("debug", qkv_bias=qwen, qk_norm=qwen)
+    models = []
+    for lean in (False, True):
+        model = build_model(cfg)
+        materialize(model, torch.device("cpu"), seed=3)
+        model.double()
+        if lean:
+            apply_memory_options(model, MemoryOptions(loss_chunk=0, mlp_tile=8))
+            assert model.layers[0].attention.rope is not apply_rope
+        models.append(model)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 25), generator=g)
+    results = []
+    for model in models:
+        loss, _ = model(tokens[:, :-1], torch.arange(24), labels=tokens[:, 1:])
+        loss.backward()
+        results.append((loss, {n: p.grad for n, p in model.named_parameters()}))
+    (plain_loss, plain_grads), (lean_loss, lean_grads) = results
+    assert abs(lean_loss.item() / plain_loss.item() - 1) < 1e-9
+    for name, grad in plain_grads.items():
+        assert ((lean_grads[name] - grad).norm() / grad.norm()).item() < 1e-6, name

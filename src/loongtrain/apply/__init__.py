@@ -14,6 +14,7 @@ runs the four steps; each ``apply_*`` function is usable on its own.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -24,7 +25,9 @@ from loongtrain.apply.compile import apply_compile
 from loongtrain.apply.init import materialize
 from loongtrain.apply.offload import ActivationOffload
 from loongtrain.apply.zero import apply_zero, zero_mesh
-from loongtrain.model.llama import Transformer
+from loongtrain.model.lean import lean_normed_projections, tiled_rope
+from loongtrain.model.llama import Transformer, normed_mlp
+from loongtrain.model.tiled_mlp import tiled_normed_mlp
 from loongtrain.options import MemoryOptions, check_zero_scope
 from loongtrain.parallel import ParallelState
 
@@ -83,7 +86,12 @@ def parallelize(
 
 
 def apply_memory_options(model: Transformer, memory: MemoryOptions) -> None:
-    """The model-side memory options: the chunked loss and the tiled MLP."""
+    """The model-side memory options: the memory-lean norm + projections and RoPE (always:
+    what the planner's memory model prices), the chunked loss and the tiled MLP."""
     model.loss_chunk = memory.loss_chunk
     for layer in model.layers:
-        layer.feed_forward.tile = memory.mlp_tile
+        layer.attention.projections = lean_normed_projections
+        layer.attention.rope = tiled_rope
+        layer.feed_forward.mlp = (
+            functools.partial(tiled_normed_mlp, tile=memory.mlp_tile) if memory.mlp_tile else normed_mlp
+        )

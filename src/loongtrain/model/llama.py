@@ -5,6 +5,10 @@ RMSNorm over each q/k head before RoPE (Qwen3), a head size other than dim / n_h
 RoPE scaled for a longer context (linear, llama3, yarn; :mod:`loongtrain.model.rope`),
 and a sliding window (Mistral).
 
+It reads as the plain model: each piece is its formula. ``loongtrain.parallelize`` swaps in
+the memory-lean versions (:mod:`loongtrain.model.lean`, :mod:`loongtrain.model.tiled_mlp`),
+each tested equal to its formula here.
+
 The model knows nothing of parallelism. Its attention calls
 ``attention_fn(q, k, v, layout=..., sliding_window=...)`` on ``[B, S, H, d]`` /
 ``[B, S, G, d]`` tensors with RoPE applied; the default is causal attention over the
@@ -29,18 +33,8 @@ from loongtrain.attention.layout import SequenceLayout
 from loongtrain.attention.local import masked_attention
 from loongtrain.model.config import ModelConfig, RopeScaling
 from loongtrain.model.loss import lm_loss, token_scores
-from loongtrain.model.norm import (
-    RMSNorm,
-    cast_like,
-    normalize,
-    over_tiles,
-    rms_norm,
-    rms_norm_backward,
-    sum_parts,
-    tiles,
-)
+from loongtrain.model.norm import RMSNorm
 from loongtrain.model.rope import rope_frequencies
-from loongtrain.model.tiled_mlp import normed_swiglu
 
 Tensor = torch.Tensor
 AttentionFn = Callable[..., Tensor]
@@ -59,45 +53,10 @@ def sdpa_attention(
     return out.transpose(1, 2)
 
 
-class _NormedProjections(torch.autograd.Function):
-    """RMSNorm then the q, k, v projections of its output, saving only the norm's input (the
-    block input, kept anyway) and its fp32 ``1 / rms``: the normalised input, ``[T, dim]``,
-    never exists for the whole sequence. Forward and backward run over tiles of
-    :data:`~loongtrain.model.norm.TOKEN_TILE` tokens (backward recomputes the tile's
-    normalised input), so the float32 temporaries exist for one tile at a time (weight
-    gradients summed in float32 over tiles)."""
-
-    @staticmethod
-    def forward(ctx, x, norm_weight, eps, wq, bq, wk, bk, wv, bv):
-        def tile(rows: slice) -> tuple[Tensor, ...]:
-            h, rstd = rms_norm(x[:, rows], norm_weight, eps)
-            return F.linear(h, wq, bq), F.linear(h, wk, bk), F.linear(h, wv, bv), rstd
-
-        q, k, v, rstd = over_tiles(tile, x.shape[1])
-        ctx.save_for_backward(x, norm_weight, rstd, wq, wk, wv)
-        return q, k, v
-
-    @staticmethod
-    def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor):
-        x, norm_weight, rstd, wq, wk, wv = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        grad_x = torch.empty_like(x)
-        sums: list[Tensor | None] = [None] * 7  # norm weight, then (weight, bias) of q, k, v
-        for rows in tiles(x.shape[1]):
-            xt, rt = x[:, rows], rstd[:, rows]
-            h, normed = normalize(xt, rt, norm_weight)
-            h = h.flatten(0, -2)
-            grads = [g[:, rows].flatten(0, -2) for g in (dq, dk, dv)]
-            grad_h = grads[0].mm(wq)
-            grad_h.addmm_(grads[1], wk).addmm_(grads[2], wv)  # accumulated in place
-            parts: list[Tensor | None] = [None]
-            for g, i in zip(grads, (3, 5, 7)):
-                parts += [g.t().mm(h) if needs[i] else None, g.sum(0) if needs[i + 1] else None]
-            del h
-            grad_x[:, rows], parts[0] = rms_norm_backward(grad_h.view_as(xt), xt, norm_weight, rt, needs[1], normed)
-            sums = [sum_parts(total, part) for total, part in zip(sums, parts)]
-        typed = cast_like(sums, [norm_weight, wq, wq, wk, wk, wv, wv])  # a bias has its weight's dtype
-        return grad_x, typed[0], None, *typed[1:]
+def normed_projections(x: Tensor, norm: RMSNorm, wq: nn.Linear, wk: nn.Linear, wv: nn.Linear):
+    """The q, k, v projections of ``norm(x)``."""
+    h = norm(x)
+    return wq(h), wk(h), wv(h)
 
 
 def rope_tables(
@@ -111,7 +70,7 @@ def rope_tables(
     return angles.cos() * multiplier, angles.sin() * multiplier
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate pairs (x[2i], x[2i+1]) of ``x`` [B, S, H, d] by the angles of cos/sin [B or 1, S, d/2] (in fp32)."""
     x32 = x.float().unflatten(-1, (-1, 2))
     a, b = x32[..., 0], x32[..., 1]
@@ -122,27 +81,10 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
-class _Rope(torch.autograd.Function):
-    """:func:`_rotate` over tiles of :data:`~loongtrain.model.norm.TOKEN_TILE` tokens (its
-    float32 temporaries, several times the size of ``x``, exist for one tile at a time);
-    saves only cos/sin. A rotation's gradient is the inverse rotation: the same function
-    with ``-sin``."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        ctx.save_for_backward(cos, sin)
-        return over_tiles(lambda rows: (_rotate(x[:, rows], cos[:, rows], sin[:, rows]),), x.shape[1])[0]
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        cos, sin = ctx.saved_tensors
-        (grad_x,) = over_tiles(lambda rows: (_rotate(grad[:, rows], cos[:, rows], -sin[:, rows]),), grad.shape[1])
-        return grad_x, None, None
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of ``x`` [B, S, H, d]; cos/sin are [B or 1, S, d/2]."""
-    return _Rope.apply(x, cos, sin)
+def normed_mlp(x: Tensor, norm: RMSNorm, w1: nn.Linear, w3: nn.Linear, w2: nn.Linear) -> Tensor:
+    """SwiGLU of ``norm(x)``: ``w2(silu(w1 h) * w3 h)``."""
+    h = norm(x)
+    return w2(F.silu(w1(h)) * w3(h))
 
 
 class Attention(nn.Module):
@@ -157,41 +99,41 @@ class Attention(nn.Module):
         # Qwen3: RMSNorm over each head of q and k (weights shared by the heads)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        # swapped by loongtrain.apply: the distributed attention; the norm and projections as
+        # one function that keeps only x, and RoPE over token tiles (loongtrain.model.lean)
         self.attention_fn: AttentionFn = sdpa_attention
+        self.projections: Callable[..., tuple[Tensor, Tensor, Tensor]] = normed_projections
+        self.rope: Callable[[Tensor, Tensor, Tensor], Tensor] = apply_rope
 
     def forward(
         self, x: Tensor, norm: RMSNorm, cos: Tensor, sin: Tensor, layout: SequenceLayout | None = None
     ) -> Tensor:
-        """Attention of ``norm(x)`` for ``x`` [B, S, dim]; the norm and the q/k/v projections keep
-        only ``x`` for backward (:class:`_NormedProjections`)."""
+        """Attention of ``norm(x)`` for ``x`` [B, S, dim]."""
         b, s, _ = x.shape
-        q, k, v = _NormedProjections.apply(
-            x, norm.weight, norm.eps, self.wq.weight, self.wq.bias, self.wk.weight, self.wk.bias,
-            self.wv.weight, self.wv.bias,
-        )  # fmt: skip
+        q, k, v = self.projections(x, norm, self.wq, self.wk, self.wv)
         q = q.view(b, s, self.n_heads, self.head_dim)
         k = k.view(b, s, self.n_kv_heads, self.head_dim)
+        v = v.view(b, s, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        v = v.view(b, s, self.n_kv_heads, self.head_dim)
+        q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         out = self.attention_fn(q, k, v, layout=layout, sliding_window=self.sliding_window)
         return self.wo(out.reshape(b, s, -1))
 
 
 class FeedForward(nn.Module):
-    """SwiGLU of the normed input: w2(silu(w1 h) * w3 h), h = norm(x); over sequence tiles of
-    ``tile`` tokens when set (0: off), the norm inside each tile (:mod:`loongtrain.model.tiled_mlp`)."""
+    """SwiGLU of the normed input: w2(silu(w1 h) * w3 h), h = norm(x)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
         self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.tile = 0
+        # swapped by loongtrain.apply for memory.mlp_tile: over sequence tiles (model.tiled_mlp)
+        self.mlp: Callable[..., Tensor] = normed_mlp
 
     def forward(self, x: Tensor, norm: RMSNorm) -> Tensor:
-        return normed_swiglu(x, norm, self.w1.weight, self.w3.weight, self.w2.weight, self.tile)
+        return self.mlp(x, norm, self.w1, self.w3, self.w2)
 
 
 class TransformerBlock(nn.Module):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from loongtrain.model.norm import (
     RMSNorm,
@@ -72,6 +73,12 @@ class TiledNormedSwiGLU(torch.autograd.Function):
             sums = [sum_parts(total, p) for total, p in zip(sums, parts)]
         typed = cast_like(sums, [norm_weight, w1, w3, w2])
         return grad_x, typed[0], None, *typed[1:], None
+
+
+def tiled_normed_mlp(x: Tensor, norm: RMSNorm, w1: nn.Linear, w3: nn.Linear, w2: nn.Linear, *, tile: int) -> Tensor:
+    """:func:`~loongtrain.model.llama.normed_mlp` over tiles of ``tile`` tokens (the
+    ``FeedForward.mlp`` that ``loongtrain.parallelize`` swaps in for ``memory.mlp_tile``)."""
+    return normed_swiglu(x, norm, w1.weight, w3.weight, w2.weight, tile)
 
 
 def normed_swiglu(x: Tensor, norm: RMSNorm, w1: Tensor, w3: Tensor, w2: Tensor, tile: int) -> Tensor:

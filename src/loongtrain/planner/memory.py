@@ -7,7 +7,7 @@ accumulation dtype's (4: fp32). Where each term comes from:
 
 - ``model/llama.py``: ``RMSNorm`` saves its input and the fp32 ``1 / rms`` (``e * width + 4``;
   its backward recomputes the fp32 upcast and the normalised copy); the attention's norm and
-  the q/k/v projections are one function saving the same two (``_NormedProjections``: the
+  the q/k/v projections are one function saving the same two (``NormedProjections``: the
   normalised input is recomputed in backward); every other linear saves its input;
   RoPE saves only the shared cos/sin tables; ``FeedForward`` saves w1's output, silu's
   output, w3's output and their product (``4 * e * ffn``), or tiled (``model/tiled_mlp.py``)
