@@ -57,9 +57,11 @@ class Job:
         return cls([sys.executable, "-m", "loongtrain", "train", *args], log_dir, env)
 
     def workers(self) -> dict[int, int]:
-        """pid of each worker process by rank: the agent spawns local ranks in order (one node)."""
-        spawned = [pid for pid in _children(self.proc.pid) if b"spawn_main" in _cmdline(pid)]
-        return dict(enumerate(sorted(spawned, key=_start_time)))
+        """pid of each worker process by rank: the agent starts local ranks in order (one node),
+        each forked from the launcher's fork server (``loongtrain.local_workers``)."""
+        servers = [pid for pid in _children(self.proc.pid) if b"forkserver" in _cmdline(pid)]
+        forked = [pid for server in servers for pid in _children(server)]
+        return dict(enumerate(sorted(forked, key=_start_time)))
 
     def wait_for_step(self, run_dir: Path, step: int, timeout: float = 180) -> None:
         """Until ``metrics.jsonl`` holds a train record of ``step`` or later."""

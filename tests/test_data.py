@@ -24,7 +24,7 @@ from loongtrain.data import (
 from loongtrain.data.batch import pack_rows
 from loongtrain.data.prepare import prepare
 from loongtrain.data.tokens import HEADER_BYTES
-from loongtrain.train.trainer import make_source
+from loongtrain.train.spec import make_source
 
 
 @pytest.mark.parametrize("vocab, width", [(257, 2), (2**16, 2), (128_256, 4)])

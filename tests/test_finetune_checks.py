@@ -100,7 +100,7 @@ def test_packing_takes_documents_from_the_flags_and_long_documents_is_a_key(tmp_
         load_config(None, ["data.long_documents=drop"])
     with pytest.raises(ConfigError, match=r"data.long_documents='keep'; choose one of \['split', 'drop'\]"):
         load_config(None, ["data.source=tokens", f"data.path={data}", "data.long_documents=keep"])
-    from loongtrain.train.preflight import make_source
+    from loongtrain.train.spec import make_source
 
     flags = np.zeros(4000, dtype=np.uint8)
     flags[::4] |= TARGET

@@ -14,7 +14,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "loongtrain"
 
 #: Lowest first. The library (up to ``train``/``eval``) never imports the tools above it.
 LAYERS: list[set[str]] = [
-    {"_lazy", "options", "torch_support"},  # names and checks, no torch
+    {"_lazy", "options", "torch_support", "local_workers"},  # names and checks; how workers start; no torch
     {"parallel"},  # degrees, rank layouts, process groups
     {"attention"},  # kernels, sequence layout, ring, all-to-all, 2D attention
     {"model"},  # the Llama model (knows nothing of parallelism beyond its attention function)

@@ -103,7 +103,7 @@ def test_memory_options_refuse_what_cannot_apply():
         MemoryOptions(mlp_tile=-1)
     with pytest.raises(ConfigError, match=r"\[memory\] .*activation_checkpoint='none' keeps nothing to move"):
         load_config(None, ["memory.offload_activations=true", "memory.activation_checkpoint=none"])
-    with pytest.raises(ConfigError, match="run.compile=true cannot compile blocks with memory.mlp_tile"):
+    with pytest.raises(ConfigError, match=r"compiled blocks \(run.compile=true\) cannot run with memory.mlp_tile"):
         load_config(None, ["run.compile=true", "memory.mlp_tile=64"])
     with pytest.raises(ConfigError, match="memory.loss_chunk=-5 must not be negative"):
         load_config(None, ["memory.loss_chunk=-5"])

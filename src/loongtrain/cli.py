@@ -13,12 +13,12 @@ import signal
 import sys
 import threading
 
+from loongtrain.local_workers import start_worker_server
 from loongtrain.torch_support import check_torch
 
 # command -> (module with add_arguments/main, one-line help, main takes the unparsed extra args)
 COMMANDS: dict[str, tuple[str, str, bool]] = {
-    # train comes through loongtrain.eval.training, which adds the [eval] section's evaluations
-    "train": ("loongtrain.eval.training", "train a model from a TOML config (torchrun or --nproc)", True),
+    "train": ("loongtrain.train.cli", "train a model from a TOML config (torchrun or --nproc)", True),
     "eval": ("loongtrain.eval.cli", "needle retrieval grid and loss by position of a checkpoint or HF folder", True),
     "export": ("loongtrain.train.export", "write a training checkpoint as a Hugging Face model folder", False),
     "plan": ("loongtrain.plan_cli", "rank layouts for a cluster, model and length (cost model)", False),
@@ -36,12 +36,27 @@ BENCHES: dict[str, tuple[str, str]] = {
 }
 
 
-def _register(subparsers, name: str, module: str, help: str, load: bool, **defaults) -> None:
+def _train(args: argparse.Namespace, extra: list[str]) -> None:
+    """``loongtrain train``: the trainer, with the ``[eval]`` section's evaluations before the
+    first step and after the steps it names. Wired here: the trainer knows nothing of evaluation."""
+    from loongtrain.eval import training as evaluation
+    from loongtrain.train import cli as train_cli
+
+    train_cli.main(args, extra, after_step=evaluation.after_step, check=evaluation.check)
+
+
+#: commands whose ``main`` is wired here from more than their module
+WIRED = {"train": _train}
+#: modules a command's workers import besides its own (the fork server imports them once)
+WORKER_IMPORTS = {"train": ["loongtrain.eval.training"]}
+
+
+def _register(subparsers, name: str, module: str, help: str, load: bool, run=None, **defaults) -> None:
     parser = subparsers.add_parser(name, help=help)
     if load:  # only the command being run imports its module
         mod = importlib.import_module(module)
         mod.add_arguments(parser)
-        parser.set_defaults(run=mod.main, **defaults)
+        parser.set_defaults(run=run or mod.main, **defaults)
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -52,7 +67,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     for name, (module, help, takes_extra) in COMMANDS.items():
         load = argv is None or name == chosen
-        _register(commands, name, module, help, load, takes_extra=takes_extra)
+        _register(commands, name, module, help, load, WIRED.get(name), takes_extra=takes_extra)
     p_bench = commands.add_parser("bench", help="benchmarks that print tables")
     benches = p_bench.add_subparsers(dest="bench", required=True)
     rest = argv[argv.index("bench") + 1 :] if argv is not None and chosen == "bench" else []
@@ -62,8 +77,27 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+#: Commands that run local worker processes (``bench``: every benchmark).
+LAUNCHES = ("train", "eval", "demo", "gpu-check", "bench")
+HELP = ("-h", "--help", "--help-config")
+
+
+def _worker_modules(argv: list[str]) -> list[str] | None:
+    """The modules the workers of the command in ``argv`` import (its own), or None when it
+    starts no workers (another command, or asking for help)."""
+    words = [a for a in argv if not a.startswith("-")]
+    if not words or words[0] not in LAUNCHES or any(a in HELP for a in argv):
+        return None
+    if words[0] == "bench":
+        return [BENCHES[words[1]][0]] if len(words) > 1 and words[1] in BENCHES else None
+    return [COMMANDS[words[0]][0], *WORKER_IMPORTS.get(words[0], [])]
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    modules = _worker_modules(argv)
+    if modules is not None:  # the fork server imports torch and the command beside this process
+        start_worker_server(modules)
     try:
         parser = _holding_ctrl_c(build_parser, argv)  # imports the command's module (torch, for most): seconds
         args, extra = parser.parse_known_args(argv)

@@ -22,6 +22,7 @@ from loongtrain.options import (
     ZERO_SCOPES,
     MemoryOptions,
     bound_error,
+    check_compile,
     option,
 )
 from loongtrain.parallel.config import ParallelConfig
@@ -484,17 +485,11 @@ def validate(cfg: TrainConfig) -> None:
         )
     _option_object("memory", cfg.memory.options)
     _option_object("parallel", cfg.parallel.config)
-    if cfg.run.compile and cfg.parallel.layout == "per_batch":
-        raise ConfigError(
-            "run.compile=true compiles the blocks for one layout; parallel.layout='per_batch' changes it per "
-            "microbatch: set parallel.layout='fixed' or run.compile=false"
-        )
-    if cfg.run.compile and (cfg.memory.offload_activations or cfg.memory.mlp_tile):
-        on = "memory.offload_activations" if cfg.memory.offload_activations else "memory.mlp_tile"
-        raise ConfigError(
-            f"run.compile=true cannot compile blocks with {on} (host copies and per-tile recompute run outside "
-            f"a compiled graph); turn one of them off"
-        )
+    if cfg.run.compile:
+        try:
+            check_compile(cfg.memory.options(), cfg.parallel.layout == "per_batch")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     if cfg.data.source == "tokens" and not cfg.data.path:
         raise ConfigError("data.source='tokens' needs data.path (a token file from `loongtrain prepare`)")
     if cfg.data.source != "tokens" and cfg.data.long_documents != "split":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import uuid
 from collections.abc import Callable
@@ -16,10 +17,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from loongtrain.local_workers import (
+    EnvChanges,
+    allow_ctrl_c,
+    apply_environment,
+    environment_changes,
+    start_method,
+    start_worker_server,
+    under_torchrun,
+)
 
-def under_torchrun() -> bool:
-    """True when launched by torchrun (or another launcher that sets WORLD_SIZE/RANK)."""
-    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+__all__ = [
+    "allow_ctrl_c", "check_device", "elastic_run", "init_distributed", "launch", "quiet_agent_logs",
+    "single_process_env", "start_worker_server", "under_torchrun",
+]  # fmt: skip
 
 
 def _free_port() -> int:
@@ -95,7 +106,9 @@ def _run_rank(fn: Callable, args: tuple, device: str) -> None:
         dist.destroy_process_group()
 
 
-def _spawned_entry(rank: int, world: int, port: int, fn: Callable, args: tuple, device: str) -> None:
+def _spawned_entry(rank: int, world: int, port: int, env: EnvChanges, fn: Callable, args: tuple, device: str) -> None:
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C: KeyboardInterrupt, as when spawned
+    apply_environment(env)
     _local_env(rank, world, port)
     _run_rank(fn, args, device)
 
@@ -120,7 +133,11 @@ def launch(fn: Callable, nproc: int, *args, device: str = "auto") -> None:
             for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
                 os.environ.pop(key, None)
         return
-    mp.spawn(_spawned_entry, args=(nproc, _free_port(), fn, args, device), nprocs=nproc, join=True)
+    start_worker_server([fn.__module__])
+    mp.start_processes(
+        _spawned_entry, args=(nproc, _free_port(), environment_changes(), fn, args, device), nprocs=nproc,
+        join=True, start_method=start_method(),
+    )  # fmt: skip
 
 
 # Loggers of torchrun's agent and of torch.multiprocessing; their warnings and tracebacks
@@ -160,9 +177,16 @@ def elastic_run(
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if quiet:
         quiet_agent_logs()
+    start_worker_server([entry.__module__])  # at once, unless the command started it earlier
     config = LaunchConfig(
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=rdzv_id or uuid.uuid4().hex,
         rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint or "127.0.0.1:0", max_restarts=max_restarts,
-        monitor_interval=0.2, start_method="spawn", shutdown_timeout=shutdown_timeout_s,
+        monitor_interval=0.2, start_method=start_method(), shutdown_timeout=shutdown_timeout_s,
     )  # fmt: skip
-    return elastic_launch(config, entry)(*args)
+    return elastic_launch(config, _elastic_entry)(environment_changes(), entry, *args)
+
+
+def _elastic_entry(env: EnvChanges, entry: Callable, *args: Any) -> Any:
+    """A worker of :func:`elastic_run`: the launcher's environment (the agent set the rank's), then ``entry``."""
+    apply_environment(env)
+    return entry(*args)

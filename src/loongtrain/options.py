@@ -148,3 +148,20 @@ class MemoryOptions:
                 "MemoryOptions: offload_activations moves what activation checkpointing keeps, and "
                 "activation_checkpoint='none' keeps nothing to move; use 'full' or 'sc++'"
             )
+
+
+def check_compile(memory: MemoryOptions, per_batch: bool = False) -> None:
+    """Raise ValueError if blocks compiled with ``torch.compile`` cannot run with ``memory``
+    (host copies and per-tile recompute run outside a compiled graph) or with a layout per
+    microbatch (``per_batch``: the blocks are compiled for one layout)."""
+    on = [name for name in ("offload_activations", "mlp_tile") if getattr(memory, name)]
+    if on:
+        raise ValueError(
+            f"compiled blocks (run.compile=true) cannot run with memory.{on[0]} (host copies and per-tile "
+            f"recompute run outside a compiled graph); turn one of them off"
+        )
+    if per_batch:
+        raise ValueError(
+            "compiled blocks (run.compile=true) are compiled for one layout, and parallel.layout='per_batch' "
+            "changes it per microbatch: set parallel.layout='fixed' or run.compile=false"
+        )

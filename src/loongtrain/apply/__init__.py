@@ -28,7 +28,7 @@ from loongtrain.apply.zero import apply_zero, zero_mesh
 from loongtrain.model.lean import lean_normed_projections, tiled_rope
 from loongtrain.model.llama import Transformer, normed_mlp
 from loongtrain.model.tiled_mlp import tiled_normed_mlp
-from loongtrain.options import MemoryOptions, check_zero_scope
+from loongtrain.options import MemoryOptions, check_compile, check_zero_scope
 from loongtrain.parallel import ParallelState
 
 __all__ = [
@@ -67,10 +67,8 @@ def parallelize(
         raise TypeError(f"parallelize: memory must be a loongtrain.MemoryOptions, got {type(memory).__name__}")
     check_zero_scope(zero)
     zero_mesh(state, zero)  # built by init_parallel for this scope
-    if compile and (memory.offload_activations or memory.mlp_tile):
-        raise ValueError("parallelize: compile=True cannot compile blocks with activation offload or a tiled MLP")
-    if compile and alternatives:
-        raise ValueError("parallelize: compile=True compiles one layout; a layout per microbatch runs eagerly")
+    if compile:
+        check_compile(memory, per_batch=bool(alternatives))
     apply_attention(model, state, alternatives)  # checks that the heads split over hp, before anything else
     apply_memory_options(model, memory)
     offload = ActivationOffload(state.device) if memory.offload_activations else None

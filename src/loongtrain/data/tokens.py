@@ -202,6 +202,11 @@ class TokenFile:
             offset = HEADER_BYTES + count * width
             self.flags = np.memmap(self.path, dtype=np.uint8, mode="r", offset=offset, shape=(count,))
 
+    def __reduce__(self):
+        # to another process as its path (opened and checked again there), never its tokens:
+        # a memmap would be pickled as a copy of the whole array
+        return (TokenFile, (self.path,))
+
     def max_token(self, chunk: int = SCAN_CHUNK) -> int:
         """Largest token id in the file (scanned in chunks)."""
         return max((int(self.tokens[i : i + chunk].max()) for i in range(0, self.count, chunk)), default=-1)

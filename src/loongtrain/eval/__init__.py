@@ -9,5 +9,5 @@ training (``loongtrain eval``; the ``[eval]`` section during ``loongtrain train`
 - :mod:`~loongtrain.eval.model`: the forward-only model and its weights (checkpoint, HF, random);
 - :mod:`~loongtrain.eval.report`: tables, JSON, heatmap and curve;
 - :mod:`~loongtrain.eval.cli` (``loongtrain eval``) and :mod:`~loongtrain.eval.training`
-  (``loongtrain train`` with ``[eval]``).
+  (the hook and check ``loongtrain train`` runs for ``[eval]``).
 """

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -34,7 +33,7 @@ from loongtrain.train.checkpoint import CheckpointError
 from loongtrain.train.cli import split_overrides
 
 if TYPE_CHECKING:
-    from loongtrain.train.preflight import RunSpec
+    from loongtrain.train.spec import RunSpec
 
 PREFIX = "loongtrain eval: "
 USER_ERRORS = (ConfigError, TokenFileError, CheckpointError)
@@ -77,23 +76,18 @@ def _spec(cfg: TrainConfig, world: int, local: int) -> RunSpec:
     """What ``preflight`` resolves for training, less what only training needs (data, run
     folder, optimizer, resume)."""
     from loongtrain.apply import check_model_fits
-    from loongtrain.train.model_setup import model_config_for
-    from loongtrain.train.preflight import PARAM_DTYPES, RunSpec
+    from loongtrain.train.spec import model_spec
 
     try:
-        layout = cfg.parallel.config()
-        layout.resolve_dp(world)
-        model = model_config_for(cfg.model)
-        check_model_fits(model, layout.hp)
+        spec = model_spec(cfg)
+        spec.parallel.resolve_dp(world)
+        check_model_fits(spec.model, spec.parallel.hp)
         check_device(cfg.run.device, local)
     except ConfigError:
         raise
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return RunSpec(
-        parallel=layout, model=model, memory=cfg.memory.options(), param_dtype=PARAM_DTYPES[cfg.parallel.param_dtype],
-        init_from=cfg.model.init_from, task=None,
-    )  # fmt: skip
+    return spec
 
 
 def prepare(args: argparse.Namespace, extra: list[str], world: int, local: int) -> Job:
@@ -187,10 +181,10 @@ def eval_worker(job: Job) -> dict:
     """One rank of ``loongtrain eval`` (the elastic agent's entry, or the process itself)."""
     import torch.distributed as dist
 
-    from loongtrain.launch import init_distributed
+    from loongtrain.launch import allow_ctrl_c, init_distributed
     from loongtrain.train.faults import ERROR, FATAL, WorkerReport, debug_enabled, exception_line, write_report
 
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    allow_ctrl_c()
     rank = int(os.environ.get("RANK", "0"))
     try:
         device = init_distributed(timeout_s=max(600.0, job.cfg.run.timeout_s * 2), device=job.cfg.run.device)

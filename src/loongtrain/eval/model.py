@@ -18,7 +18,7 @@ from loongtrain.model import build_model
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallel import ParallelState
 from loongtrain.train.checkpoint import CheckpointError, CheckpointManager, read_state, structure_problem
-from loongtrain.train.preflight import RunSpec
+from loongtrain.train.spec import RunSpec
 
 #: The fields of a ModelConfig that decide the weights' shapes (RoPE, window and context
 #: length do not: a checkpoint may be evaluated with another RoPE scaling).

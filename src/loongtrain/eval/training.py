@@ -6,13 +6,12 @@ Rank 0 writes ``<run>/eval/step-N/`` (heatmap, loss curve, tables, JSON), one
 ``{"kind": "long_context", ...}`` record per evaluation in ``metrics.jsonl`` (and
 TensorBoard), ``<run>/eval/progress.png`` (retrieval by length against the step), and
 prints one line. The trainer knows nothing of this module: the
-``train`` command comes here (:data:`loongtrain.cli.COMMANDS`) and hands
-:func:`after_step` and :func:`check` to :func:`loongtrain.train.cli.main`.
+``train`` command (:mod:`loongtrain.cli`) hands :func:`after_step` and :func:`check` to
+:func:`loongtrain.train.cli.main`.
 """
 
 from __future__ import annotations
 
-import argparse
 import weakref
 from pathlib import Path
 
@@ -20,11 +19,10 @@ from loongtrain.config import TrainConfig
 from loongtrain.eval.plan import EvalPlan, NeedleBuilder, make_plan
 from loongtrain.eval.report import length_label, plot_progress, write_outputs
 from loongtrain.eval.runner import run_loss_by_position, run_needles
-from loongtrain.train import cli as train_cli
 from loongtrain.train.metrics import read_metrics
-from loongtrain.train.preflight import RunSpec
 from loongtrain.train.report import Reporter
 from loongtrain.train.run_folder import METRICS_FILE
+from loongtrain.train.spec import RunSpec
 from loongtrain.train.trainer import Beat, Run
 
 EVAL_DIR = "eval"
@@ -95,12 +93,3 @@ def after_step(run: Run, done: int, reporter: Reporter, beat: Beat) -> None:
            if "loss_by_position_first" in record else "")
         + f" ({needles.seconds + (loss.seconds if loss else 0):.1f} s) -> {paths['needles']}"
     )  # fmt: skip
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    train_cli.add_arguments(parser)
-
-
-def main(args: argparse.Namespace, extra: list[str]) -> None:
-    """``loongtrain train``, with the ``[eval]`` section's evaluation."""
-    train_cli.main(args, extra, after_step=after_step, check=check)

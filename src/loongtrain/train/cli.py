@@ -13,7 +13,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -32,8 +31,9 @@ from loongtrain.train.faults import (
     root_cause,
     say,
 )
-from loongtrain.train.preflight import RunSpec, preflight
+from loongtrain.train.preflight import preflight
 from loongtrain.train.run_folder import discard_new_run, holds_run
+from loongtrain.train.spec import RunSpec
 from loongtrain.train.trainer import AfterStep
 from loongtrain.train.worker import USER_ERRORS, main_under_torchrun, run_worker
 
@@ -98,27 +98,6 @@ def _latest_step(cfg: TrainConfig) -> int | None:
     return latest[0] if latest else None
 
 
-class _SigintBlocked:
-    """SIGINT blocked on this (the main) thread, which the elastic agent spawns the workers
-    from, so that they start with it blocked and a Ctrl-C while they import and build is
-    held until :func:`~loongtrain.train.worker.run_worker` lets it end them quietly (not 53
-    lines of their tracebacks). This process still gets it: a helper thread with SIGINT
-    unblocked receives it, and Python runs the handler (the agent's, which stops the
-    workers) on the main thread within the agent's 0.2 s poll."""
-
-    def __enter__(self) -> None:
-        from multiprocessing import resource_tracker
-
-        # started now: starting it later (at the first spawn) unblocks SIGINT on this thread
-        resource_tracker.ensure_running()
-        self._receiver = threading.Thread(target=threading.Event().wait, name="sigint-receiver", daemon=True)
-        self._receiver.start()
-        self._old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-
-    def __exit__(self, *exc) -> None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, self._old)
-
-
 def supervise(
     cfg: TrainConfig, spec: RunSpec, args: argparse.Namespace, argv: list[str], after_step: AfterStep | None = None
 ) -> int:
@@ -143,12 +122,11 @@ def supervise(
     try:
         report_dir = tempfile.mkdtemp(prefix="loongtrain-reports-")
         os.environ[REPORT_DIR_ENV] = report_dir
-        with _SigintBlocked():
-            results = elastic_run(
-                run_worker, cfg, spec, after_step, nproc=args.nproc, nnodes=args.nnodes,
-                rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, max_restarts=args.max_restarts,
-                quiet=not debug_enabled(),
-            )  # fmt: skip
+        results = elastic_run(
+            run_worker, cfg, spec, after_step, nproc=args.nproc, nnodes=args.nnodes,
+            rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, max_restarts=args.max_restarts,
+            quiet=not debug_enabled(),
+        )  # fmt: skip
     except (SignalException, KeyboardInterrupt) as e:
         sig = signal.Signals(e.sigval) if isinstance(e, SignalException) else signal.SIGINT
         say(

@@ -1,12 +1,12 @@
 """Every check of a training config that needs no process group, so that bad input fails
 with one line before anything is spawned: layout vs world size, model vs heads, sequence
-length, batch split, data source, optimizer values, device, run folder and checkpoint."""
+length, batch split, data source, optimizer values, device, run folder and checkpoint.
+:func:`preflight` returns the :class:`~loongtrain.train.spec.RunSpec` it checked."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,49 +26,12 @@ from loongtrain.data import (
 from loongtrain.data.loader import rows_per_microbatch
 from loongtrain.launch import check_device, under_torchrun
 from loongtrain.model import ModelConfig
-from loongtrain.options import MemoryOptions
-from loongtrain.parallel import ParallelConfig
 from loongtrain.train.checkpoint import CheckpointManager, check_model_shape
-from loongtrain.train.model_setup import check_pretrained_context, model_config_for
+from loongtrain.train.model_setup import check_pretrained_context
+from loongtrain.train.spec import RunSpec, build_optimizer, make_source, model_shape, model_spec
 
-PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # a model folder with any of these has a tokenizer to check a token file against
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """What :func:`preflight` resolved from a config for one world size: what ``build_run``
-    builds the parallel model from (the config's other sections are read as they are)."""
-
-    parallel: ParallelConfig
-    model: ModelConfig
-    memory: MemoryOptions
-    param_dtype: torch.dtype  # compute dtype of the parameters (fp32 master copy kept)
-    init_from: str  # a Hugging Face folder the weights come from, or "" (random initial weights)
-    task: RecallTask | PackedRecallTask | None  # the synthetic task, or None for a token file
-    notices: tuple[str, ...] = ()  # one-line notices for the user (printed once by the launcher)
-
-
-def make_source(cfg: TrainConfig) -> RecallTask | PackedRecallTask | TokenFileSource | LengthGroupedSource:
-    """The configured data source (a token file is memory-mapped, so this is cheap)."""
-    d = cfg.data
-    if d.source == "recall":
-        recall = dict(
-            seq_len=d.seq_len, keys=d.recall_keys, values=d.recall_values, facts=d.recall_facts,
-            queries=d.recall_queries, filler=d.recall_filler, seed=d.seed,
-        )  # fmt: skip
-        return PackedRecallTask(doc_len=d.doc_len, **recall) if d.pack else RecallTask(**recall)
-    file = TokenFile(d.path)
-    eos = d.eos_id if d.eos_id >= 0 else None  # None: the file's (documents come from its flags when it has them)
-    if d.pack and file.flags is None and eos is None and file.eos is None:
-        raise ConfigError(
-            f"data.pack=true needs document boundaries, but {d.path} has no per-token flags and records no "
-            f"end-of-document token (written before loongtrain recorded them, or by a tokenizer without one); "
-            f"set data.eos_id or re-create it with `loongtrain prepare`"
-        )
-    source = TokenFileSource(file, d.seq_len, d.seed, eos=eos, pack=d.pack, long_documents=d.long_documents)
-    return LengthGroupedSource(source, d.group_by_length, d.global_batch) if d.group_by_length else source
 
 
 def check_token_file(file: TokenFile, section: ModelSection, mcfg: ModelConfig) -> list[str]:
@@ -98,14 +61,6 @@ def check_token_file(file: TokenFile, section: ModelSection, mcfg: ModelConfig) 
         ]
     check_same_tokenizer(file, section.init_from)
     return []
-
-
-def model_shape(mcfg: ModelConfig) -> dict:
-    return dataclasses.asdict(mcfg)
-
-
-def build_optimizer(params, o: OptimSection) -> torch.optim.AdamW:
-    return torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
 
 
 def check_optimizer(o: OptimSection) -> None:
@@ -142,11 +97,12 @@ def check_run_dir(run_dir: Path) -> None:
 
 def preflight(cfg: TrainConfig, world_size: int, local_world_size: int | None = None) -> RunSpec:
     """Every check that needs no process group; raises ConfigError/TokenFileError/CheckpointError
-    naming the fix. ``local_world_size``: ranks on this node (default: all)."""
+    naming the fix. ``local_world_size``: ranks on this node (default: all). Returns the run's
+    spec, its data source made here (the only time in this process)."""
     try:
-        layout = cfg.parallel.config()
+        spec = model_spec(cfg)
+        layout, mcfg = spec.parallel, spec.model
         dp = layout.resolve_dp(world_size)
-        mcfg = model_config_for(cfg.model)  # a preset or the [model] init_from HF folder, with the RoPE keys
         check_model_fits(mcfg, layout.hp)
         check_sequence_length(cfg.data.seq_len, layout.hp, layout.cp)
         rows_per_microbatch(cfg.data.global_batch, dp, cfg.data.micro_batches)
@@ -171,9 +127,4 @@ def preflight(cfg: TrainConfig, world_size: int, local_world_size: int | None = 
         newest = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep).newest_readable()
         if newest is not None:
             check_model_shape(newest[1], newest[2], model_shape(mcfg))
-    return RunSpec(
-        parallel=layout, model=mcfg, memory=cfg.memory.options(), param_dtype=PARAM_DTYPES[cfg.parallel.param_dtype],
-        init_from=cfg.model.init_from, task=None if isinstance(source, TokenFileSource | LengthGroupedSource)
-        else source,
-        notices=tuple(n for n in notices if n),
-    )  # fmt: skip
+    return dataclasses.replace(spec, source=source, notices=tuple(n for n in notices if n))

@@ -6,7 +6,8 @@
 - :class:`~loongtrain.train.report.Reporter`: what rank 0 writes and prints;
 - :func:`train`: the short loop that ties them together.
 
-:func:`~loongtrain.train.preflight.preflight` checks a config before any process exists.
+:func:`~loongtrain.train.preflight.preflight` checks a config before any process exists and
+returns the :class:`~loongtrain.train.spec.RunSpec` the run is built from.
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ from loongtrain.train.metrics import (
     reset_peak_memory,
 )
 from loongtrain.train.model_setup import init_weights
-from loongtrain.train.preflight import RunSpec, build_optimizer, make_source, model_shape, preflight
+from loongtrain.train.preflight import preflight
 from loongtrain.train.report import Reporter, StepMetrics
 from loongtrain.train.run_folder import METRICS_FILE, RunStart, start_run, trim_metrics
 from loongtrain.train.schedule import lr_at
+from loongtrain.train.spec import RunSpec, build_optimizer, model_shape
 from loongtrain.train.step import forward_backward
 
 __all__ = ["Run", "RunSpec", "StepOutput", "TrainResult", "build_run", "preflight", "train", "train_step"]
@@ -127,7 +129,7 @@ def build_run(device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat 
     init_weights(model, device, spec.init_from, run_dir, seed=cfg.run.seed)  # random, or the init_from HF weights
     optimizer = build_optimizer(model.parameters(), cfg.optim)
     loader = BatchLoader(
-        make_source(cfg), cfg.data.global_batch, cfg.data.micro_batches, state.dp, state.coords.dp,
+        spec.source, cfg.data.global_batch, cfg.data.micro_batches, state.dp, state.coords.dp,
         mask_documents=cfg.data.document_masks,
     )  # fmt: skip
     checkpoints = CheckpointManager(checkpoint_dir, cfg.checkpoint.keep, run_id=folder.run_id, say=say)

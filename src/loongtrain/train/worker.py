@@ -5,7 +5,6 @@ and every way it can end turned into one report (no traceback unless ``--debug``
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import time
 import traceback
@@ -14,7 +13,7 @@ import torch.distributed as dist
 
 from loongtrain.config import ConfigError, TrainConfig
 from loongtrain.data.tokens import TokenFileError
-from loongtrain.launch import init_distributed
+from loongtrain.launch import allow_ctrl_c, init_distributed
 from loongtrain.train.checkpoint import CheckpointError
 from loongtrain.train.faults import (
     COMM,
@@ -30,7 +29,7 @@ from loongtrain.train.faults import (
     say,
     write_report,
 )
-from loongtrain.train.preflight import RunSpec
+from loongtrain.train.spec import RunSpec
 from loongtrain.train.trainer import AfterStep, train
 from loongtrain.train.watchdog import Watchdog, connect_store
 
@@ -68,12 +67,8 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, after_step: AfterStep | None = N
     restart a run that would fail again); any other failure is reported and the process
     exits with code 1 at once."""
     # Ctrl-C reaches every process of the terminal: a worker ends at once, quietly; the
-    # launcher says what happened. SIGTERM (the agent stopping the group) ends it as well.
-    # `loongtrain train` starts its workers with SIGINT blocked (a Ctrl-C while they import
-    # would print a traceback from each): one that came meanwhile ends the worker here.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    # launcher says what happened
+    allow_ctrl_c()
     rank = int(os.environ.get("RANK", "0"))
     write_report(WorkerReport(rank, RUNNING, "", current_attempt()))
     watchdog = None

@@ -27,7 +27,7 @@ from loongtrain.planner.report import format_length
 from loongtrain.planner.specs import CLUSTER_PRESETS
 from loongtrain.tools.harness import median_time, sync
 from loongtrain.train.metrics import device_peak_tflops, mfu, reset_peak_memory
-from loongtrain.train.preflight import build_optimizer
+from loongtrain.train.spec import build_optimizer
 from loongtrain.train.trainer import peak_memory_gib, train_step
 
 GiB = 2**30

@@ -1,0 +1,84 @@
+"""A training config turned into what a run is built from, for one world size: the parallel
+layout, the model, the memory options, the compute dtype and the data source (made once per
+process, here; a token file's source travels to the workers as its path and its index, not
+its tokens). :func:`~loongtrain.train.preflight.preflight` makes it and checks it before any
+process starts; :func:`~loongtrain.train.trainer.build_run` builds the run from it."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from loongtrain.config import ConfigError, OptimSection, TrainConfig
+from loongtrain.data import LengthGroupedSource, PackedRecallTask, RecallTask, TokenFile, TokenFileSource
+from loongtrain.model import ModelConfig
+from loongtrain.options import MemoryOptions
+from loongtrain.parallel import ParallelConfig
+from loongtrain.train.model_setup import model_config_for
+
+PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+Source = RecallTask | PackedRecallTask | TokenFileSource | LengthGroupedSource
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What a config resolves to for one world size: what ``build_run`` builds the parallel
+    model and its data from (the config's other sections are read as they are)."""
+
+    parallel: ParallelConfig
+    model: ModelConfig
+    memory: MemoryOptions
+    param_dtype: torch.dtype  # compute dtype of the parameters (fp32 master copy kept)
+    init_from: str  # a Hugging Face folder the weights come from, or "" (random initial weights)
+    source: Source | None  # the training data (None: a model evaluated, not trained)
+    notices: tuple[str, ...] = ()  # one-line notices for the user (printed once by the launcher)
+
+    @property
+    def task(self) -> RecallTask | PackedRecallTask | None:
+        """The synthetic task trained on, or None for a token file."""
+        return self.source if isinstance(self.source, RecallTask | PackedRecallTask) else None
+
+
+def model_spec(cfg: TrainConfig, source: Source | None = None) -> RunSpec:
+    """The layout, model, memory options and dtype of ``cfg``, with ``source`` as its data;
+    raises ValueError naming the problem (e.g. an unreadable model folder). The layout is
+    checked against a world size where one is known (``ParallelConfig.resolve_dp``)."""
+    return RunSpec(
+        parallel=cfg.parallel.config(), model=model_config_for(cfg.model), memory=cfg.memory.options(),
+        param_dtype=PARAM_DTYPES[cfg.parallel.param_dtype], init_from=cfg.model.init_from, source=source,
+    )  # fmt: skip
+
+
+def make_source(cfg: TrainConfig) -> Source:
+    """The configured data source (a token file is memory-mapped; its sequences are indexed
+    once, here)."""
+    d = cfg.data
+    if d.source == "recall":
+        recall = dict(
+            seq_len=d.seq_len, keys=d.recall_keys, values=d.recall_values, facts=d.recall_facts,
+            queries=d.recall_queries, filler=d.recall_filler, seed=d.seed,
+        )  # fmt: skip
+        return PackedRecallTask(doc_len=d.doc_len, **recall) if d.pack else RecallTask(**recall)
+    file = TokenFile(d.path)
+    eos = d.eos_id if d.eos_id >= 0 else None  # None: the file's (documents come from its flags when it has them)
+    if d.pack and file.flags is None and eos is None and file.eos is None:
+        raise ConfigError(
+            f"data.pack=true needs document boundaries, but {d.path} has no per-token flags and records no "
+            f"end-of-document token (written before loongtrain recorded them, or by a tokenizer without one); "
+            f"set data.eos_id or re-create it with `loongtrain prepare`"
+        )
+    source = TokenFileSource(file, d.seq_len, d.seed, eos=eos, pack=d.pack, long_documents=d.long_documents)
+    return LengthGroupedSource(source, d.group_by_length, d.global_batch) if d.group_by_length else source
+
+
+def model_shape(mcfg: ModelConfig) -> dict:
+    """The model's shape as a checkpoint records it (``trainer_state["model_shape"]``)."""
+    return dataclasses.asdict(mcfg)
+
+
+def build_optimizer(params, o: OptimSection) -> torch.optim.AdamW:
+    """AdamW with the ``[optim]`` values."""
+    return torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
