@@ -21,7 +21,7 @@ LAYERS: list[set[str]] = [
     {"planner", "apply", "data", "config", "launch"},  # cost model (pure); parallelize; data; config; launcher
     {"hf"},  # Hugging Face mapping and loading
     {"train"},  # the trainer, checkpoints, export
-    {"eval"},  # long-context evaluation
+    {"eval", "generate"},  # long-context evaluation; generation on the training layout
     {"tools"},  # benchmarks, the planner's measuring side, the GPU check, the demo and their shared harness
     {"plan_cli", "cli", "__main__", "__init__"},  # the commands and the package's lazy exports
 ]

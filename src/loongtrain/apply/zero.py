@@ -71,6 +71,7 @@ def apply_zero(
     # forward: backward needs them first
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, **extra)
     model.offload_states = offload_states  # materialize and the loaders allocate the states on the host then
+    model.reshard_after_forward = reshard_after_forward  # the layers' (generation gathers them for a while)
     replicas = mesh.size(0) if mesh.ndim == 2 else 1
     model.zero_comm_counted = True
     for module in model.modules():

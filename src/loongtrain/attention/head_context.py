@@ -118,6 +118,35 @@ def head_context_attention(
         sliding_window: ``i`` sees ``j`` only if ``i - j < sliding_window`` (``|i - j| <
             sliding_window`` when not causal), as in HF Mistral/Qwen.
     """
+    return _attend(q, k, v, state, causal, softmax_scale, layout, sliding_window)[0]
+
+
+def head_context_attention_kv(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    state: ParallelState,
+    layout: SequenceLayout | None = None,
+    sliding_window: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Causal :func:`head_context_attention` (forward only) that also returns the keys and
+    values this rank attended with: ``(out [B, S/sp, H, d], kv [2, B, S/cp, max(G,hp)/hp, d])``,
+    its head group's key/value heads for its context rank's tokens (in the order of
+    ``layout.ranges(h, c)`` for ``h = 0 .. hp-1``): the rank's shard of a K/V cache."""
+    return _attend(q, k, v, state, True, None, layout, sliding_window)
+
+
+def _attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    state: ParallelState,
+    causal: bool,
+    softmax_scale: float | None,
+    layout: SequenceLayout | None,
+    sliding_window: int | None,
+) -> tuple[Tensor, Tensor]:
+    """The 2D attention: ``(out, kv_h)``, the stacked key/value heads the ring attended with."""
     if torch.compiler.is_compiling():
         # Under torch.compile the checks that read values (a kernel table) stay out of the
         # graph; the ops find the layout again from its boundaries tensor when they run.
@@ -133,8 +162,9 @@ def head_context_attention(
     sliding = sliding_window or 0  # the ops take an int (0: none)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     if state.hp == 1:
-        out, _lse = ops.ring_attention(q, torch.stack((k, v)), state.key, causal, scale, True, cu, sliding)
-        return out
+        kv = torch.stack((k, v))
+        out, _lse = ops.ring_attention(q, kv, state.key, causal, scale, True, cu, sliding)
+        return out, kv
     q_h, kv_h = ops.head_scatter(q, k, v, state.key, causal, cu, sliding)
     out_h, _lse = ops.ring_attention(q_h, kv_h, state.key, causal, scale, False, cu, sliding)
-    return ops.head_gather(out_h, state.key)
+    return ops.head_gather(out_h, state.key), kv_h

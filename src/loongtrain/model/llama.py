@@ -169,6 +169,21 @@ class Transformer(nn.Module):
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.loss_chunk = 0  # tokens of logits at a time in the loss (0: all at once)
 
+    def hidden_states(self, tokens: Tensor, positions: Tensor, layout: SequenceLayout | None = None) -> Tensor:
+        """The final norm's output [B, S, dim]: what the output layer turns into logits."""
+        if positions.dim() == 1:
+            positions = positions.unsqueeze(0)
+        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin, layout)
+        return self.norm(h)
+
+    @property
+    def output_weight(self) -> Tensor:
+        """The output layer's weight [vocab, dim] (the embedding's when tied)."""
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
     def forward(
         self,
         tokens: Tensor,
@@ -177,14 +192,8 @@ class Transformer(nn.Module):
         labels: Tensor | None = None,
         reduction: str = "sum",
     ) -> Tensor | tuple[Tensor, Tensor]:
-        if positions.dim() == 1:
-            positions = positions.unsqueeze(0)
-        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h, cos, sin, layout)
-        h = self.norm(h)
-        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+        h = self.hidden_states(tokens, positions, layout)
+        weight = self.output_weight
         if labels is None:
             return F.linear(h, weight)
         if reduction == "none":
