@@ -1,4 +1,4 @@
-"""The ``loongtrain`` command: ``train``, ``eval``, ``export``, ``plan``, ``prepare``, ``demo``,
+"""The ``loongtrain`` command: ``train``, ``eval``, ``generate``, ``export``, ``plan``, ``prepare``, ``demo``,
 ``gpu-check``, and ``bench attention|documents|memory|train|prepare|eval``.
 
 Each command's module is imported only when that command runs (or shows its help), so
@@ -20,6 +20,7 @@ from loongtrain.torch_support import check_torch
 COMMANDS: dict[str, tuple[str, str, bool]] = {
     "train": ("loongtrain.train.cli", "train a model from a TOML config (torchrun or --nproc)", True),
     "eval": ("loongtrain.eval.cli", "needle retrieval grid and loss by position of a checkpoint or HF folder", True),
+    "generate": ("loongtrain.generate.cli", "generate from prompts with a checkpoint or HF folder on N ranks", True),
     "export": ("loongtrain.train.export", "write a training checkpoint as a Hugging Face model folder", False),
     "plan": ("loongtrain.plan_cli", "rank layouts for a cluster, model and length (cost model)", False),
     "prepare": ("loongtrain.data.prepare", "tokenize text, chat or prompt+completion records into a token file", False),
@@ -78,7 +79,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 
 #: Commands that run local worker processes (``bench``: every benchmark).
-LAUNCHES = ("train", "eval", "demo", "gpu-check", "bench")
+LAUNCHES = ("train", "eval", "generate", "demo", "gpu-check", "bench")
 HELP = ("-h", "--help", "--help-config")
 
 

@@ -15,28 +15,22 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
-import tempfile
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from loongtrain.config import ConfigError, TrainConfig, load_config
-from loongtrain.data.tokens import TokenFileError
-from loongtrain.eval.model import Weights, checkpoint_candidates
+from loongtrain.config import TrainConfig
+from loongtrain.eval.jobs import USER_ERRORS, resolve_target, run_job, world_sizes
+from loongtrain.eval.model import Weights
 from loongtrain.eval.plan import EvalPlan, make_plan
-from loongtrain.launch import check_device, single_process_env, under_torchrun
-from loongtrain.train.checkpoint import CheckpointError
 from loongtrain.train.cli import split_overrides
 
 if TYPE_CHECKING:
     from loongtrain.train.spec import RunSpec
 
 PREFIX = "loongtrain eval: "
-USER_ERRORS = (ConfigError, TokenFileError, CheckpointError)
 
 
 def say(message: str) -> None:
@@ -53,6 +47,9 @@ class Job:
     weights: Weights
     out: str
     target: str
+
+    def run(self, device) -> dict:
+        return evaluate_job(device, self)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,55 +69,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _spec(cfg: TrainConfig, world: int, local: int) -> RunSpec:
-    """What ``preflight`` resolves for training, less what only training needs (data, run
-    folder, optimizer, resume)."""
-    from loongtrain.apply import check_model_fits
-    from loongtrain.train.spec import model_spec
-
-    try:
-        spec = model_spec(cfg)
-        spec.parallel.resolve_dp(world)
-        check_model_fits(spec.model, spec.parallel.hp)
-        check_device(cfg.run.device, local)
-    except ConfigError:
-        raise
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    return spec
-
-
 def prepare(args: argparse.Namespace, extra: list[str], world: int, local: int) -> Job:
     """Resolve and check everything (no process group); raises a user error in one line."""
-    target = Path(args.target)
     overrides = split_overrides(extra) + ([f"eval.tokens={args.tokens}"] if args.tokens else [])
-    if args.nproc < 1:
-        raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
-    if (target / "config.toml").is_file():
-        if args.config:
-            raise ConfigError(f"{target} is a run folder with its own config.toml; --config is for HF folders")
-        cfg = load_config(target / "config.toml", overrides)
-        hf, run_dir = False, target
-    elif (target / "config.json").is_file():
-        if args.step is not None:
-            raise ConfigError(f"--step {args.step}: {target} is a Hugging Face folder, not a run with checkpoints")
-        cfg = load_config(args.config, [*overrides, f"model.init_from={target}"])
-        hf, run_dir = True, None
-    else:
-        raise ConfigError(
-            f"{target} is neither a run folder (no config.toml) nor a Hugging Face model folder (no config.json)"
-        )
-    spec = _spec(cfg, world, local)
-    plan = make_plan(cfg, spec.model, spec.parallel.hp, spec.parallel.cp, run_dir, task="text" if hf else None)
-    if args.random_weights:
-        weights, name = Weights("random", seed=cfg.run.seed), "random-init"
-    elif hf:
-        weights, name = Weights("hf", str(target)), target.name
-    else:
-        steps = checkpoint_candidates(target / "checkpoints", args.step, spec.model)
-        weights, name = Weights("checkpoint", str(target / "checkpoints"), steps), f"step-{steps[0]}"
-    default_out = Path("runs") / "eval" / target.name if hf else target / "eval" / name
-    return Job(cfg, spec, plan, weights, str(args.out or default_out), str(target))
+    target = resolve_target(
+        args.target, overrides, world, local, config=args.config, step=args.step, random_weights=args.random_weights
+    )
+    cfg, spec = target.cfg, target.spec
+    plan = make_plan(cfg, spec.model, spec.parallel.hp, spec.parallel.cp, target.run_dir,
+                     task="text" if target.hf else None)  # fmt: skip
+    default_out = Path("runs") / "eval" / target.path.name if target.hf else target.path / "eval" / target.name
+    return Job(cfg, spec, plan, target.weights, str(args.out or default_out), str(target.path))
 
 
 def evaluate_job(device, job: Job) -> dict:
@@ -177,78 +136,13 @@ def evaluate_job(device, job: Job) -> dict:
     return {"effective_context": needles.effective_context, "accuracy": needles.accuracy}
 
 
-def eval_worker(job: Job) -> dict:
-    """One rank of ``loongtrain eval`` (the elastic agent's entry, or the process itself)."""
-    import torch.distributed as dist
-
-    from loongtrain.launch import allow_ctrl_c, init_distributed
-    from loongtrain.train.faults import ERROR, FATAL, WorkerReport, debug_enabled, exception_line, write_report
-
-    allow_ctrl_c()
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        device = init_distributed(timeout_s=max(600.0, job.cfg.run.timeout_s * 2), device=job.cfg.run.device)
-        result = evaluate_job(device, job)
-    except USER_ERRORS as e:
-        if not write_report(WorkerReport(rank, FATAL, str(e))) and rank == 0:
-            say(str(e))
-        result = {"fatal": str(e)}
-    except Exception as e:
-        if debug_enabled():
-            traceback.print_exc()
-        if not write_report(WorkerReport(rank, ERROR, exception_line(e))):
-            say(f"rank {rank} failed: {exception_line(e)}")
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return result
-
-
-def _supervise(job: Job, nproc: int) -> int:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    from loongtrain.launch import elastic_run
-    from loongtrain.train.faults import REPORT_DIR_ENV, ProcessEnd, debug_enabled, read_reports, root_cause
-
-    report_dir = tempfile.mkdtemp(prefix="loongtrain-eval-reports-")
-    os.environ[REPORT_DIR_ENV] = report_dir
-    try:
-        results = elastic_run(eval_worker, job, nproc=nproc, quiet=not debug_enabled())
-    except KeyboardInterrupt:
-        say("interrupted; nothing was written")
-        return 130
-    except ChildFailedError as e:
-        ends = [ProcessEnd(r, f.exitcode, f.signal_name() if f.exitcode < 0 else None) for r, f in e.failures.items()]
-        say(root_cause(read_reports(Path(report_dir)), ends))
-        return 1
-    finally:
-        shutil.rmtree(report_dir, ignore_errors=True)
-        os.environ.pop(REPORT_DIR_ENV, None)
-    fatal = [r["fatal"] for r in results.values() if isinstance(r, dict) and "fatal" in r]
-    if fatal:
-        say(fatal[0])
-        return 2
-    return 0
-
-
 def main(args: argparse.Namespace, extra: list[str]) -> None:
     if args.debug:
         os.environ["LOONGTRAIN_DEBUG"] = "1"
-    if under_torchrun():
-        world = int(os.environ["WORLD_SIZE"])
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    else:
-        world = local = args.nproc
     try:
+        world, local = world_sizes(args.nproc)
         job = prepare(args, extra, world, local)
     except USER_ERRORS as e:
         say(str(e))
         raise SystemExit(2) from None
-    if under_torchrun():
-        raise SystemExit(2 if "fatal" in eval_worker(job) else 0)
-    if world == 1:  # in this process: no launcher start-up
-        single_process_env()
-        raise SystemExit(2 if "fatal" in eval_worker(job) else 0)
-    raise SystemExit(_supervise(job, world))
+    raise SystemExit(run_job(job, world, PREFIX))

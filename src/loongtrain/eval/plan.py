@@ -73,21 +73,32 @@ class EvalPlan:
         return text
 
 
-def _resolve_tokenizer(cfg: TrainConfig, run_dir: Path | None) -> str:
+def find_tokenizer(cfg: TrainConfig, run_dir: Path | None) -> str | None:
+    """The model's tokenizer: ``eval.tokenizer``, else ``model.init_from``'s (a Hugging Face folder
+    with tokenizer files), else the one a run imported (its source folder); None if none is known."""
     if cfg.eval.tokenizer:
         return cfg.eval.tokenizer
-    if cfg.model.init_from:
-        return cfg.model.init_from
-    source = run_dir / SOURCE_DIR if run_dir is not None else None
-    if source is not None and any((source / name).is_file() for name in TOKENIZER_FILES):
-        return str(source)
-    raise ConfigError(
-        "eval.task=text needs a tokenizer for the needle sentences: set eval.tokenizer (a Hugging Face folder or "
-        "tokenizer.json), or eval.task=recall for a model trained on the recall task"
-    )
+    candidates = [Path(cfg.model.init_from)] if cfg.model.init_from else []
+    if run_dir is not None:
+        candidates.append(run_dir / SOURCE_DIR)
+    for folder in candidates:
+        if any((folder / name).is_file() for name in TOKENIZER_FILES):
+            return str(folder)
+    return None
 
 
-def _load_tokenizer(source: str):
+def _resolve_tokenizer(cfg: TrainConfig, run_dir: Path | None) -> str:
+    found = find_tokenizer(cfg, run_dir)
+    if found is None:
+        raise ConfigError(
+            "eval.task=text needs a tokenizer for the needle sentences: set eval.tokenizer (a Hugging Face folder or "
+            "tokenizer.json), or eval.task=recall for a model trained on the recall task"
+        )
+    return found
+
+
+def load_tokenizer(source: str):
+    """The tokenizer at ``source``; ConfigError in one line if it cannot be read."""
     from loongtrain.data.tokenizer import make_tokenizer
 
     try:
@@ -146,7 +157,7 @@ def make_plan(
             )
     else:
         tokenizer_source = _resolve_tokenizer(cfg, run_dir)
-        tokenizer = _load_tokenizer(tokenizer_source)
+        tokenizer = load_tokenizer(tokenizer_source)
         has_template = bool(getattr(tokenizer, "chat_template", None))
         if e.chat == "on" and not has_template:
             raise ConfigError(f"eval.chat=on but tokenizer {tokenizer_source} has no chat template; use auto or off")
@@ -224,7 +235,7 @@ class NeedleBuilder:
         self.plan = plan
         self._tokenizer = tokenizer
         if plan.task == "text" and tokenizer is None:
-            self._tokenizer = _load_tokenizer(plan.tokenizer)
+            self._tokenizer = load_tokenizer(plan.tokenizer)
 
     @cached_property
     def format(self) -> RecallFormat | TextFormat:

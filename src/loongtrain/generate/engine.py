@@ -109,14 +109,14 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:
     """Raise ValueError (on every rank alike, before any communication) for an empty batch,
     an empty prompt or a token id outside the vocabulary."""
     if not prompts:
-        raise ValueError("generate: no prompts")
+        raise ValueError("no prompts to generate from")
     for i, prompt in enumerate(prompts):
         if len(prompt) == 0:
-            raise ValueError(f"generate: prompt {i} is empty; give every prompt at least one token")
+            raise ValueError(f"prompt {i} is empty; give every prompt at least one token")
         bad = [t for t in prompt if not 0 <= int(t) < vocab_size]
         if bad:
             raise ValueError(
-                f"generate: prompt {i} has token id(s) {bad[:3]} outside the model's vocabulary of {vocab_size}"
+                f"prompt {i} has token id(s) {bad[:3]} outside the model's vocabulary of {vocab_size}"
             )
 
 
