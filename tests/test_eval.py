@@ -120,7 +120,8 @@ def test_text_needles_in_bytes_place_and_score_the_value():
         assert bytes(tokens[needle.start : needle.start + len(line)].tolist()).decode() == line
         assert len(needle.value) == 7 and needle.value.isdigit()
         answer = bytes(int(ctx.labels[p]) for p in needle.scored).decode()
-        assert answer == f" {needle.value}"
+        assert answer == needle.value  # the value's tokens are scored, the space before it is only given
+        assert tokens[needle.scored[0]] == ord(" ")
         # the label at p predicts token p + 1: teacher forcing puts the answer in the sequence
         assert all(int(tokens[p + 1]) == int(ctx.labels[p]) for p in needle.scored)
         assert needle.scored[0] > needle.start
@@ -154,9 +155,12 @@ def test_contexts_are_a_function_of_the_plan(tmp_path):
     for cell in plan.cells:
         ca, cb = a.context(*cell), b.context(*cell)
         assert torch.equal(ca.tokens, cb.tokens) and torch.equal(ca.labels, cb.labels)
-    # same filler at every depth of a (length, sample); other keys per cell
+    # the same filler, needles and question order at every depth of a (length, sample): only
+    # where the needles are moves; other keys for another sample
     c0, c1 = a.context(128, 0.0, 0), a.context(128, 1.0, 0)
     assert c0.needles[0].start < c1.needles[0].start
+    assert [(n.key, n.value) for n in c0.needles] == [(n.key, n.value) for n in c1.needles]
+    assert torch.equal(c0.labels[c0.labels != IGNORE_INDEX], c1.labels[c1.labels != IGNORE_INDEX])
     assert [n.key for n in c0.needles] != [n.key for n in a.context(128, 0.0, 1).needles]
 
 
@@ -261,7 +265,7 @@ def test_needle_outcomes_need_every_answer_token():
     loss[list(first.scored)] = 0.5
     out = needle_outcomes(ctx, loss, correct)
     assert [o.correct for o in out] == [True, False]
-    assert out[0].answer_loss == pytest.approx(0.5 * 8) and out[0].answer_tokens == 8
+    assert out[0].answer_loss == pytest.approx(0.5 * 7) and out[0].answer_tokens == 7  # the 7 digits
 
 
 def test_reports_write_tables_json_and_pictures(tmp_path):

@@ -163,9 +163,10 @@ def assemble(
     return NeedleContext(length, depth, sample, tokens, labels, tuple(needles), (len(prompt.head), tail0), len(block))
 
 
-def context_rng(seed: int, length: int, depth: float, sample: int) -> random.Random:
-    """The generator of one context's keys, values and question order."""
-    return random.Random(sample_seed("needle", seed, length, round(depth * 10000), sample))
+def context_rng(seed: int, length: int, sample: int) -> random.Random:
+    """The generator of the keys, values and question order of the contexts of one (length,
+    sample): the same needles at every depth, so a heatmap row differs only in where they are."""
+    return random.Random(sample_seed("needle", seed, length, sample))
 
 
 def filler_seed(seed: int, length: int, sample: int) -> int:
@@ -254,6 +255,14 @@ class TextFormat:
     def _ids(self, text: str) -> list[int]:
         return [int(t) for t in self.tokenizer.encode(text)] if text else []
 
+    def leading_space(self, ids: list[int]) -> int:
+        """How many of the first tokens of ``ids`` are whitespace only (a tokenizer that writes
+        " 3332350" as " " + digits): teacher-forced but not scored, since "\n3332350" answers too."""
+        n = 0
+        while n < len(ids) - 1 and not self.tokenizer.decode([ids[n]]).strip():
+            n += 1
+        return n
+
     def is_break(self, token: int) -> bool:
         """Whether ``token`` ends a line (a needle may start right after it)."""
         found = self._breaks.get(token)
@@ -285,8 +294,11 @@ class TextFormat:
             if n:
                 tail += self._ids(".\n")
             tail += self._ids(f"The special magic number for {keys[j]} mentioned in the provided text is:")
-            for token in self._ids(f" {values[j]}"):
-                targets[j].append((len(tail) - 1, token))  # the label at p predicts token p + 1
+            answer = self._ids(f" {values[j]}")
+            lead = self.leading_space(answer)
+            for n_token, token in enumerate(answer):
+                if n_token >= lead:  # the value is scored, not the whitespace before it
+                    targets[j].append((len(tail) - 1, token))  # the label at p predicts token p + 1
                 tail.append(token)
         return Prompt(self.user_open + self._ids(intro), needles, tail, targets, keys, values)
 

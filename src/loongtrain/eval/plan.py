@@ -252,7 +252,7 @@ class NeedleBuilder:
         return file.tokens, file.document_starts() if file.knows_documents else None
 
     def prompt(self, length: int, depth: float, sample: int):
-        return self.format.prompt(context_rng(self.plan.seed, length, depth, sample), self.plan.needles)
+        return self.format.prompt(context_rng(self.plan.seed, length, sample), self.plan.needles)
 
     def context(self, length: int, depth: float, sample: int) -> NeedleContext:
         fmt = self.format
