@@ -330,6 +330,15 @@ class EvalSection:
         bound="non_negative",
     )
     seed: int = option(0, "seed of the needles (keys, values) and of where the filler is taken")
+    generated: str = option(
+        "",
+        "tasks answered by free generation beside the teacher-forced grid, comma-separated (RULER's niah_single, "
+        "niah_multikey, niah_multivalue, vt) or all; empty: none",
+    )
+    generated_tokens: int = option(
+        0, "new tokens per generated answer, within each context length (0: 32 for niah, 64 multivalue, 48 vt)",
+        bound="non_negative",
+    )  # fmt: skip
 
 
 def parse_lengths(text: str) -> tuple[int, ...]:

@@ -88,7 +88,7 @@ def evaluate_job(device, job: Job) -> dict:
 
     from loongtrain.eval.model import build_eval_model, load_eval_weights
     from loongtrain.eval.report import write_outputs
-    from loongtrain.eval.runner import run_loss_by_position, run_needles
+    from loongtrain.eval.runner import run_generated, run_loss_by_position, run_needles
     from loongtrain.parallel import init_parallel
 
     cfg, spec, plan = job.cfg, job.spec, job.plan
@@ -118,6 +118,7 @@ def evaluate_job(device, job: Job) -> dict:
 
     needles = run_needles(model, state, plan, progress=progress)
     loss = run_loss_by_position(model, state, plan, progress=progress)
+    generated = run_generated(model, state, plan, progress=progress)
     tokens = sum(n for n, _, _ in plan.cells)
     meta = {
         "target": job.target, "weights": loaded, "layout": layout, "world": world, "plan": plan.describe(),
@@ -126,14 +127,17 @@ def evaluate_job(device, job: Job) -> dict:
     }  # fmt: skip
     if rank == 0:
         title = f"{Path(job.target).name}: {loaded.split('/')[-1]}"
-        paths = write_outputs(Path(job.out), needles, loss, meta, title)
+        paths = write_outputs(Path(job.out), needles, loss, meta, title, generated)
         print(needles.table(), flush=True)
+        for report in generated:
+            print(report.table(), flush=True)
         if loss is not None:
             print(loss.table(), flush=True)
         rate = f" ({meta['tokens_per_s_per_device']:,.0f} tokens/s per device)" if needles.seconds else ""
         written = ", ".join(paths.values())
         print(f"{tokens:,} needle tokens in {needles.seconds:.1f} s{rate}; wrote {written}", flush=True)
-    return {"effective_context": needles.effective_context, "accuracy": needles.accuracy}
+    return {"effective_context": needles.effective_context, "accuracy": needles.accuracy,
+            **{f"generated_{r.task}": r.accuracy for r in generated}}  # fmt: skip
 
 
 def main(args: argparse.Namespace, extra: list[str]) -> None:

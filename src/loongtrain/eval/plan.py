@@ -8,7 +8,8 @@ short for the filler or made with another tokenizer, a missing tokenizer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -16,6 +17,17 @@ import numpy as np
 
 from loongtrain.config import ConfigError, TrainConfig, parse_lengths
 from loongtrain.data.tokens import TokenFile, TokenFileError
+from loongtrain.eval.generated import (
+    DEFAULT_NEW_TOKENS,
+    GENERATED_TASKS,
+    RECALL_TASKS,
+    GeneratedContext,
+    GeneratedPrompt,
+    place,
+    recall_prompt,
+    text_prompt,
+)
+from loongtrain.eval.generated import context_rng as generated_rng
 from loongtrain.eval.needles import (
     NeedleContext,
     RecallFormat,
@@ -52,6 +64,8 @@ class EvalPlan:
     loss_windows: int
     buckets: int
     data_seed: int
+    generated: tuple[str, ...] = ()  # tasks answered by free generation (eval.generated)
+    generated_tokens: dict[str, int] = field(default_factory=dict)  # new tokens per answer, by task
 
     @property
     def cells(self) -> list[tuple[int, float, int]]:
@@ -183,11 +197,13 @@ def make_plan(
                 )
         if loss_file:
             check_length("eval.loss_len", loss_len, unit, max(max_len, cfg.data.seq_len if heldout else 0))
+    generated = parse_generated(e.generated, task)
+    new_tokens = {t: e.generated_tokens or (1 if task == "recall" else DEFAULT_NEW_TOKENS[t]) for t in generated}
     plan = EvalPlan(
         task=task, lengths=tuple(lengths), depths=depths, needles=e.needles, samples=e.samples, seed=e.seed,
         max_len=max_len, recall=recall, tokenizer=tokenizer_source, chat=chat, filler=filler, loss_file=loss_file,
         loss_heldout=heldout, loss_len=loss_len, loss_windows=e.loss_windows if loss_file else 0,
-        buckets=e.position_buckets, data_seed=cfg.data.seed,
+        buckets=e.position_buckets, data_seed=cfg.data.seed, generated=generated, generated_tokens=new_tokens,
     )  # fmt: skip
     _check_files(plan, model, tokenizer)
     builder = NeedleBuilder(plan, tokenizer=tokenizer)
@@ -200,6 +216,14 @@ def make_plan(
                 f"for filler in a context of {length}; use longer eval.lengths or fewer eval.needles"
             )
         filler_need = max(filler_need, length - prompt.fixed_tokens)
+        for name in plan.generated:
+            fixed = builder.generated_prompt(name, length, sample).fixed_tokens + plan.generated_tokens[name]
+            if fixed >= length:
+                raise ConfigError(
+                    f"eval.generated {name}: its needles, question and {plan.generated_tokens[name]} new tokens take "
+                    f"{fixed} tokens, no room for filler in a context of {length}; use longer eval.lengths, fewer "
+                    "eval.needles or a smaller eval.generated_tokens"
+                )
     if plan.filler:
         count = TokenFile(plan.filler).count
         if count < filler_need:
@@ -208,6 +232,19 @@ def make_plan(
                 f"{filler_need}; use a longer token file (eval.tokens) or shorter eval.lengths"
             )
     return plan
+
+
+def parse_generated(names: str, task: str) -> tuple[str, ...]:
+    """The ``eval.generated`` tasks (comma-separated; "all": every one the format has)."""
+    allowed = RECALL_TASKS if task == "recall" else GENERATED_TASKS
+    if names.strip() == "all":
+        return allowed
+    found = tuple(dict.fromkeys(n.strip() for n in names.split(",") if n.strip()))
+    for name in found:
+        if name not in allowed:
+            why = " (a model of the recall task's ids has the niah tasks only)" if name in GENERATED_TASKS else ""
+            raise ConfigError(f"eval.generated: unknown task {name!r}{why}; choose from {', '.join(allowed)} or all")
+    return found
 
 
 def _check_files(plan: EvalPlan, model: ModelConfig, tokenizer) -> None:
@@ -237,6 +274,11 @@ class NeedleBuilder:
         if plan.task == "text" and tokenizer is None:
             self._tokenizer = load_tokenizer(plan.tokenizer)
 
+    @property
+    def tokenizer(self):
+        """The text task's tokenizer (None for the recall task's ids)."""
+        return self._tokenizer
+
     @cached_property
     def format(self) -> RecallFormat | TextFormat:
         if self.plan.recall is not None:
@@ -254,13 +296,33 @@ class NeedleBuilder:
     def prompt(self, length: int, depth: float, sample: int):
         return self.format.prompt(context_rng(self.plan.seed, length, sample), self.plan.needles)
 
-    def context(self, length: int, depth: float, sample: int) -> NeedleContext:
+    def filler(self, length: int, sample: int):
+        """The filler of the contexts of one (length, sample) (a function of the token count)
+        and the line-break test needles snap to (None: no snapping)."""
         fmt = self.format
         seed = filler_seed(self.plan.seed, length, sample)
         if isinstance(fmt, RecallFormat):
-            filler, is_break = fmt.filler_tokens(seed), None
-        elif self._file is not None:
-            filler, is_break = file_filler(*self._file, seed), fmt.is_break
-        else:
-            filler, is_break = fmt.repeat_filler(), fmt.is_break
+            return fmt.filler_tokens(seed), None
+        if self._file is not None:
+            return file_filler(*self._file, seed), fmt.is_break
+        return fmt.repeat_filler(), fmt.is_break
+
+    def context(self, length: int, depth: float, sample: int) -> NeedleContext:
+        filler, is_break = self.filler(length, sample)
         return assemble(self.prompt(length, depth, sample), filler, length, depth, sample, is_break)
+
+    def generated_prompt(self, task: str, length: int, sample: int) -> GeneratedPrompt:
+        """A generated task's prompt at one (length, sample): the same at every depth."""
+        rng = generated_rng(task, self.plan.seed, length, sample)
+        fmt = self.format
+        if isinstance(fmt, RecallFormat):
+            return recall_prompt(fmt, task, rng, self.plan.needles)
+        return text_prompt(fmt, task, rng, self.plan.needles)
+
+    def generated_context(self, task: str, length: int, depth: float, sample: int) -> GeneratedContext:
+        """A generated task's prompt for the cell (length, depth, sample): ``length`` tokens less
+        the answer's room (as RULER leaves room for generation within the length)."""
+        filler, is_break = self.filler(length, sample)
+        room = length - self.plan.generated_tokens[task]
+        placed = place(self.generated_prompt(task, length, sample), filler, room, depth, task, sample, is_break)
+        return dataclasses.replace(placed, length=length)

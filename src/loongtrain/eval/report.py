@@ -167,6 +167,81 @@ class LossReport:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class GeneratedOutcome:
+    """One prompt of a generated task: what the model wrote and its score."""
+
+    task: str
+    length: int
+    depth: float
+    sample: int
+    answers: tuple[str, ...]
+    generated: str
+    score: float  # fraction of the answers found in what it wrote (RULER's string_match_all)
+    position: int  # where the first needle (or assignment) starts
+
+
+@dataclass(frozen=True)
+class GeneratedReport:
+    """One generated task's outcomes over the grid."""
+
+    task: str
+    outcomes: list[GeneratedOutcome]
+    lengths: list[int]
+    depths: list[float]
+    new_tokens: int
+    seconds: float = 0.0
+
+    @property
+    def grid(self) -> dict[tuple[float, int], float]:
+        cells: dict[tuple[float, int], list[float]] = {}
+        for o in self.outcomes:
+            cells.setdefault((o.depth, o.length), []).append(o.score)
+        return {cell: sum(s) / len(s) for cell, s in sorted(cells.items())}
+
+    @property
+    def by_length(self) -> dict[int, float]:
+        by: dict[int, list[float]] = {}
+        for o in self.outcomes:
+            by.setdefault(o.length, []).append(o.score)
+        return {n: sum(s) / len(s) for n, s in sorted(by.items())}
+
+    @property
+    def accuracy(self) -> float:
+        return sum(o.score for o in self.outcomes) / max(1, len(self.outcomes))
+
+    @property
+    def effective_context(self) -> int:
+        return effective_context(self.by_length)
+
+    def table(self) -> str:
+        grid, by_length = self.grid, self.by_length
+        width = max(6, *(len(length_label(n)) + 1 for n in self.lengths))
+        lines = [
+            f"{self.task} (generated, greedy, up to {self.new_tokens} tokens; score: answers found in the output): "
+            "depth x length",
+            "depth " + "".join(f"{length_label(n):>{width}}" for n in self.lengths),
+        ]
+        for d in self.depths:
+            lines.append(f"{d:5.0%} " + "".join(f"{grid.get((d, n), math.nan):>{width}.2f}" for n in self.lengths))
+        lines.append("all   " + "".join(f"{by_length.get(n, math.nan):>{width}.2f}" for n in self.lengths))
+        eff = self.effective_context
+        lines.append(
+            f"effective context: {length_label(eff) if eff else 'none'}; overall {self.accuracy:.3f} over "
+            f"{len(self.outcomes)} prompts"
+        )
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {
+            "task": self.task, "accuracy": self.accuracy, "effective_context": self.effective_context,
+            "new_tokens": self.new_tokens, "lengths": self.lengths, "depths": self.depths,
+            "accuracy_by_length": {str(k): v for k, v in self.by_length.items()},
+            "grid": [{"depth": d, "length": n, "score": a} for (d, n), a in self.grid.items()],
+            "seconds": self.seconds, "outcomes": [asdict(o) for o in self.outcomes],
+        }  # fmt: skip
+
+
 def _pyplot():
     import matplotlib
 
@@ -178,25 +253,28 @@ def _pyplot():
 
 def plot_needles(report: NeedleReport, path: Path, title: str = "") -> None:
     """The depth x length heatmap (green: retrieved) into a small PNG."""
+    eff = report.effective_context
+    subtitle = f"exact match; effective context {length_label(eff) if eff else 'none'}; chance {report.chance:.2g}"
+    plot_grid(report.grid, report.lengths, report.depths, path, f"{title or 'needle retrieval'}\n{subtitle}")
+
+
+def plot_grid(
+    grid: dict[tuple[float, int], float], lengths: list[int], depths: list[float], path: Path, title: str
+) -> None:
+    """A depth x length heatmap of values in [0, 1] (green: 1) into a small PNG."""
     plt = _pyplot()
-    grid = report.grid
-    data = [[grid.get((d, n), math.nan) for n in report.lengths] for d in report.depths]
-    fig, ax = plt.subplots(figsize=(1.2 + 0.75 * len(report.lengths), 1.3 + 0.42 * len(report.depths)))
+    data = [[grid.get((d, n), math.nan) for n in lengths] for d in depths]
+    fig, ax = plt.subplots(figsize=(1.2 + 0.75 * len(lengths), 1.3 + 0.42 * len(depths)))
     image = ax.imshow(data, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
     for i, row in enumerate(data):
         for j, value in enumerate(row):
             if not math.isnan(value):
                 ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7)
-    ax.set_xticks(range(len(report.lengths)), [length_label(n) for n in report.lengths])
-    ax.set_yticks(range(len(report.depths)), [f"{d:.0%}" for d in report.depths])
+    ax.set_xticks(range(len(lengths)), [length_label(n) for n in lengths])
+    ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("needle depth")
-    eff = report.effective_context
-    head = title or "needle retrieval"
-    ax.set_title(
-        f"{head}\nexact match; effective context {length_label(eff) if eff else 'none'}; chance {report.chance:.2g}",
-        fontsize=8,
-    )
+    ax.set_title(title, fontsize=8)
     fig.colorbar(image, ax=ax, fraction=0.05, pad=0.03)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -247,12 +325,23 @@ def plot_progress(records: list[dict], path: Path, chance: float | None = None) 
     plt.close(fig)
 
 
-def write_outputs(out: Path, needles: NeedleReport | None, loss: LossReport | None, meta: dict, title: str) -> dict:
-    """``eval.json``, ``needles.png``/``needles.txt``, ``loss_by_position.png``/``.txt`` into
-    ``out``; returns the paths written by name."""
+def write_outputs(
+    out: Path, needles: NeedleReport | None, loss: LossReport | None, meta: dict, title: str,
+    generated: list[GeneratedReport] = (),
+) -> dict:  # fmt: skip
+    """``eval.json``, ``needles.png``/``needles.txt``, ``loss_by_position.png``/``.txt`` and
+    ``<task>.png``/``.txt`` for each generated task into ``out``; returns the paths written by name."""
     out.mkdir(parents=True, exist_ok=True)
     written: dict[str, str] = {}
-    data = {"meta": meta}
+    data: dict = {"meta": meta}
+    for report in generated:
+        data.setdefault("generated", {})[report.task] = report.to_json()
+        (out / f"{report.task}.txt").write_text(report.table() + "\n")
+        eff = report.effective_context
+        subtitle = f"generated; effective context {length_label(eff) if eff else 'none'}"
+        plot_grid(report.grid, report.lengths, report.depths, out / f"{report.task}.png",
+                  f"{title}: {report.task}\n{subtitle}")  # fmt: skip
+        written[report.task] = str(out / f"{report.task}.png")
     if needles is not None:
         data["needles"] = needles.to_json()
         (out / "needles.txt").write_text(needles.table() + "\n")

@@ -23,10 +23,11 @@ from loongtrain.attention.layout import unshard_sequence
 from loongtrain.data.batch import Microbatch
 from loongtrain.data.recall import IGNORE_INDEX
 from loongtrain.data.tokens import TokenFile
+from loongtrain.eval.generated import GeneratedContext, score
 from loongtrain.eval.needles import NeedleContext
 from loongtrain.eval.plan import EvalPlan, NeedleBuilder
 from loongtrain.eval.positions import LossByPosition, Window, bucket_edges, file_windows, heldout_windows
-from loongtrain.eval.report import LossReport, NeedleOutcome, NeedleReport
+from loongtrain.eval.report import GeneratedOutcome, GeneratedReport, LossReport, NeedleOutcome, NeedleReport
 from loongtrain.parallel import ParallelState
 from loongtrain.train.step import shard_microbatch
 
@@ -143,6 +144,64 @@ def run_needles(
         outcomes=[o for part in results for o in part], lengths=list(plan.lengths), depths=list(plan.depths),
         needles=plan.needles, chance=plan.chance, task=plan.task, seconds=time.perf_counter() - t0,
     )  # fmt: skip
+
+
+def _group_by_tokens(items: Sequence[T], length_of: Callable[[T], int], tokens: int) -> list[list[T]]:
+    """Consecutive items packed into groups of at most ``tokens`` tokens (at least one item each)."""
+    out: list[list[T]] = []
+    used = 0
+    for item in items:
+        n = length_of(item)
+        if out and used + n <= tokens:
+            out[-1].append(item)
+            used += n
+        else:
+            out.append([item])
+            used = n
+    return out
+
+
+def run_generated(
+    model: torch.nn.Module, state: ParallelState, plan: EvalPlan, builder: NeedleBuilder | None = None,
+    progress: Progress = _no_progress,
+) -> list[GeneratedReport]:  # fmt: skip
+    """Each of ``plan.generated``'s tasks over the grid, answered by greedy generation on
+    ``state``: several prompts (up to ``plan.max_len`` tokens together) per prefill, every
+    dp-th group on each replica. Collective."""
+    from loongtrain.generate import Sampling, generate
+
+    builder = builder or NeedleBuilder(plan)
+    tokenizer = builder.tokenizer
+    stop = () if tokenizer is None or tokenizer.eos is None else (int(tokenizer.eos),)
+    reports = []
+    for task in plan.generated:
+        t0 = time.perf_counter()
+        new = plan.generated_tokens[task]
+        contexts = [builder.generated_context(task, *cell) for cell in plan.cells]
+
+        def work(i: int, group: list[GeneratedContext], new=new) -> list[GeneratedOutcome]:
+            done = generate(model, state, [c.tokens for c in group], Sampling(max_new_tokens=new, stop_ids=stop))
+            out = []
+            for ctx, tokens, stopped in zip(group, done.tokens, done.stopped):
+                body = tokens[:-1] if stopped else tokens
+                if tokenizer is not None:
+                    text = tokenizer.decode(body)
+                    got = score(ctx.answers, text)
+                else:  # the recall task's ids: the one generated token is the answer
+                    text = " ".join(map(str, body))
+                    got = float(body[:1] == [int(ctx.answers[0])])
+                out.append(GeneratedOutcome(
+                    ctx.task, ctx.length, ctx.depth, ctx.sample, ctx.answers, text, got, ctx.first_insert,
+                ))  # fmt: skip
+            return out
+
+        groups = _group_by_tokens(contexts, lambda c: len(c.tokens), plan.max_len)
+        results = gather_results(for_my_replica(groups, state, work, progress), state)
+        reports.append(GeneratedReport(
+            task, [o for part in results for o in part], list(plan.lengths), list(plan.depths), new,
+            time.perf_counter() - t0,
+        ))  # fmt: skip
+    return reports
 
 
 def loss_windows(plan: EvalPlan) -> list[Window]:

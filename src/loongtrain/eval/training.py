@@ -18,7 +18,7 @@ from pathlib import Path
 from loongtrain.config import TrainConfig
 from loongtrain.eval.plan import EvalPlan, NeedleBuilder, make_plan
 from loongtrain.eval.report import length_label, plot_progress, write_outputs
-from loongtrain.eval.runner import run_loss_by_position, run_needles
+from loongtrain.eval.runner import run_generated, run_loss_by_position, run_needles
 from loongtrain.train.metrics import read_metrics
 from loongtrain.train.report import Reporter
 from loongtrain.train.run_folder import METRICS_FILE
@@ -64,17 +64,19 @@ def after_step(run: Run, done: int, reporter: Reporter, beat: Beat) -> None:
     try:
         needles = run_needles(run.model, run.state, plan, builder, progress)
         loss = run_loss_by_position(run.model, run.state, plan, progress)
+        generated = run_generated(run.model, run.state, plan, builder, progress)
     finally:
         run.model.train(was_training)
     if not reporter.enabled:
         return
     out = Path(run.cfg.run.output_dir) / EVAL_DIR / f"step-{done}"
     meta = {"step": done, "plan": plan.describe(), "layout": str(run.spec.parallel)}
-    paths = write_outputs(out, needles, loss, meta, f"step {done}")
+    paths = write_outputs(out, needles, loss, meta, f"step {done}", generated)
     record = {
         "kind": "long_context", "step": done, "needle_accuracy": needles.accuracy,
         "effective_context": needles.effective_context,
         **{f"needle_accuracy_{length_label(n)}": a for n, a in needles.by_length.items()},
+        **{f"generated_{r.task}": r.accuracy for r in generated},
     }  # fmt: skip
     if loss is not None and loss.overall is not None:
         record["loss_by_position_overall"] = loss.overall
@@ -91,5 +93,7 @@ def after_step(run: Run, done: int, reporter: Reporter, beat: Beat) -> None:
         f"context {length_label(eff) if eff else 'none'}"
         + (f"; loss by position {record['loss_by_position_first']:.3f} -> {record['loss_by_position_last']:.3f}"
            if "loss_by_position_first" in record else "")
-        + f" ({needles.seconds + (loss.seconds if loss else 0):.1f} s) -> {paths['needles']}"
+        + "".join(f"; generated {r.task} {r.accuracy:.2f}" for r in generated)
+        + f" ({needles.seconds + (loss.seconds if loss else 0) + sum(r.seconds for r in generated):.1f} s)"
+        + f" -> {paths['needles']}"
     )  # fmt: skip
