@@ -136,6 +136,9 @@ def _generate_on(folders: dict, config: dict, prompts, zero: bool = True) -> dic
         load_weights(model, hf)
         done = generate(model, state, prompts, Sampling(max_new_tokens=NEW), keep_logits=True)
         out[family] = (done.tokens, torch.stack(done.logits), done.decode_steps)
+        if family == "llama":  # a stop condition on the text (here: the third token) ends a prompt there
+            early = generate(model, state, prompts, Sampling(max_new_tokens=NEW), stop_when=lambda p, t: len(t) == 3)
+            assert early.tokens == [t[:3] for t in done.tokens] and early.stopped == [True] * len(prompts)
     return out
 
 

@@ -62,7 +62,6 @@ def test_prompts_are_encoded_as_transformers_encodes_them(tiny):
     (["--prompt-ids", "1 2 96"], "prompt 0 has token id(s) [96] outside the model's vocabulary of 96"),
     ([], "no prompt: give --prompt TEXT, --prompts FILE or --prompt-ids"),
     (["--prompt", "w5", "--chat"], "has no chat template; drop --chat or use a chat model"),
-    (["--prompt", "w5", "--stop", "w5 w6"], "--stop 'w5 w6' is 2 tokens"),
     (["--prompt", "w5", "--parallel.hp", "3"], "does not fit"),
     (["--prompt", "w5", "--max-new-tokens", "0"], "max_new_tokens=0 must be a positive integer"),
 ])  # fmt: skip
@@ -70,6 +69,15 @@ def test_bad_input_is_refused_before_any_process(tiny, extra, message):
     with pytest.raises((ConfigError, ValueError)) as caught:
         _prepare(tiny, *extra, world=3 if "3" in extra else 1)
     assert message in str(caught.value)
+
+
+def test_stop_strings_cut_the_completion(tiny):
+    from loongtrain.generate.cli import cut_at_stop
+
+    job = _prepare(tiny, "--prompt", "w5", "--stop", "w7 w8", "--stop", "\n\n", "--stop", "17")
+    assert job.stop_strings == ("w7 w8", "\n\n") and 17 in job.sampling.stop_ids
+    assert cut_at_stop("w1 w2 w7 w8 w9\n\nx", job.stop_strings) == ("w1 w2 ", True)
+    assert cut_at_stop("w1 w2", job.stop_strings) == ("w1 w2", False)
 
 
 def test_a_folder_without_a_tokenizer_needs_one_for_text(tmp_path, tiny):

@@ -48,8 +48,9 @@ class GenerateJob:
     weights: Weights
     prompts: tuple[tuple[int, ...], ...]
     sampling: Sampling
-    tokenizer: str | None  # decodes the completions on rank 0 (None: print the ids)
+    tokenizer: str | None  # decodes the completions (None: print the ids)
     out: str | None
+    stop_strings: tuple[str, ...] = ()  # a completion ends where one of these appears in its text
 
     def run(self, device) -> dict:
         return generate_job(device, self)
@@ -65,7 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sample at this temperature")
     parser.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of this probability")
     parser.add_argument("--seed", type=int, default=0, help="the sampling seed (the same draws on every rank)")
-    parser.add_argument("--stop", action="append", default=[], help="a token (text or id) that ends a prompt")
+    parser.add_argument(
+        "--stop", action="append", default=[], help="text (or a token id) that ends a completion (repeatable)"
+    )
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the tokenizer's end token")
     parser.add_argument("--tokenizer", default=None, help="the tokenizer (default: the model's; sets eval.tokenizer)")
     parser.add_argument("--step", type=int, default=None, help="a run's checkpoint step-N (default: newest intact)")
@@ -121,7 +124,7 @@ def encode_prompts(tokenizer, texts: list[str | list[dict]], chat: bool) -> list
 
 def stop_ids(tokenizer, target: Path, stops: list[str], ignore_eos: bool) -> tuple[int, ...]:
     """The tokens that end a prompt: the tokenizer's end token and a Hugging Face folder's
-    ``generation_config.json`` ones (unless ``ignore_eos``), and each ``--stop`` (one token each)."""
+    ``generation_config.json`` ones (unless ``ignore_eos``), and each ``--stop`` given as an id."""
     found: list[int] = []
     if not ignore_eos and tokenizer is not None:
         if tokenizer.eos is not None:
@@ -133,14 +136,15 @@ def stop_ids(tokenizer, target: Path, stops: list[str], ignore_eos: bool) -> tup
     for stop in stops:
         if stop.isdigit():
             found.append(int(stop))
-            continue
-        if tokenizer is None:
+        elif tokenizer is None:
             raise ConfigError(f"--stop {stop!r}: without a tokenizer give stop tokens as ids")
-        ids = tokenizer.encode(stop).tolist()
-        if len(ids) != 1:
-            raise ConfigError(f"--stop {stop!r} is {len(ids)} tokens ({ids}); give one token (its text or its id)")
-        found += ids
     return tuple(dict.fromkeys(found))
+
+
+def cut_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
+    """``text`` up to the first of ``stops`` in it, and whether one was found."""
+    found = [text.index(s) for s in stops if s in text]
+    return (text[: min(found)], True) if found else (text, False)
 
 
 def check_context(model: ModelConfig, prompts: list[list[int]], max_new: int) -> None:
@@ -235,7 +239,10 @@ def prepare(args: argparse.Namespace, extra: list[str], world: int, local: int) 
     check_prompts(prompts, target.spec.model.vocab_size)
     check_context(target.spec.model, prompts, args.max_new_tokens)
     check_cache_fits(target, prompts, args.max_new_tokens, local)
-    return GenerateJob(target.cfg, target.spec, target.weights, tuple(map(tuple, prompts)), sampling, source, args.out)
+    strings = tuple(s for s in args.stop if not s.isdigit())
+    return GenerateJob(
+        target.cfg, target.spec, target.weights, tuple(map(tuple, prompts)), sampling, source, args.out, strings
+    )
 
 
 def generate_job(device, job: GenerateJob) -> dict:
@@ -252,7 +259,14 @@ def generate_job(device, job: GenerateJob) -> dict:
     rank = dist.get_rank()
     loaded = load_eval_weights(model, device, job.weights, say=say if rank == 0 else lambda m: None)
     mine = list(range(state.coords.dp, len(job.prompts), state.dp)) or [0]  # a replica without a prompt repeats one
-    done = generate(model, state, [list(job.prompts[i]) for i in mine], job.sampling)
+    stop_when = None
+    if job.stop_strings:  # every rank decodes alike
+        tokenizer = load_tokenizer(job.tokenizer)
+
+        def stop_when(p: int, tokens: list[int]) -> bool:
+            return cut_at_stop(tokenizer.decode(tokens), job.stop_strings)[1]
+
+    done = generate(model, state, [list(job.prompts[i]) for i in mine], job.sampling, stop_when=stop_when)
     results = [(i, tokens, stopped) for i, tokens, stopped in zip(mine, done.tokens, done.stopped)]
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (results, done))
@@ -267,8 +281,9 @@ def _report(job: GenerateJob, loaded: str, state, outputs: list, runs: list) -> 
     tokenizer = load_tokenizer(job.tokenizer) if job.tokenizer else None
     records = []
     for i, (tokens, stopped) in enumerate(outputs):
-        body = tokens[:-1] if stopped else tokens
+        body = tokens[:-1] if stopped and tokens[-1] in job.sampling.stop_ids else tokens
         text = tokenizer.decode(body) if tokenizer is not None else " ".join(map(str, body))
+        text = cut_at_stop(text, job.stop_strings)[0]
         records.append({"prompt": i, "prompt_tokens": len(job.prompts[i]), "completion": text, "tokens": tokens,
                         "stopped": stopped})  # fmt: skip
         print(f"[{i}] {text}", flush=True)

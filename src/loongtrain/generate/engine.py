@@ -14,7 +14,7 @@ import contextlib
 import functools
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -49,7 +49,7 @@ class Generation:
     sp group)."""
 
     tokens: list[list[int]]  # the new tokens of each prompt (a stop token included, as it ended the prompt)
-    stopped: list[bool]  # whether each prompt ended at a stop token (else at max_new_tokens)
+    stopped: list[bool]  # whether each prompt ended at a stop token or stop_when (else at max_new_tokens)
     prefill_tokens: int  # prompt tokens of this replica
     prefill_s: float
     decode_steps: int  # steps after the prefill (each one token per prompt still running)
@@ -167,9 +167,12 @@ def generate(
     prompts: Sequence[Sequence[int]],
     sampling: Sampling,
     keep_logits: bool = False,
+    stop_when: Callable[[int, list[int]], bool] | None = None,
 ) -> Generation:
     """Generate from ``prompts`` (token id lists of any lengths; this replica's) on ``state``.
-    Collective over every rank. ``keep_logits`` keeps every step's logits (tests, scoring)."""
+    Collective over every rank. ``keep_logits`` keeps every step's logits (tests, scoring);
+    ``stop_when(p, new_tokens)`` (the same on every rank, e.g. a stop string in the decoded
+    text) ends prompt ``p`` after a token as a stop token would."""
     check_prompts(prompts, model.config.vocab_size)
     device, P = state.device, len(prompts)
     lengths = [len(p) for p in prompts]
@@ -186,7 +189,7 @@ def generate(
     appends = math.ceil(max(sampling.max_new_tokens - 1, 0) / state.cp)
     generator = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
     out_tokens: list[list[int]] = [[] for _ in range(P)]
-    running = [True] * P
+    running, stopped = [True] * P, [False] * P
     kept: list[Tensor] = []
 
     with gathered(model):
@@ -216,7 +219,10 @@ def generate(
                 for p in range(P):
                     if running[p]:
                         out_tokens[p].append(chosen[p])
-                        running[p] = chosen[p] not in sampling.stop_ids and len(out_tokens[p]) < sampling.max_new_tokens
+                        ended = chosen[p] in sampling.stop_ids
+                        ended = ended or (stop_when is not None and stop_when(p, out_tokens[p]))
+                        stopped[p] = ended
+                        running[p] = not ended and len(out_tokens[p]) < sampling.max_new_tokens
                 if not _any_running(any(running), state) or t == sampling.max_new_tokens - 1:
                     break
                 positions = tuple(n + t for n in lengths)
@@ -228,7 +234,6 @@ def generate(
                 steps += 1
         _sync(device)
         decode_s = time.perf_counter() - t1
-    stopped = [bool(toks) and toks[-1] in sampling.stop_ids for toks in out_tokens]
     return Generation(
         tokens=out_tokens, stopped=stopped, prefill_tokens=cu[-1], prefill_s=prefill_s, decode_steps=steps,
         decode_s=decode_s, cache_bytes=cache_bytes, logits=kept,
