@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str, bool]] = {
     "train": ("loongtrain.train.cli", "train a model from a TOML config (torchrun or --nproc)", True),
     "eval": ("loongtrain.eval.cli", "needle retrieval grid and loss by position of a checkpoint or HF folder", True),
     "generate": ("loongtrain.generate.cli", "generate from prompts with a checkpoint or HF folder on N ranks", True),
+    "lm-eval": ("loongtrain.tools.lm_eval", "lm-evaluation-harness with the loongtrain model type", True),
     "export": ("loongtrain.train.export", "write a training checkpoint as a Hugging Face model folder", False),
     "plan": ("loongtrain.plan_cli", "rank layouts for a cluster, model and length (cost model)", False),
     "prepare": ("loongtrain.data.prepare", "tokenize text, chat or prompt+completion records into a token file", False),

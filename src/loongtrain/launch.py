@@ -28,8 +28,8 @@ from loongtrain.local_workers import (
 )
 
 __all__ = [
-    "allow_ctrl_c", "check_device", "elastic_run", "init_distributed", "launch", "quiet_agent_logs",
-    "single_process_env", "start_worker_server", "under_torchrun",
+    "allow_ctrl_c", "check_device", "clear_single_process_env", "elastic_run", "init_distributed", "launch",
+    "local_rank_env", "quiet_agent_logs", "single_process_env", "start_worker_server", "under_torchrun",
 ]  # fmt: skip
 
 
@@ -82,7 +82,8 @@ def init_distributed(timeout_s: float = 600.0, device: str = "auto") -> torch.de
     return device
 
 
-def _local_env(rank: int, world: int, port: int) -> None:
+def local_rank_env(rank: int, world: int, port: int) -> None:
+    """Set the rendezvous variables of local rank ``rank`` of ``world`` (one node, ``port``)."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -93,9 +94,18 @@ def _local_env(rank: int, world: int, port: int) -> None:
     )
 
 
+RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+
+
 def single_process_env() -> None:
     """Set the rendezvous variables of a one-rank job that runs in this process."""
-    _local_env(0, 1, _free_port())
+    local_rank_env(0, 1, _free_port())
+
+
+def clear_single_process_env() -> None:
+    """Remove what :func:`single_process_env` set (the process is no rank any more)."""
+    for key in RENDEZVOUS_ENV:
+        os.environ.pop(key, None)
 
 
 def _run_rank(fn: Callable, args: tuple, device: str) -> None:
@@ -109,7 +119,7 @@ def _run_rank(fn: Callable, args: tuple, device: str) -> None:
 def _spawned_entry(rank: int, world: int, port: int, env: EnvChanges, fn: Callable, args: tuple, device: str) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C: KeyboardInterrupt, as when spawned
     apply_environment(env)
-    _local_env(rank, world, port)
+    local_rank_env(rank, world, port)
     _run_rank(fn, args, device)
 
 
@@ -126,12 +136,11 @@ def launch(fn: Callable, nproc: int, *args, device: str = "auto") -> None:
     if nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
     if nproc == 1:
-        _local_env(0, 1, _free_port())
+        local_rank_env(0, 1, _free_port())
         try:
             _run_rank(fn, args, device)
         finally:
-            for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
-                os.environ.pop(key, None)
+            clear_single_process_env()
         return
     start_worker_server([fn.__module__])
     mp.start_processes(

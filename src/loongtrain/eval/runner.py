@@ -60,6 +60,42 @@ def score_batch(
     return full[0].cpu(), full[1].cpu().bool()
 
 
+@torch.no_grad()
+def score_packed(
+    model: torch.nn.Module, state: ParallelState, sequences: Sequence[tuple[Sequence[int], int]]
+) -> list[tuple[float, bool]]:
+    """Each of ``sequences`` (token ids and how many of its last tokens to score) as one
+    document of one packed forward on ``state``'s sp group: the summed log-probability of its
+    last ``n`` tokens given what precedes them, and whether each of them is the argmax (an
+    evaluation harness's ``loglikelihood``). Collective over the sp group (and FSDP's)."""
+    from loongtrain.generate.engine import padded_length
+
+    tokens, labels, cu = [], [], [0]
+    for ids, n in sequences:
+        ids = list(ids)
+        if n < 1 or n >= len(ids):
+            raise ValueError(f"score_packed: score 1 to {len(ids) - 1} of a sequence's {len(ids)} tokens, not {n}")
+        tokens += ids[:-1]
+        labels += [IGNORE_INDEX] * (len(ids) - 1 - n) + ids[-n:]
+        cu.append(len(tokens))
+    total = padded_length(cu[-1], state.hp, state.cp)
+    if total > cu[-1]:
+        cu.append(total)
+    pad = total - len(tokens)
+    batch = Microbatch(torch.tensor([tokens + [0] * pad], device=state.device),
+                       torch.tensor([labels + [IGNORE_INDEX] * pad], device=state.device),
+                       torch.tensor(cu, dtype=torch.int64))  # fmt: skip
+    shard = shard_microbatch(batch, state)
+    loss, correct = model(shard.tokens, shard.positions, shard.layout, labels=shard.labels, reduction="none")
+    both = torch.stack([loss.float(), correct.float()])
+    full = unshard_sequence(both, state, dim=2, layout=shard.layout)[:, 0].cpu()
+    out = []
+    for (_, n), end in zip(sequences, cu[1:]):
+        span = slice(end - n, end)
+        out.append((-float(full[0, span].double().sum()), bool(full[1, span].all())))
+    return out
+
+
 def batches(items: Sequence[T], length_of: Callable[[T], int], tokens: int) -> list[list[T]]:
     """Consecutive items of the same length grouped into forwards of at most ``tokens`` tokens
     (at least one item each): a function of the items alone, so every layout groups alike."""
