@@ -35,6 +35,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "train": ("loongtrain.tools.bench.train", "the trainer's step: tokens/s eager vs compiled, and its time breakdown"),
     "prepare": ("loongtrain.tools.bench.prepare", "prepare on generated chats: tokens/s by workers, memory by size"),
     "eval": ("loongtrain.tools.bench.eval", "the evaluation's forward vs a training step: tokens/s at the same length"),
+    "generate": ("loongtrain.tools.bench.generate", "generation: prefill vs forward, decode, cache; vs transformers"),
 }
 
 
@@ -75,10 +76,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     rest = argv[argv.index("bench") + 1 :] if argv is not None and chosen == "bench" else []
     bench = next((a for a in rest if not a.startswith("-")), None)
     for name, (module, help) in BENCHES.items():
-        _register(benches, name, module, help, argv is None or name == bench)
+        # a bench that takes config keys (--section.key value) gets the arguments it does not know
+        _register(benches, name, module, help, argv is None or name == bench, takes_extra=name in BENCH_CONFIG_KEYS)
     return parser
 
 
+#: benchmarks that take config keys (``--parallel.cp 4``) besides their own arguments
+BENCH_CONFIG_KEYS = ("generate",)
 #: Commands that run local worker processes (``bench``: every benchmark).
 LAUNCHES = ("train", "eval", "generate", "demo", "gpu-check", "bench")
 HELP = ("-h", "--help", "--help-config")
