@@ -12,7 +12,8 @@ all-to-all moves ``q``, ``k``, ``v`` and the output both ways. One layer's atten
 
     max(busiest rank's kernels, its ring transfers) + its all-to-alls
 
-at :class:`LinkSpeeds` (the ring overlaps the kernels, the all-to-alls do not), and the
+at :class:`LinkSpeeds` (the ring overlaps the kernels, the all-to-alls do not; on CPU
+processes sharing their cores nothing overlaps: kernels + ring + all-to-alls), and the
 cheapest candidate wins (ties: the first). A microbatch of short documents under the
 ``locality`` balance sends nothing on a ring, so the pure ring is chosen for it and skips
 the all-to-all a 2D layout would pay; one long document keeps the 2D split.
@@ -35,17 +36,20 @@ FLOPS_PER_PAIR = 4 * 3.5
 
 @dataclass(frozen=True)
 class LinkSpeeds:
-    """What the choice prices with: one device's attention FLOP/s, and the bytes per second
-    one rank sends on a ring hop and in the head all-to-all."""
+    """What the choice prices with: one device's attention FLOP/s, the bytes per second one
+    rank sends on a ring hop and in the head all-to-all, and whether ring transfers run beside
+    the kernels (a GPU's copy engines and NICs do; CPU processes sharing their cores copy with
+    the same cores that compute, so there a transfer's time adds to the kernels')."""
 
     flops: float
     ring_bytes_per_s: float
     all_to_all_bytes_per_s: float
+    overlap: bool = True
 
 
 #: CPU processes on gloo (docs/PLATFORM: ~1 GB/s per rank in a ring step; fp32 flash
-#: attention ~40 GFLOP/s on two cores).
-CPU_GLOO = LinkSpeeds(flops=40e9, ring_bytes_per_s=1e9, all_to_all_bytes_per_s=1e9)
+#: attention ~40 GFLOP/s on two cores); transfers take the cores the kernels need.
+CPU_GLOO = LinkSpeeds(flops=40e9, ring_bytes_per_s=1e9, all_to_all_bytes_per_s=1e9, overlap=False)
 #: One node of H100s: ~400 TFLOP/s of attention kernels, NVLink for rings and all-to-alls.
 GPU_NODE = LinkSpeeds(flops=400e12, ring_bytes_per_s=150e9, all_to_all_bytes_per_s=150e9)
 
@@ -120,7 +124,8 @@ def layout_cost(
         qkv = local * (shape.heads + 2 * max(shape.kv_heads, hp)) * shape.head_dim * shape.elem_bytes
         out = local * shape.heads * shape.head_dim * shape.elem_bytes
         a2a = 2 * (qkv + out) * (hp - 1) / hp
-    seconds = max(compute, ring / speeds.ring_bytes_per_s) + a2a / speeds.all_to_all_bytes_per_s
+    ring_s = ring / speeds.ring_bytes_per_s
+    seconds = (max(compute, ring_s) if speeds.overlap else compute + ring_s) + a2a / speeds.all_to_all_bytes_per_s
     return LayoutCost(seconds, compute, float(ring), a2a)
 
 
@@ -136,7 +141,8 @@ def layout_seconds(
     microbatch of ``seq_len`` tokens with documents ``boundaries`` on ``config``:
 
         max(busiest rank's kernels, its ring transfers) + its all-to-alls
-    """
+
+    (the kernels plus the ring transfers where ``speeds`` do not overlap them)."""
     return layout_cost(config, seq_len, boundaries, sliding_window, shape, speeds).seconds
 
 

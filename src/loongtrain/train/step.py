@@ -43,6 +43,19 @@ def shard_microbatch(batch: Microbatch, state: ParallelState) -> ShardedBatch:
     return ShardedBatch(shard(batch.tokens), shard(batch.labels), shard(batch.positions()), layout)
 
 
+def _shard(index: int, batch: Microbatch, state: ParallelState) -> ShardedBatch:
+    """:func:`shard_microbatch`, its refusal naming the microbatch, its documents and the layout."""
+    try:
+        return shard_microbatch(batch, state)
+    except ValueError as e:
+        documents = batch.attention_documents
+        lengths = "one sequence" if documents is None else f"documents of {documents.diff().tolist()} tokens"
+        raise ValueError(
+            f"microbatch {index} (tokens {tuple(batch.tokens.shape)}, {lengths}) cannot run on hp={state.hp} x "
+            f"cp={state.cp}: {e}"
+        ) from None
+
+
 def batch_signature(batches: list[Microbatch]) -> int:
     """A 32-bit digest of what must agree across an sp group: shapes and document boundaries."""
     parts = [
@@ -116,7 +129,7 @@ def forward_backward(
     is sharded and attended on; None: ``state`` for all.
     """
     batches = [as_microbatch(mb) for mb in microbatches]
-    shards = [shard_microbatch(mb, state if choose is None else choose(mb)) for mb in batches]
+    shards = [_shard(i, mb, state if choose is None else choose(mb)) for i, mb in enumerate(batches)]
     device = shards[0].tokens.device
     # every sp rank sees its own shard, so this sums each replica's targets exactly once
     total_targets = agree_and_count(batches, shards, state)
