@@ -53,6 +53,11 @@ def _worker(rank: int, world: int, port: int, jobs, results) -> None:
     except Exception:
         results.put((rank, False, traceback.format_exc()))
         return
+    # What the worker holds before its first job (torch and the preloaded modules, its group)
+    # lives until it exits: frozen, the collector never walks it again. A full collection over
+    # it took 0.3-0.4 s per job and rank (250k-300k objects; measured), most of a small body's
+    # round trip; frozen objects are still freed by reference counting.
+    gc.freeze()
     while True:
         job = jobs.get()
         if job is None:
@@ -64,6 +69,9 @@ def _worker(rank: int, world: int, port: int, jobs, results) -> None:
             result = (rank, False, traceback.format_exc())
         if COLLECT_GARBAGE:  # the job's garbage (models: reference cycles) goes while its groups live
             gc.collect()
+            # what survived it (imported modules, cached states and meshes) is not walked again;
+            # such an object that later ends in a reference cycle (an evicted state) stays
+            gc.freeze()
         results.put(result)
     # Exit without destroy_process_group: with the groups of many layouts alive, tearing
     # them down took up to the 10 s join timeout per pool (measured), and the process's

@@ -189,6 +189,7 @@ def test_cuda_profile_distributed_sizes_are_valid(world):
     check_sequence_length(d.train_tokens_per_rank * world, train.hp, train.cp)
 
 
+@pytest.mark.e2e  # the command in a subprocess (4-9 s of imports before it refuses): not in the unit subset
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
 def test_device_cuda_without_a_gpu_is_a_clear_error():
     proc = _run_script("--device", "cuda", timeout=120)

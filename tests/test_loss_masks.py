@@ -296,8 +296,16 @@ def _prompt_and_completion_loss(model, path, seq: int = 128) -> tuple[float, flo
     return torch.cat(prompt).mean().item(), torch.cat(completion).mean().item()
 
 
-@pytest.mark.e2e  # a training run (single process), a behaviour test
-def test_masked_training_does_not_learn_the_prompts(tmp_path):
+def _trained_figures(files: list[str], masked_file: str) -> tuple[float, float]:
+    """On rank r: the model trained on ``files[r]`` (one thread, as every pool worker), scored
+    on the masked file's held-out windows."""
+    torch.manual_seed(0)
+    model = _train(files[torch.distributed.get_rank()], steps=200)
+    return _prompt_and_completion_loss(model, masked_file)
+
+
+@pytest.mark.e2e  # two training runs (one process each, at once), a behaviour test
+def test_masked_training_does_not_learn_the_prompts(dist_pool, tmp_path):
     """Records ``{"prompt": 8 random letters + "=", "completion": the letters in upper case}``
     through `loongtrain prepare` (byte tokenizer): the prompts are not targets. Trained on the
     file's masks, the model learns the completions and nothing about the prompts: its loss on
@@ -320,14 +328,12 @@ def test_masked_training_does_not_learn_the_prompts(tmp_path):
         flags=np.asarray(masked.flags) | TARGET, fingerprint=masked.tokenizer_fingerprint,
     )  # fmt: skip
     untrained_chance, prompt_entropy = math.log(257), math.log(len(LETTERS))
-    figures, threads = {}, torch.get_num_threads()
-    torch.set_num_threads(1)  # small matmuls: one thread is several times faster than two on a busy machine
-    try:
-        for name in ("masked", "unmasked"):
-            model = _train(tmp_path / f"{name}.tok", steps=200)
-            figures[name] = _prompt_and_completion_loss(model, tmp_path / "masked.tok")
-    finally:
-        torch.set_num_threads(threads)
+    # the two trainings at once on two pool processes of one thread each (small matmuls: one
+    # thread is several times faster than two on a busy machine, and both cores stay busy)
+    names = ("masked", "unmasked")
+    files = [str(tmp_path / f"{name}.tok") for name in names]
+    results = dist_pool(2).run(_trained_figures, files, str(tmp_path / "masked.tok"))
+    figures = dict(zip(names, results))
     print(f"\nprompt / completion loss: {figures}; ln(257) = {untrained_chance:.3f}, ln(26) = {prompt_entropy:.3f}")
     (masked_prompt, masked_completion), (ablation_prompt, ablation_completion) = figures["masked"], figures["unmasked"]
     assert masked_completion < 0.5 and ablation_completion < 0.5, "the completions are learned either way"

@@ -2,7 +2,8 @@
 
 For the debug model with fixed seed and data, every parallel configuration (layout,
 ZeRO scope, checkpoint mode) must give the loss and every parameter's gradient of the
-unsharded single-process model, and after several AdamW steps the same parameters.
+unsharded single-process model, and after two AdamW steps the same parameters (the
+second step reads the optimizer state the first one left in each rank's shard).
 The reference is the plain model (PyTorch SDPA on the full sequence), built in the same
 worker process from the same initial values.
 """
@@ -136,7 +137,7 @@ def _case_id(case) -> str:
 
 def _check(dist_pool, case) -> None:
     world, cfg, zero, ckpt, overrides, micro = case
-    for rank, errors in enumerate(dist_pool(world).run(_equivalence, cfg, zero, ckpt, overrides, 3, micro)):
+    for rank, errors in enumerate(dist_pool(world).run(_equivalence, cfg, zero, ckpt, overrides, 2, micro)):
         for key, tol in TOL.items():
             assert errors[key] <= tol, f"rank {rank}: {key} error {errors[key]:.2e} > {tol} ({errors})"
 

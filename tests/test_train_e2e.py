@@ -4,6 +4,7 @@ and the same losses under different layouts."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -66,14 +67,17 @@ def test_resume_on_other_layouts_and_world_sizes(dist_pool, tmp_path):
     base = ["memory.activation_checkpoint=full"]
     ref = dist_pool(4).run(_train, base + _layout(hp=2, cp=2) + ["run.steps=5", f"run.output_dir={tmp_path / 'r'}"])
     ref_losses = ref[0]["losses"]
+    # one 2-step run on hp=2 x cp=2, copied for each resume (each resume writes its own folder)
+    start = tmp_path / "start"
+    dist_pool(4).run(_train, base + _layout(hp=2, cp=2) + ["run.steps=2", "checkpoint.save_final=true",
+                                                           f"run.output_dir={start}"])  # fmt: skip
     for name, world, layout in [
         ("cp4w2", 4, _layout(cp=4, window=2)),
         ("dp2", 4, _layout(hp=2, dp=2, placement="context_first") + ["parallel.zero=sp"]),
         ("world2", 2, _layout(cp=2)),
     ]:
         out = tmp_path / name
-        dist_pool(4).run(_train, base + _layout(hp=2, cp=2) + ["run.steps=2", "checkpoint.save_final=true",
-                                                               f"run.output_dir={out}"])  # fmt: skip
+        shutil.copytree(start, out)
         resumed = dist_pool(world).run(_train, base + layout + ["run.steps=5", f"run.output_dir={out}"])[0]["losses"]
         assert len(resumed) == 3
         np.testing.assert_allclose(resumed, ref_losses[2:], rtol=2e-5, err_msg=name)
