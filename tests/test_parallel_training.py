@@ -190,3 +190,4 @@ def test_bad_parallel_inputs_raise_on_every_rank(dist_pool):
         assert "(n_heads=2, n_kv_heads=2) does not fit: query heads H=2 are not divisible by hp=4" in found["heads"]
         assert "unknown ZeRO scope 'zero3'" in found["scope"]
         assert "sequence length 12 is not divisible by 2*sp = 2*4*1 = 8" in found["seq"]
+        assert found["seq"].startswith("microbatch 0 (tokens (1, 12), one sequence) cannot run on hp=4 x cp=1")

@@ -149,6 +149,12 @@ def test_a_layout_per_microbatch_trains_as_the_fixed_layout(dist_pool, tmp_path)
     fixed = dist_pool(4).run(_train, common + [f"run.output_dir={tmp_path / 'f'}"])[0]
     mine = dist_pool(4).run(_train, common + ["parallel.layout=per_batch", f"run.output_dir={tmp_path / 'p'}"])[0]
     np.testing.assert_allclose(mine["losses"], fixed["losses"], rtol=1e-5)
+    # stopped after step 2 and resumed: the third step as the uninterrupted run's
+    resume = common + ["parallel.layout=per_batch", "checkpoint.every=2", f"run.output_dir={tmp_path / 'r'}"]
+    dist_pool(4).run(_train, [*resume, "run.steps=2"])
+    rest = dist_pool(4).run(_train, resume)[0]["losses"]
+    assert len(rest) == 1
+    np.testing.assert_allclose(rest, mine["losses"][2:], rtol=1e-5)
     records = [json.loads(x) for x in (tmp_path / "p" / "metrics.jsonl").read_text().splitlines()]
     layouts = [r["layouts"] for r in records if r["kind"] == "train"]
     assert all(len(x.split(",")) == 2 for x in layouts), layouts  # one entry per microbatch
