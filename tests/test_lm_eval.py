@@ -52,7 +52,7 @@ def _evaluate(model: str, args: dict, root: Path) -> dict:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    import loongtrain.tools.lm_eval  # noqa: F401 - registers the loongtrain model type
+    import loongtrain.tools.lm_eval_model  # noqa: F401 - registers the loongtrain model type
 
     manager = TaskManager(include_path=str(root / "tasks"))
     return lm_eval.simple_evaluate(model=model, model_args=args, tasks=list(TASKS), task_manager=manager,
