@@ -1,5 +1,6 @@
 """Compare two `loongtrain eval` outputs (eval.json) of the same weights on two layouts: are
-the needle outcomes identical, and how far apart are the losses?
+the needle outcomes identical, how far apart are the losses, and did the generated tasks
+write the same text?
 
     python scripts/compare_eval.py runs/x/eval/a/eval.json runs/x/eval/b/eval.json
 """
@@ -24,6 +25,16 @@ def main(a_path: str, b_path: str) -> int:
         ra, rb = a["loss_by_position"]["rows"], b["loss_by_position"]["rows"]
         d = max(abs(x["mean_loss"] - y["mean_loss"]) for x, y in zip(ra, rb) if x["mean_loss"] is not None)
         print(f"loss by position: {len(ra)} buckets, max |delta mean loss| {d:.2e}")
+    for task, ga in a.get("generated", {}).items():
+        gb = b.get("generated", {}).get(task)
+        if gb is None:
+            print(f"{task}: only in {a_path}")
+            same = False
+            continue
+        texts = [o["generated"] for o in ga["outcomes"]] == [o["generated"] for o in gb["outcomes"]]
+        print(f"{task}: {len(ga['outcomes'])} generated answers identical: {texts}; "
+              f"score {ga['accuracy']:.3f} vs {gb['accuracy']:.3f}")  # fmt: skip
+        same = same and texts
     return 0 if same else 1
 
 

@@ -162,7 +162,11 @@ class ModelServer:
                 dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
                 if dead:
                     self.close()
-                    raise ServerError(f"model server rank(s) {dead} ended without an answer") from None
+                    raise ServerError(
+                        f"model server rank(s) {dead} ended without an answer (started from a Python script, the "
+                        "ranks import it as multiprocessing's forkserver does: keep its work under "
+                        "`if __name__ == \"__main__\":`)"
+                    ) from None
                 continue
             if kind == "error":
                 self.close()

@@ -166,15 +166,17 @@ class LayerCache:
 
 def merge_partials(out: Tensor, lse: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     """The attention over every rank of ``group``: their ``(out [P, Hh, d], lse [P, Hh])``
-    partials merged by log-sum-exp (in group order, so every rank gets the same bits)."""
+    partials (float32, gathered in one collective) merged by log-sum-exp (in group order, so
+    every rank gets the same bits)."""
     if group is None:
         return out
     world = dist.get_world_size(group)
-    outs = out.new_empty((world * out.shape[0], *out.shape[1:]))
-    lses = lse.new_empty((world * lse.shape[0], *lse.shape[1:]))
-    all_gather_flat(outs, out.contiguous(), group)
-    all_gather_flat(lses, lse.contiguous(), group)
-    outs, lses = outs.view(world, *out.shape), lses.view(world, *lse.shape)
+    mine = torch.cat((out.reshape(-1), lse.reshape(-1)))
+    every = mine.new_empty(world * mine.numel())
+    all_gather_flat(every, mine, group)
+    every = every.view(world, -1)
+    outs = every[:, : out.numel()].view(world, *out.shape)
+    lses = every[:, out.numel() :].view(world, *lse.shape)
     total = torch.logsumexp(lses, dim=0)
     weights = torch.exp(lses - total).nan_to_num_(0.0)  # a rank holding none: exp(-inf) = 0
     return (weights.unsqueeze(-1) * outs).sum(dim=0)

@@ -147,8 +147,8 @@ def cut_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
     return (text[: min(found)], True) if found else (text, False)
 
 
-def check_context(model: ModelConfig, prompts: list[list[int]], max_new: int) -> None:
-    """Raise ConfigError if a prompt and its new tokens reach beyond the model's context."""
+def check_context(model: ModelConfig, prompts: list[list[int]], max_new: int, flag: str = "--max-new-tokens") -> None:
+    """Raise ConfigError if a prompt and its new tokens reach beyond the model's context (``flag`` names the limit)."""
     if not model.max_positions:
         return
     for i, prompt in enumerate(prompts):
@@ -156,12 +156,12 @@ def check_context(model: ModelConfig, prompts: list[list[int]], max_new: int) ->
         if need > model.max_positions:
             scaled = model.rope_scaling is not None
             fix = (
-                "shorten it or lower --max-new-tokens"
+                f"shorten it or lower {flag}"
                 if scaled
-                else "shorten it, lower --max-new-tokens, or extend the context (model.rope_scaling, docs/training.md)"
+                else f"shorten it, lower {flag}, or extend the context (model.rope_scaling, docs/training.md)"
             )
             raise ConfigError(
-                f"prompt {i} has {len(prompt):,} tokens and --max-new-tokens {max_new} asks for {need:,} positions, "
+                f"prompt {i} has {len(prompt):,} tokens and {flag} {max_new} asks for {need:,} positions, "
                 f"beyond the model's context of {model.max_positions:,}"
                 f"{' (RoPE scaled)' if scaled else ' (no RoPE scaling)'}; {fix}"
             )

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from loongtrain.config import ConfigError
 from loongtrain.eval.jobs import Target, resolve_target
+from loongtrain.generate.cli import check_context
 from loongtrain.launch import launch
 from loongtrain.tools.harness import sync
 from loongtrain.train.cli import split_overrides
@@ -96,6 +97,7 @@ def main(args: argparse.Namespace, extra: list[str]) -> None:
         if not target.hf or source is None:
             raise ConfigError(f"{args.folder}: bench generate needs a Hugging Face folder with its tokenizer")
         lengths = [int(n) for n in args.lengths.split(",")]
+        check_context(target.spec.model, [[0] * n for n in lengths], args.new, flag="--new")
         tokens = stdlib_tokens(load_tokenizer(source), max(lengths))
     except (ConfigError, ValueError) as e:
         raise SystemExit(f"bench generate: {e}") from None
@@ -125,7 +127,8 @@ def main(args: argparse.Namespace, extra: list[str]) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("folder", help="a Hugging Face model folder with its tokenizer")
-    parser.add_argument("--lengths", default="512,1024,2048,4096,8192", help="prompt lengths, comma-separated")
+    parser.add_argument("--lengths", default="512,1024,2048,4096,8176",
+                        help="prompt lengths, comma-separated (each with --new within the model's context)")
     parser.add_argument("--new", type=int, default=16, help="new tokens per prompt (greedy)")
     parser.add_argument("--nproc", type=int, default=4, help="processes")
     parser.add_argument("--json", default=None, help="write the rows to this file")
