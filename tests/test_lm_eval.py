@@ -85,3 +85,25 @@ def test_the_loongtrain_model_type_on_four_ranks_scores_as_hf(tmp_path):
                 assert ours["results"][task][key] == pytest.approx(value, rel=1e-5), (task, key)
     texts = [s["resps"][0][0] for s in ours["samples"]["lt_gen"]]
     assert all(t and " " not in t for t in texts)  # cut at the stop string (a space): one word each
+
+
+def test_an_unsupported_generation_request_is_refused_before_any_rank_starts(tmp_path):
+    from lm_eval.api.instance import Instance
+
+    from loongtrain.config import ConfigError
+    from loongtrain.tools.lm_eval_model import LoongtrainLM
+
+    from hf_tiny import add_tokenizer, make_hf_model
+
+    folder = make_hf_model("llama", tmp_path / "tiny", seed=5, max_position_embeddings=256)
+    add_tokenizer(folder, 96)
+    lm = LoongtrainLM(path=str(folder), nproc=4, cp=4)
+
+    def request(**gen_kwargs) -> Instance:
+        return Instance("generate_until", {}, ("w3 w4", {"until": [" "], **gen_kwargs}), 0)
+
+    with pytest.raises(ConfigError, match=r"does not support \['num_beams'\]"):
+        lm.generate_until([request(), request(num_beams=4)])  # the good one first: nothing runs
+    with pytest.raises(ConfigError, match="top_p=0.0"):
+        lm.generate_until([request(do_sample=True, temperature=1.0, top_p=0.0)])
+    assert lm._server is None  # no rank was started

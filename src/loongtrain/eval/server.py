@@ -165,7 +165,7 @@ class ModelServer:
                     raise ServerError(
                         f"model server rank(s) {dead} ended without an answer (started from a Python script, the "
                         "ranks import it as multiprocessing's forkserver does: keep its work under "
-                        "`if __name__ == \"__main__\":`)"
+                        '`if __name__ == "__main__":`)'
                     ) from None
                 continue
             if kind == "error":

@@ -115,9 +115,7 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:
             raise ValueError(f"prompt {i} is empty; give every prompt at least one token")
         bad = [t for t in prompt if not 0 <= int(t) < vocab_size]
         if bad:
-            raise ValueError(
-                f"prompt {i} has token id(s) {bad[:3]} outside the model's vocabulary of {vocab_size}"
-            )
+            raise ValueError(f"prompt {i} has token id(s) {bad[:3]} outside the model's vocabulary of {vocab_size}")
 
 
 def _sync(device: torch.device) -> None:

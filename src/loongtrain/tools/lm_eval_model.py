@@ -8,8 +8,10 @@ forwards (each request one document), ``generate_until`` is :func:`loongtrain.ge
 
 Requests are encoded, truncated and post-processed as lm-eval's ``hf`` model type does them
 (the same tokenizer, ``max_length``, prefix token, stop sequences), so the two give the same
-numbers on the same weights. Not supported (refused in one line): sampling other than greedy
-or temperature / top-p, ``think_end_token``, multimodal requests.
+numbers on the same weights. Not supported (refused in one line, every request of a batch
+checked before any runs; the ranks start at the first request that passes): generation
+arguments other than ``until``, ``max_gen_toks``, ``do_sample``, ``temperature``, ``top_p``
+and ``seed``, ``think_end_token``, multimodal requests.
 
 Needs the ``lm-eval`` extra (``pip install -e '.[lm-eval]'``; it does not install torch).
 """
@@ -66,7 +68,6 @@ class LoongtrainLM(TemplateLM):
 
         from loongtrain.eval.jobs import resolve_target
         from loongtrain.eval.plan import find_tokenizer
-        from loongtrain.eval.server import ModelServer
 
         # lm-eval's --device names one device; the ranks take theirs as training does (run.device: auto)
         target = resolve_target(path, _overrides(config), int(nproc), int(nproc), step=step)
@@ -79,8 +80,17 @@ class LoongtrainLM(TemplateLM):
         self._max_length = int(max_length or model.max_positions or DEFAULT_MAX_LENGTH)
         self._max_gen_toks = int(max_gen_toks)
         self.add_bos_token = add_bos_token
-        self.server = ModelServer(target, int(nproc))
+        self._target, self._nproc, self._server = target, int(nproc), None
         self.eos_ids = self._eos_ids(target)
+
+    @property
+    def server(self):
+        """The model's ranks, started at the first request that passed its checks."""
+        if self._server is None:
+            from loongtrain.eval.server import ModelServer
+
+            self._server = ModelServer(self._target, self._nproc)
+        return self._server
 
     def _eos_ids(self, target) -> tuple[int, ...]:
         import json
@@ -151,35 +161,45 @@ class LoongtrainLM(TemplateLM):
             self.cache_hook.add_partial("loglikelihood_rolling", tuple(req.args), total)
         return out
 
-    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
-        out = []
-        for req in requests:
-            context, gen_kwargs = req.args
-            kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
-            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
-            new = kwargs.pop("max_gen_toks")
-            do_sample, temperature = kwargs.pop("do_sample", False), float(kwargs.pop("temperature", 0.0) or 0.0)
-            top_p = float(kwargs.pop("top_p", 1.0) or 1.0)
-            seed = int(kwargs.pop("seed", 0) or 0)
-            if kwargs:
-                raise ConfigError(f"generate_until: the loongtrain model type does not support {sorted(kwargs)}")
-            prompt = self.tok_encode(context)[-(self.max_length - new) :]
+    def _generation(self, req) -> tuple[str, Sampling, tuple[str, ...]]:
+        """A generate_until request's context, sampling and stop strings (ConfigError if unsupported)."""
+        context, gen_kwargs = req.args
+        kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
+        until = handle_stop_sequences(kwargs.pop("until", None), eos=self.tok_decode([self.eot_token_id], False))
+        new = kwargs.pop("max_gen_toks")
+        do_sample, temperature = kwargs.pop("do_sample", False), float(kwargs.pop("temperature", 0.0) or 0.0)
+        top_p = kwargs.pop("top_p", None)
+        top_p = 1.0 if top_p is None else float(top_p)
+        seed = int(kwargs.pop("seed", 0) or 0)
+        if kwargs:
+            raise ConfigError(f"generate_until: the loongtrain model type does not support {sorted(kwargs)}")
+        try:
             sampling = Sampling(
                 max_new_tokens=new, temperature=temperature if do_sample else 0.0, top_p=top_p, seed=seed,
                 stop_ids=self.eos_ids,
             )  # fmt: skip
-            (tokens,) = self.server.request("generate", ([prompt], sampling, tuple(until), self.tokenizer_source))
-            text = postprocess_generated_text(self.tok_decode(tokens), until, None)
-            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+        except ValueError as e:
+            raise ConfigError(f"generate_until: {e}") from None
+        return context, sampling, tuple(until)
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        checked = [self._generation(req) for req in requests]  # every request checked before any runs
+        out = []
+        for req, (context, sampling, until) in zip(requests, checked):
+            prompt = self.tok_encode(context)[-(self.max_length - sampling.max_new_tokens) :]
+            (tokens,) = self.server.request("generate", ([prompt], sampling, until, self.tokenizer_source))
+            text = postprocess_generated_text(self.tok_decode(tokens), list(until), None)
+            self.cache_hook.add_partial("generate_until", req.args, text)
             out.append(text)
         return out
 
     def close(self) -> None:
-        self.server.close()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
 
     def __del__(self) -> None:
         try:
-            self.server.close()
+            self.close()
         except Exception:  # noqa: BLE001 - at interpreter exit
             pass

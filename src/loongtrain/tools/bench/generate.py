@@ -127,8 +127,11 @@ def main(args: argparse.Namespace, extra: list[str]) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("folder", help="a Hugging Face model folder with its tokenizer")
-    parser.add_argument("--lengths", default="512,1024,2048,4096,8176",
-                        help="prompt lengths, comma-separated (each with --new within the model's context)")
+    parser.add_argument(
+        "--lengths",
+        default="512,1024,2048,4096,8176",
+        help="prompt lengths, comma-separated (each with --new within the model's context)",
+    )
     parser.add_argument("--new", type=int, default=16, help="new tokens per prompt (greedy)")
     parser.add_argument("--nproc", type=int, default=4, help="processes")
     parser.add_argument("--json", default=None, help="write the rows to this file")
