@@ -238,3 +238,20 @@ def test_torch_older_than_the_oldest_tested_is_refused_with_one_line():
         check_torch("2.10.1+cu128")
     assert "\n" not in str(e.value)
     check_torch()  # the installed one is tested
+
+
+def test_the_launcher_passes_a_shutdown_timeout_only_to_a_torch_that_takes_one():
+    from dataclasses import dataclass
+
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from loongtrain.launch import _shutdown_timeout
+
+    @dataclass
+    class Torch211LaunchConfig:  # torch 2.11's LaunchConfig has no shutdown_timeout (a TypeError if passed)
+        nproc_per_node: int = 1
+
+    assert _shutdown_timeout(Torch211LaunchConfig, 5) == {}
+    taken = {f.name for f in fields(LaunchConfig)}
+    assert _shutdown_timeout(LaunchConfig, 5) == ({"shutdown_timeout": 5} if "shutdown_timeout" in taken else {})
+    LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, **_shutdown_timeout(LaunchConfig, 5))  # accepted

@@ -190,9 +190,18 @@ def elastic_run(
     config = LaunchConfig(
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=rdzv_id or uuid.uuid4().hex,
         rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint or "127.0.0.1:0", max_restarts=max_restarts,
-        monitor_interval=0.2, start_method=start_method(), shutdown_timeout=shutdown_timeout_s,
+        monitor_interval=0.2, start_method=start_method(), **_shutdown_timeout(LaunchConfig, shutdown_timeout_s),
     )  # fmt: skip
     return elastic_launch(config, _elastic_entry)(environment_changes(), entry, *args)
+
+
+def _shutdown_timeout(config_type: type, seconds: int) -> dict[str, int]:
+    """``LaunchConfig``'s ``shutdown_timeout`` where this torch has it (2.12+); torch 2.11's
+    agent waits its fixed 30 s before SIGKILL."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(config_type)}
+    return {"shutdown_timeout": seconds} if "shutdown_timeout" in names else {}
 
 
 def _elastic_entry(env: EnvChanges, entry: Callable, *args: Any) -> Any:
