@@ -136,7 +136,7 @@ def launch(fn: Callable, nproc: int, *args, device: str = "auto") -> None:
     if nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
     if nproc == 1:
-        local_rank_env(0, 1, _free_port())
+        single_process_env()
         try:
             _run_rank(fn, args, device)
         finally:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import operator
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,19 +30,32 @@ class NeedleOutcome:
     answer_tokens: int
 
 
-def accuracy_grid(outcomes: list[NeedleOutcome]) -> dict[tuple[float, int], float]:
-    """Fraction of needles retrieved per (depth, length)."""
-    cells: dict[tuple[float, int], list[bool]] = {}
+def accuracy_grid(
+    outcomes: Sequence, value: Callable = operator.attrgetter("correct")
+) -> dict[tuple[float, int], float]:
+    """Mean ``value`` of the outcomes per (depth, length): the fraction of needles retrieved."""
+    cells: dict[tuple[float, int], list[float]] = {}
     for o in outcomes:
-        cells.setdefault((o.depth, o.length), []).append(o.correct)
+        cells.setdefault((o.depth, o.length), []).append(value(o))
     return {cell: sum(hits) / len(hits) for cell, hits in sorted(cells.items())}
 
 
-def accuracy_by_length(outcomes: list[NeedleOutcome]) -> dict[int, float]:
-    by: dict[int, list[bool]] = {}
+def accuracy_by_length(outcomes: Sequence, value: Callable = operator.attrgetter("correct")) -> dict[int, float]:
+    """Mean ``value`` of the outcomes per length."""
+    by: dict[int, list[float]] = {}
     for o in outcomes:
-        by.setdefault(o.length, []).append(o.correct)
+        by.setdefault(o.length, []).append(value(o))
     return {length: sum(h) / len(h) for length, h in sorted(by.items())}
+
+
+def grid_lines(grid: dict[tuple[float, int], float], by_length: dict[int, float], lengths, depths) -> list[str]:
+    """A depth x length table as text: the header, a row per depth and the ``all`` row."""
+    width = max(6, *(len(length_label(n)) + 1 for n in lengths))
+    lines = ["depth " + "".join(f"{length_label(n):>{width}}" for n in lengths)]
+    for d in depths:
+        lines.append(f"{d:5.0%} " + "".join(f"{grid.get((d, n), math.nan):>{width}.2f}" for n in lengths))
+    lines.append("all   " + "".join(f"{by_length.get(n, math.nan):>{width}.2f}" for n in lengths))
+    return lines
 
 
 def effective_context(by_length: dict[int, float], threshold: float = EFFECTIVE_THRESHOLD) -> int:
@@ -98,18 +113,11 @@ class NeedleReport:
 
     def table(self) -> str:
         """The depth x length grid as text, with the effective context."""
-        grid = self.grid
-        width = max(6, *(len(length_label(n)) + 1 for n in self.lengths))
         lines = [
             f"needle retrieval ({self.task}, {self.needles} needle(s) per context, exact match of every answer "
             f"token; chance {self.chance:.3g}): depth x length",
-            "depth " + "".join(f"{length_label(n):>{width}}" for n in self.lengths),
+            *grid_lines(self.grid, self.by_length, self.lengths, self.depths),
         ]
-        for d in self.depths:
-            cells = "".join(f"{grid.get((d, n), math.nan):>{width}.2f}" for n in self.lengths)
-            lines.append(f"{d:5.0%} {cells}")
-        by_length = self.by_length
-        lines.append("all   " + "".join(f"{by_length.get(n, math.nan):>{width}.2f}" for n in self.lengths))
         eff = self.effective_context
         lines.append(
             f"effective context: {length_label(eff) if eff else 'none'} (retrieval >= {EFFECTIVE_THRESHOLD:.0%} at "
@@ -194,17 +202,11 @@ class GeneratedReport:
 
     @property
     def grid(self) -> dict[tuple[float, int], float]:
-        cells: dict[tuple[float, int], list[float]] = {}
-        for o in self.outcomes:
-            cells.setdefault((o.depth, o.length), []).append(o.score)
-        return {cell: sum(s) / len(s) for cell, s in sorted(cells.items())}
+        return accuracy_grid(self.outcomes, operator.attrgetter("score"))
 
     @property
     def by_length(self) -> dict[int, float]:
-        by: dict[int, list[float]] = {}
-        for o in self.outcomes:
-            by.setdefault(o.length, []).append(o.score)
-        return {n: sum(s) / len(s) for n, s in sorted(by.items())}
+        return accuracy_by_length(self.outcomes, operator.attrgetter("score"))
 
     @property
     def accuracy(self) -> float:
@@ -215,16 +217,11 @@ class GeneratedReport:
         return effective_context(self.by_length)
 
     def table(self) -> str:
-        grid, by_length = self.grid, self.by_length
-        width = max(6, *(len(length_label(n)) + 1 for n in self.lengths))
         lines = [
             f"{self.task} (generated, greedy, up to {self.new_tokens} tokens; score: answers found in the output): "
             "depth x length",
-            "depth " + "".join(f"{length_label(n):>{width}}" for n in self.lengths),
+            *grid_lines(self.grid, self.by_length, self.lengths, self.depths),
         ]
-        for d in self.depths:
-            lines.append(f"{d:5.0%} " + "".join(f"{grid.get((d, n), math.nan):>{width}.2f}" for n in self.lengths))
-        lines.append("all   " + "".join(f"{by_length.get(n, math.nan):>{width}.2f}" for n in self.lengths))
         eff = self.effective_context
         lines.append(
             f"effective context: {length_label(eff) if eff else 'none'}; overall {self.accuracy:.3f} over "

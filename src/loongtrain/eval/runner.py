@@ -96,16 +96,20 @@ def score_packed(
     return out
 
 
-def batches(items: Sequence[T], length_of: Callable[[T], int], tokens: int) -> list[list[T]]:
-    """Consecutive items of the same length grouped into forwards of at most ``tokens`` tokens
-    (at least one item each): a function of the items alone, so every layout groups alike."""
+def batches(items: Sequence[T], length_of: Callable[[T], int], tokens: int, mixed: bool = False) -> list[list[T]]:
+    """Consecutive items grouped into forwards of at most ``tokens`` tokens (at least one item
+    each), items of the same length only unless ``mixed`` (packed documents): a function of the
+    items alone, so every layout groups alike."""
     out: list[list[T]] = []
+    used = 0
     for item in items:
         n = length_of(item)
-        if out and length_of(out[-1][0]) == n and (len(out[-1]) + 1) * n <= tokens:
+        if out and used + n <= tokens and (mixed or length_of(out[-1][0]) == n):
             out[-1].append(item)
+            used += n
         else:
             out.append([item])
+            used = n
     return out
 
 
@@ -182,21 +186,6 @@ def run_needles(
     )  # fmt: skip
 
 
-def _group_by_tokens(items: Sequence[T], length_of: Callable[[T], int], tokens: int) -> list[list[T]]:
-    """Consecutive items packed into groups of at most ``tokens`` tokens (at least one item each)."""
-    out: list[list[T]] = []
-    used = 0
-    for item in items:
-        n = length_of(item)
-        if out and used + n <= tokens:
-            out[-1].append(item)
-            used += n
-        else:
-            out.append([item])
-            used = n
-    return out
-
-
 def run_generated(
     model: torch.nn.Module, state: ParallelState, plan: EvalPlan, builder: NeedleBuilder | None = None,
     progress: Progress = _no_progress,
@@ -231,7 +220,7 @@ def run_generated(
                 ))  # fmt: skip
             return out
 
-        groups = _group_by_tokens(contexts, lambda c: len(c.tokens), plan.max_len)
+        groups = batches(contexts, lambda c: len(c.tokens), plan.max_len, mixed=True)
         results = gather_results(for_my_replica(groups, state, work, progress), state)
         reports.append(GeneratedReport(
             task, [o for part in results for o in part], list(plan.lengths), list(plan.depths), new,

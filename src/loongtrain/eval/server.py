@@ -63,11 +63,11 @@ class Ranks:
         return self._tokenizers[source]
 
     def handle(self, kind: str, payload) -> list:
-        from loongtrain.eval.runner import _group_by_tokens, for_my_replica, gather_results, score_packed
+        from loongtrain.eval.runner import batches, for_my_replica, gather_results, score_packed
 
         if kind == "score":
             items = list(enumerate(payload))
-            groups = _group_by_tokens(items, lambda item: len(item[1][0]), self.budget)
+            groups = batches(items, lambda item: len(item[1][0]), self.budget, mixed=True)
 
             def score(i: int, group: list) -> list:
                 return list(zip([j for j, _ in group], score_packed(self.model, self.state, [s for _, s in group])))
@@ -76,17 +76,13 @@ class Ranks:
             return [result for _, result in sorted(pair for part in parts for pair in part)]
         if kind == "generate":
             from loongtrain.generate import generate
+            from loongtrain.generate.sampling import stop_at_strings
 
             prompts, sampling, stops, source = payload
-            tokenizer = self._tokenizer(source) if stops else None
-
-            def stop_when(p: int, tokens: list[int]) -> bool:
-                text = tokenizer.decode(tokens)
-                return any(s in text for s in stops)
+            stop_when = stop_at_strings(self._tokenizer(source), stops) if stops else None
 
             def run(i: int, group: list) -> list:
-                done = generate(self.model, self.state, [p for _, p in group], sampling,
-                                stop_when=stop_when if stops else None)  # fmt: skip
+                done = generate(self.model, self.state, [p for _, p in group], sampling, stop_when=stop_when)
                 return list(zip([j for j, _ in group], done.tokens))
 
             groups = [[(i, p)] for i, p in enumerate(prompts)]  # one prompt per prefill, as HF's batch of one

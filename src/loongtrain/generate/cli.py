@@ -26,7 +26,7 @@ from loongtrain.config import ConfigError, TrainConfig
 from loongtrain.eval.jobs import USER_ERRORS, Target, resolve_target, run_job, world_sizes
 from loongtrain.eval.model import Weights
 from loongtrain.eval.plan import find_tokenizer, load_tokenizer
-from loongtrain.generate.sampling import Sampling
+from loongtrain.generate.sampling import Sampling, cut_at_stop, stop_at_strings
 from loongtrain.model.config import ModelConfig
 from loongtrain.train.cli import split_overrides
 from loongtrain.train.spec import RunSpec
@@ -141,12 +141,6 @@ def stop_ids(tokenizer, target: Path, stops: list[str], ignore_eos: bool) -> tup
     return tuple(dict.fromkeys(found))
 
 
-def cut_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
-    """``text`` up to the first of ``stops`` in it, and whether one was found."""
-    found = [text.index(s) for s in stops if s in text]
-    return (text[: min(found)], True) if found else (text, False)
-
-
 def check_context(model: ModelConfig, prompts: list[list[int]], max_new: int, flag: str = "--max-new-tokens") -> None:
     """Raise ConfigError if a prompt and its new tokens reach beyond the model's context (``flag`` names the limit)."""
     if not model.max_positions:
@@ -259,13 +253,7 @@ def generate_job(device, job: GenerateJob) -> dict:
     rank = dist.get_rank()
     loaded = load_eval_weights(model, device, job.weights, say=say if rank == 0 else lambda m: None)
     mine = list(range(state.coords.dp, len(job.prompts), state.dp)) or [0]  # a replica without a prompt repeats one
-    stop_when = None
-    if job.stop_strings:  # every rank decodes alike
-        tokenizer = load_tokenizer(job.tokenizer)
-
-        def stop_when(p: int, tokens: list[int]) -> bool:
-            return cut_at_stop(tokenizer.decode(tokens), job.stop_strings)[1]
-
+    stop_when = stop_at_strings(load_tokenizer(job.tokenizer), job.stop_strings) if job.stop_strings else None
     done = generate(model, state, [list(job.prompts[i]) for i in mine], job.sampling, stop_when=stop_when)
     results = [(i, tokens, stopped) for i, tokens, stopped in zip(mine, done.tokens, done.stopped)]
     gathered: list = [None] * dist.get_world_size()

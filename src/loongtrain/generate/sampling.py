@@ -4,6 +4,7 @@ from a seeded generator (the same draws on every rank, which all hold the same l
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,3 +51,17 @@ def next_tokens(logits: Tensor, sampling: Sampling, generator: torch.Generator |
         sorted_probs[before >= sampling.top_p] = 0.0  # the first token always stays
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return torch.multinomial(probs, 1, generator=generator).flatten()
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
+    """``text`` up to the first of ``stops`` in it, and whether one was found."""
+    found = [text.index(s) for s in stops if s in text]
+    return (text[: min(found)], True) if found else (text, False)
+
+
+def stop_at_strings(tokenizer, stops: Sequence[str]) -> Callable[[int, list[int]], bool] | None:
+    """A ``generate`` ``stop_when`` that ends a prompt once one of ``stops`` appears in its
+    decoded new tokens (None without stop strings)."""
+    if not stops:
+        return None
+    return lambda p, tokens: cut_at_stop(tokenizer.decode(tokens), stops)[1]
