@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from loongtrain.config import ConfigError, load_config
+from loongtrain.model import loss as loss_module
 from loongtrain.model.loss import lm_loss, token_scores
 from loongtrain.model.norm import RMSNorm
 from loongtrain.model.tiled_mlp import normed_swiglu, swiglu
@@ -67,6 +68,60 @@ def test_chunked_loss_without_targets_is_zero_and_has_zero_gradients():
     loss.backward()
     assert loss.item() == 0.0 and correct.item() == 0
     assert h.grad.abs().max() == 0 and w.grad.abs().max() == 0
+
+
+def test_chunked_loss_in_bfloat16_equals_float64_cross_entropy(monkeypatch):
+    """bf16 weights: dL/dW summed in float32 over chunks, its products a vocabulary slice at a
+    time (a slice smaller than the vocabulary here), against float64 autograd."""
+    monkeypatch.setattr(loss_module, "_GRAD_W_ROWS", 16)
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(40, 24, generator=gen).bfloat16()
+    w = (0.5 * torch.randn(50, 24, generator=gen)).bfloat16()
+    labels = torch.randint(0, 50, (40,), generator=gen)
+    labels[::4] = -100
+    ref_in = [t.double().requires_grad_() for t in (h, w)]
+    ref = F.cross_entropy(F.linear(*ref_in), labels, ignore_index=-100, reduction="sum")
+    ref.backward()
+    got_in = [t.clone().requires_grad_() for t in (h, w)]
+    loss, _ = lm_loss(*got_in, labels, chunk=7)
+    loss.backward()
+    assert abs(loss.item() - ref.item()) <= 1e-2 * abs(ref.item())
+    for got, want in zip(got_in, ref_in):
+        assert got.grad.dtype == torch.bfloat16 and _rel(got.grad, want.grad) <= 1e-2
+
+
+@pytest.mark.parametrize("wants", [(True, False), (False, True)])
+def test_chunked_loss_makes_only_the_gradients_asked_for(wants):
+    gen = torch.Generator().manual_seed(5)
+    h = torch.randn(9, 6, generator=gen, requires_grad=wants[0])
+    w = torch.randn(11, 6, generator=gen, requires_grad=wants[1])
+    labels = torch.randint(0, 11, (9,), generator=gen)
+    ref = F.cross_entropy(F.linear(h.double(), w.double()), labels, reduction="sum")
+    (want,) = torch.autograd.grad(ref, h if wants[0] else w)
+    loss, _ = lm_loss(h, w, labels, chunk=4)
+    (got,) = torch.autograd.grad(loss, h if wants[0] else w)
+    assert _rel(got, want) <= 1e-6
+
+
+def test_chunked_loss_hands_its_float32_weight_gradient_over_without_a_copy():
+    """The [vocab, dim] accumulator is the gradient backward returns: the step's tensor peak
+    (allocation tracking) holds one such buffer, not the two (accumulator and scaled copy) it
+    held before; and a second backward through the graph is refused in one line."""
+    from loongtrain.tools.bench.memory import TensorPeak
+
+    vocab, dim, tokens = 8192, 64, 16
+    matrix = vocab * dim * 4
+    h = torch.randn(tokens, dim, requires_grad=True)
+    w = torch.randn(vocab, dim, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens,))
+    with TensorPeak(torch.device("cpu")) as peak:
+        loss, _ = lm_loss(h, w, labels, chunk=8)
+        (0.5 * loss).backward(retain_graph=True)
+    assert matrix <= peak.bytes - peak.base < 1.5 * matrix
+    ref = F.cross_entropy(F.linear(h.detach().double(), w.detach().double()), labels, reduction="sum")
+    assert abs(loss.item() - ref.item()) <= 1e-5 * ref.item()
+    with pytest.raises(RuntimeError, match="a second backward through the same graph"):
+        loss.backward()
 
 
 @pytest.mark.parametrize("tile", [1, 3, 8, 64])

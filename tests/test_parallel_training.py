@@ -99,6 +99,9 @@ TOL = {"loss": 2e-6, "grad_step0": 2e-6, "grad": 1e-4, "param": 2e-5}
 
 # (world, layout, zero scope, checkpoint mode, model overrides, microbatches)
 CASES = [
+    # one rank: FSDP2's one-rank "reduce-scatter" hands its input over as the gradient (apply/zero_comm.py)
+    (1, {}, "dp_sp", "sc++", {}, 2),
+    (1, {}, "sp", "full", {"tie_embeddings": True}, 1),
     (2, {"cp": 2}, "dp_sp", "none", {}, 1),
     (2, {"hp": 2}, "sp", "sc++", {}, 2),
     (2, {"cp": 2, "ring_window": 2}, "none", "full", {"tie_embeddings": True}, 1),

@@ -70,10 +70,11 @@ def test_chunked_loss_changes_only_the_loss_terms():
     assert differing(whole, chunked) == {
         # whole shard: the loss's backward holds the fp32 log-softmax, its gradient and the input
         # gradient, and that gradient cast to bf16 for the output layer's backward
-        # chunked: grad_h [T, d] fp32 made in the forward; fp32 grad_W [V, d] and 3 fp32 [chunk, V]
+        # chunked: grad_h [T, d] fp32 made in the forward; fp32 grad_W [V, d], one fp32 [chunk, V]
+        # (logits, softmax and gradient in place) and its bf16 logits or gradient beside it
         "loss": {
             "loss": ((final + 12 * 100 + 2 * 100) * T, (final + 4 * 64) * T),
-            "loss fixed": (0.0, 4 * 100 * 64 + 3 * 4 * 64 * 100),
+            "loss fixed": (0.0, 4 * 100 * 64 + (4 + 2) * 64 * 100),
         },
     }
 

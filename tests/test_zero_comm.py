@@ -8,6 +8,7 @@ root does not."""
 from __future__ import annotations
 
 import math
+import weakref
 
 import pytest
 import torch
@@ -67,3 +68,26 @@ def test_zero_bytes_equal_counts_by_hand(dist_pool):
         for rank, got in enumerate(pool.run(_counted, layout, zero)):
             assert got["counted"]
             assert got["measured"] == got["expected"], (layout, zero, rank)
+
+
+@pytest.mark.skipif(not zero_comm_countable(), reason="this torch's FSDP2 takes no custom collectives")
+def test_one_rank_reduce_scatter_hands_its_input_over_and_never_a_dropped_one():
+    """FSDP2's one-rank reduce allocates its input, then, holding it, its output: the output is
+    the input. An input whose reduce never asked for its output (an error in between) is not
+    handed to the next reduce, whose input and output pair again; on more ranks, two buffers."""
+    from loongtrain.apply.zero_comm import _CountingReduceScatter
+    from loongtrain.parallel.stats import AttentionStats
+
+    cpu = torch.device("cpu")
+    one = _CountingReduceScatter(AttentionStats(), single_shard=True)
+    reduce_input = one.allocate((12,), dtype=torch.float32, device=cpu)
+    assert one.allocate((12,), dtype=torch.float32, device=cpu) is reduce_input
+    dropped = weakref.ref(one.allocate((12,), dtype=torch.float32, device=cpu))  # its reduce failed before
+    reduce_input = one.allocate((12,), dtype=torch.float32, device=cpu)  # asking for the output
+    assert dropped() is None  # let go, not handed out as this input
+    assert one.allocate((12,), dtype=torch.float32, device=cpu) is reduce_input
+    held = one.allocate((12,), dtype=torch.float32, device=cpu)
+    assert one.allocate((12,), dtype=torch.bfloat16, device=cpu) is not held  # another dtype: a new buffer
+    many = _CountingReduceScatter(AttentionStats(), single_shard=False)
+    first = many.allocate((12,), dtype=torch.float32, device=cpu)
+    assert many.allocate((12,), dtype=torch.float32, device=cpu) is not first

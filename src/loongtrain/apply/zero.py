@@ -73,10 +73,12 @@ def apply_zero(
     model.offload_states = offload_states  # materialize and the loaders allocate the states on the host then
     model.reshard_after_forward = reshard_after_forward  # the layers' (generation gathers them for a while)
     replicas = mesh.size(0) if mesh.ndim == 2 else 1
+    shards = mesh.size(mesh.ndim - 1)
     model.zero_comm_counted = True
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            model.zero_comm_counted &= count_zero_comm(module, state.stats, replicas)
-            module.set_gradient_divide_factor(1.0)
+            model.zero_comm_counted &= count_zero_comm(module, state.stats, replicas, shards)
+            if replicas * shards > 1:  # on one rank the default (1) is the same sum without FSDP2's
+                module.set_gradient_divide_factor(1.0)  # `input / factor` copy of every gradient
             # plain SUM collectives (gloo has no PREMUL_SUM; NCCL gets zero-copy sums)
             module.set_force_sum_reduction_for_comms(True)

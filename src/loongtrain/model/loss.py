@@ -7,8 +7,9 @@ chunk of ``chunk`` rows of the final hidden states ``h``, the logits ``h_c W^T``
 compute dtype, their float32 log-softmax, the summed loss and the correct argmax
 predictions, and -- because the loss is the end of the graph -- the gradients right there
 (the approach of Liger's fused linear cross entropy): ``dL/dh_c`` into a ``[T, dim]``
-buffer and ``dL/dW`` accumulated in float32. Backward only scales them by the incoming
-gradient. The result equals ``F.cross_entropy(F.linear(h, W).float(), labels,
+buffer and ``dL/dW`` accumulated in float32. Backward only scales them, in place, by the
+incoming gradient and hands them over (the ``[vocab, dim]`` accumulator is the gradient
+returned, cast only when the weight is not float32). The result equals ``F.cross_entropy(F.linear(h, W).float(), labels,
 reduction="sum")`` and its gradients, up to float32 summation order.
 
 :func:`token_scores` is the forward-only variant for evaluation: per-token loss and
@@ -25,36 +26,50 @@ Tensor = torch.Tensor
 IGNORE_INDEX = -100
 
 
-def _chunk_rows(h: Tensor, weight: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Logits of one chunk in float32, their log-sum-exp, the scored rows and safe targets."""
+def _chunk_rows(h: Tensor, weight: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """One chunk's float32 logits turned, in place, into their softmax; beside it the
+    log-sum-exp, the target's logit, whether the argmax is the target, and which rows are
+    scored. The logits' buffer is the only ``[chunk, vocab]`` float32 one: ``torch.logsumexp``
+    would allocate a second (its ``x - max``)."""
     logits = F.linear(h, weight).float()
-    lse = torch.logsumexp(logits, dim=-1)
     scored = labels != IGNORE_INDEX
     targets = torch.where(scored, labels, 0)
-    return logits, lse, scored, targets
+    picked = logits.gather(1, targets.unsqueeze(1)).squeeze(1)
+    correct = (logits.argmax(dim=-1) == labels) & scored
+    top = logits.amax(dim=-1, keepdim=True)
+    probs = logits.sub_(top).exp_()
+    total = probs.sum(dim=-1, keepdim=True)
+    lse = (top + total.log()).squeeze(1)
+    return probs.div_(total), lse, picked, correct, scored
+
+
+#: vocabulary rows per product when a low-precision chunk's ``dL/dW`` is added to the float32
+#: accumulator: one ``[rows, dim]`` temporary in the compute dtype, not a ``[vocab, dim]`` one
+_GRAD_W_ROWS = 8192
 
 
 def _chunk(
     h_c: Tensor, weight: Tensor, y_c: Tensor, grad_h_c: Tensor | None, grad_w: Tensor | None
 ) -> tuple[Tensor, Tensor]:
-    """Loss and correct count of one chunk; with ``grad_h_c``/``grad_w`` also its gradients
-    (written into ``grad_h_c``, added to ``grad_w``). Its ``[chunk, vocab]`` temporaries are
+    """Loss and correct count of one chunk; with ``grad_h_c`` / ``grad_w`` also its gradients
+    (written into ``grad_h_c``, added to ``grad_w``; either may be None). Its ``[chunk, vocab]`` temporaries are
     freed when it returns, before the next chunk allocates its own."""
-    logits, lse, scored, targets = _chunk_rows(h_c, weight, y_c)
-    picked = logits.gather(1, targets.unsqueeze(1)).squeeze(1)
+    probs, lse, picked, correct, scored = _chunk_rows(h_c, weight, y_c)
     loss = torch.where(scored, lse - picked, 0.0).sum()
-    correct = ((logits.argmax(dim=-1) == y_c) & scored).sum()
-    if grad_w is not None:
+    if grad_h_c is not None or grad_w is not None:
         # d(sum of losses)/d(logits) = softmax - one_hot(target), zero on ignored rows
-        grad = logits.sub_(lse.unsqueeze(1)).exp_()
-        grad.scatter_add_(1, targets.unsqueeze(1), torch.full_like(lse, -1.0).unsqueeze(1))
-        grad = grad.mul_(scored.unsqueeze(1)).to(h_c.dtype)
-        torch.mm(grad, weight, out=grad_h_c)
-        if grad.dtype == torch.float32:
+        targets = torch.where(scored, y_c, 0)
+        probs.scatter_add_(1, targets.unsqueeze(1), torch.full_like(lse, -1.0).unsqueeze(1))
+        grad = probs.mul_(scored.unsqueeze(1)).to(h_c.dtype)
+        if grad_h_c is not None:
+            torch.mm(grad, weight, out=grad_h_c)
+        if grad_w is not None and grad.dtype == torch.float32:
             grad_w.addmm_(grad.t(), h_c)
-        else:  # one [vocab, dim] product in the compute dtype, summed in float32
-            grad_w += grad.t() @ h_c
-    return loss, correct
+        elif grad_w is not None:  # products in the compute dtype summed in float32, a vocabulary slice at a time
+            for first in range(0, grad_w.shape[0], _GRAD_W_ROWS):
+                rows = slice(first, first + _GRAD_W_ROWS)
+                grad_w[rows] += grad[:, rows].t() @ h_c
+    return loss, correct.sum()
 
 
 class _ChunkedLoss(torch.autograd.Function):
@@ -63,26 +78,39 @@ class _ChunkedLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h: Tensor, weight: Tensor, labels: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
-        want_grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         correct = torch.zeros((), dtype=torch.int64, device=h.device)
-        grad_h = torch.empty_like(h) if want_grads else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_grads else None
+        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for start in range(0, h.shape[0], chunk):
             rows = slice(start, start + chunk)
-            loss_c, correct_c = _chunk(h[rows], weight, labels[rows], grad_h[rows] if want_grads else None, grad_w)
+            grad_h_c = grad_h[rows] if grad_h is not None else None
+            loss_c, correct_c = _chunk(h[rows], weight, labels[rows], grad_h_c, grad_w)
             loss += loss_c
             correct += correct_c
-        ctx.save_for_backward(grad_h, grad_w)
+        # kept on ctx, not saved: backward scales them in place and hands them over, so the
+        # float32 [vocab, dim] accumulator is never copied (a saved tensor could not be)
+        ctx.grads = (grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         ctx.mark_non_differentiable(correct)
         return loss, correct
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor, _grad_correct: Tensor):
-        grad_h, grad_w = ctx.saved_tensors
-        grad_h = grad_h * grad_loss.to(grad_h.dtype) if ctx.needs_input_grad[0] else None
-        grad_w = (grad_w * grad_loss).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
+        if ctx.grads is None:
+            raise RuntimeError(
+                "lm_loss: the chunked loss's gradients were made in forward and handed over by the first "
+                "backward; a second backward through the same graph (retain_graph=True) is not supported: "
+                "run the forward again, or use loss_chunk=0"
+            )
+        grad_h, grad_w = ctx.grads
+        ctx.grads = None
+        if grad_h is not None:
+            grad_h = grad_h.mul_(grad_loss.to(grad_h.dtype))
+        if grad_w is not None:
+            grad_w = grad_w.mul_(grad_loss).to(ctx.weight_dtype)  # no copy when the weight is float32
         return grad_h, grad_w, None, None
 
 
@@ -120,6 +148,5 @@ def token_scores(h: Tensor, weight: Tensor, labels: Tensor, chunk: int = 0) -> t
 
 def _chunk_scores(h_c: Tensor, weight: Tensor, y_c: Tensor) -> tuple[Tensor, Tensor]:
     """Per-token loss and correctness of one chunk (its logits freed on return)."""
-    logits, lse, scored, targets = _chunk_rows(h_c, weight, y_c)
-    picked = logits.gather(1, targets.unsqueeze(1)).squeeze(1)
-    return torch.where(scored, lse - picked, 0.0), (logits.argmax(dim=-1) == y_c) & scored
+    _, lse, picked, correct, scored = _chunk_rows(h_c, weight, y_c)
+    return torch.where(scored, lse - picked, 0.0), correct

@@ -40,12 +40,14 @@ accumulation dtype's (4: fp32). Where each term comes from:
   layer in use and the one prefetched; the root (embeddings, final norm, output) stays
   gathered from forward to backward; a layer's gradients are reduce-scattered as it
   finishes, the root's after the embedding's backward (so the output weight's gradient
-  waits through every layer's backward). AdamW's moments (fp32) exist between steps.
+  waits through every layer's backward), through an fp32 buffer of the root's full size
+  (the "root reduce" phase; on one rank that buffer becomes the gradient, not copied again).
+  AdamW's moments (fp32) exist between steps.
 
-The peak is the largest of four phases: the loss (every layer's kept tensors plus the
+The peak is the largest of five phases: the loss (every layer's kept tensors plus the
 loss's), the backward of the first layer it reaches (every layer's kept tensors, plus one
 layer's recompute working set), of the last (one layer's kept tensors, the other layers'
-sharded gradients) and the optimizer step. ``MemoryOptions`` change exactly their terms:
+sharded gradients), the root's reduce and the optimizer step. ``MemoryOptions`` change exactly their terms:
 ``mlp_tile`` replaces the per-token MLP intermediates by one tile's, ``loss_chunk`` the
 logits by one chunk's, ``offload_activations`` keeps two layers of kept tensors on the
 device in forward (the layer in use and the one being copied out) and one through a layer's
@@ -69,8 +71,6 @@ from loongtrain.planner.zero import shard_degree
 #: the layer in use and the one being copied out (in backward: the layer in use, and the
 #: one prefetched while its q/k/v projections' backward runs)
 OFFLOAD_LAYERS_ON_DEVICE = 2
-#: fp32 [chunk, V] temporaries of one loss chunk (logits copy, softmax, its gradient)
-LOSS_CHUNK_TEMPORARIES = 3
 #: FSDP2 layers gathered at once: the one computing and the one prefetched
 GATHERED_LAYERS = 2
 
@@ -205,6 +205,7 @@ _KIND = {
     "layer gradients": "gathered",
     "root": "gathered",
     "root gradient": "gathered",
+    "root reduce": "gathered",
     "loss fixed": "gathered",
     "kept": "activations",
     "inputs": "activations",
@@ -283,7 +284,9 @@ def memory_phases(
     if mem.loss_chunk:
         chunk = min(mem.loss_chunk, tokens)
         loss["loss"] = (final + 4.0 * m.dim) * tokens  # + grad_h [T, d] fp32, made in the forward
-        loss["loss fixed"] = 4.0 * p_output + LOSS_CHUNK_TEMPORARIES * 4.0 * chunk * m.vocab_size
+        # the fp32 dL/dW accumulator, one chunk's fp32 logits (turned into their softmax and its
+        # gradient in place) and beside them its compute-dtype logits or gradient (fp32: none)
+        loss["loss fixed"] = 4.0 * p_output + (4.0 + (e if e < 4 else 0.0)) * chunk * m.vocab_size
     else:
         # the loss's backward: the saved fp32 log-softmax, the gradient of its output and of its
         # input (fp32), cast to the compute dtype for the output layer's backward when that is not fp32
@@ -327,7 +330,18 @@ def memory_phases(
     sharded_grads = 0.0 if mem.offload_states else 4.0 * p_layer / shard * (m.n_layers - 1)
     last = {**backward_common, "grads": sharded_grads, "kept": last_kept, "layer backward": work}
 
-    phases = {"loss": loss, "backward, first layer": first, "backward, last layer": last}
+    # the root's gradients reduced after the embedding's backward: its gathered parameters and
+    # compute-dtype gradients, the fp32 reduce-scatter input of its full size and its output
+    # shard (on one rank the input is the output: ``apply/zero_comm.py``), beside the layers'
+    # sharded fp32 gradients
+    root_reduce = {
+        **fixed,
+        "root": root,
+        "root gradient": p_root * e,
+        "grads": 0.0 if mem.offload_states else 4.0 * p_layer / shard * m.n_layers,
+        "root reduce": 4.0 * p_root + (4.0 * p_root / shard if shard > 1 else 0.0),
+    }
+    phases = {"loss": loss, "backward, first layer": first, "backward, last layer": last, "root reduce": root_reduce}
     if optimizer and not mem.offload_states:  # AdamW: params, grads, moments and a foreach temporary
         phases["optimizer step"] = {
             "params": fixed["params"],
