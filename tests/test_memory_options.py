@@ -124,6 +124,51 @@ def test_chunked_loss_hands_its_float32_weight_gradient_over_without_a_copy():
         loss.backward()
 
 
+class _DenseSink:
+    """A GradientSink that sums what it is given into one dense float32 matrix."""
+
+    def __init__(self, shape) -> None:
+        self.grad = torch.zeros(shape)
+        self.calls = 0
+
+    def add(self, grad: torch.Tensor) -> None:
+        self.grad += grad
+        self.calls += 1
+
+    def add_rows(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        assert rows.dtype == torch.float32
+        self.grad.index_add_(0, ids, rows)
+        self.calls += 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vocabulary_gradients_go_to_the_sink_in_float32(dtype):
+    """The embedding lookup and the chunked loss hand their weight's float32 gradient to a sink
+    (model/vocab.py) and none to autograd: the sink's sum equals float64 autograd's gradient of
+    the tied matrix (lookup + loss), and the hidden states' gradient is unchanged."""
+    from loongtrain.model.vocab import embedding
+
+    gen = torch.Generator().manual_seed(11)
+    w = (0.5 * torch.randn(30, 8, generator=gen)).to(dtype)
+    tokens = torch.randint(0, 30, (2, 9), generator=gen)
+    tokens[0, :3] = 4  # a repeated id: its rows summed
+    labels = torch.randint(0, 30, (18,), generator=gen)
+    mix = torch.randn(8, 8, generator=gen).to(dtype)
+    ref_w = w.double().requires_grad_()
+    ref = F.cross_entropy(F.linear(F.embedding(tokens, ref_w).reshape(18, 8) @ mix.double(), ref_w), labels,
+                          reduction="sum")  # fmt: skip
+    (1.5 * ref).backward()
+    sink, got_w = _DenseSink(w.shape), w.clone().requires_grad_()
+    h = embedding(tokens, got_w, sink).reshape(18, 8) @ mix
+    loss, _ = lm_loss(h, got_w, labels, chunk=5, sink=sink)
+    (1.5 * loss).backward()
+    assert got_w.grad is None and sink.calls == 2
+    assert _rel(sink.grad, ref_w.grad) <= (1e-6 if dtype == torch.float32 else 2e-2)
+    with torch.no_grad():  # no graph: the plain lookup, nothing sent
+        embedding(tokens, got_w, sink)
+    assert sink.calls == 2
+
+
 @pytest.mark.parametrize("tile", [1, 3, 8, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiled_mlp_equals_the_plain_norm_and_mlp(tile, dtype):

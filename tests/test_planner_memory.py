@@ -63,10 +63,11 @@ def test_layer_bytes_by_hand():
     assert ring.attention_backward == 128 + 128 + 256 + 256 + 256 + 2 * 128 + 2 * 256
 
 
-def test_chunked_loss_changes_only_the_loss_terms():
+def test_chunked_loss_changes_the_loss_terms_and_where_the_output_gradient_lives():
     whole, _ = phases(activation_checkpoint="full", loss_chunk=0)
     chunked, _ = phases(activation_checkpoint="full", loss_chunk=1024)  # a 64-token shard: one chunk of 64
     final = (2 * 64 + 4) + 2 * 64  # the final norm's saved input and 1/rms, and its output
+    output_grad = (2 * 100 * 64, 4 * 100 * 64)  # autograd's bf16 [V, d] -> the fp32 one (apply/vocab.py)
     assert differing(whole, chunked) == {
         # whole shard: the loss's backward holds the fp32 log-softmax, its gradient and the input
         # gradient, and that gradient cast to bf16 for the output layer's backward
@@ -76,6 +77,11 @@ def test_chunked_loss_changes_only_the_loss_terms():
             "loss": ((final + 12 * 100 + 2 * 100) * T, (final + 4 * 64) * T),
             "loss fixed": (0.0, 4 * 100 * 64 + (4 + 2) * 64 * 100),
         },
+        "backward, first layer": {"root gradient": output_grad},
+        "backward, last layer": {"root gradient": output_grad},
+        # FSDP2 reduces the final norm and, without the chunked loss, the output matrix: their bf16
+        # gradients and the fp32 reduce buffer (one rank: it becomes the gradient)
+        "root reduce": {"root gradient": output_grad, "root reduce": ((4 + 2) * (64 + 100 * 64), (4 + 2) * 64)},
     }
 
 
@@ -125,15 +131,20 @@ def test_state_offload_moves_the_model_states_to_the_host():
     offloaded, host_off = phases(activation_checkpoint="full", offload_states=True)
     assert host == 0 and host_off == 16 * P_TOTAL  # fp32 parameters, gradients, two moments (one rank)
     assert "optimizer step" in plain and "optimizer step" not in offloaded  # AdamW runs on the CPU
-    for phase in ("loss", "backward, first layer", "backward, last layer"):
+    for phase in ("loss", "backward, first layer", "backward, last layer", "root reduce"):
         diff = differing(plain, offloaded)[phase]
         assert diff.pop("params") == (4 * P_TOTAL, 0.0)
         assert diff.pop("optimizer") == (8 * P_TOTAL, 0.0)
-        if phase != "loss":  # two layers' shards copied in; a layer's gradient shard on its way out
+        if phase.startswith("backward"):  # two layers' shards copied in; a layer's gradient shard on its way out
             assert diff.pop("gathered layers") == (2 * 2 * P_LAYER, 2 * 2 * P_LAYER + 2 * 4 * P_LAYER)
             assert diff.pop("layer gradients") == (2 * P_LAYER, 2 * P_LAYER + 4 * P_LAYER)
+        if phase != "loss":  # the vocabulary matrices' fp32 gradients go to the host (apply/vocab.py)
+            assert diff.pop("root gradient") == (4 * 100 * 64, 0.0)
         if phase == "backward, last layer":  # the other layers' gradient shards went to the host
             assert diff.pop("grads") == (4 * P_LAYER, 0.0)
+        if phase == "root reduce":  # every layer's gradient shard and the embedding's went to the host
+            assert diff.pop("grads") == (2 * 4 * P_LAYER, 0.0)
+            assert diff.pop("embedding gradient") == (4 * 100 * 64, 0.0)
         assert diff == {}
 
 

@@ -18,6 +18,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from loongtrain.apply.vocab import apply_vocab_gradients
 from loongtrain.apply.zero_comm import count_zero_comm
 from loongtrain.model.llama import Transformer
 from loongtrain.options import check_zero_scope
@@ -70,6 +71,7 @@ def apply_zero(
     # the root keeps its parameters (embeddings, final norm, output) gathered after
     # forward: backward needs them first
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, **extra)
+    apply_vocab_gradients(model, state.stats)  # the vocabulary matrices' gradients: float32, into their shards
     model.offload_states = offload_states  # materialize and the loaders allocate the states on the host then
     model.reshard_after_forward = reshard_after_forward  # the layers' (generation gathers them for a while)
     replicas = mesh.size(0) if mesh.ndim == 2 else 1

@@ -35,6 +35,7 @@ from loongtrain.model.config import ModelConfig, RopeScaling
 from loongtrain.model.loss import lm_loss, token_scores
 from loongtrain.model.norm import RMSNorm
 from loongtrain.model.rope import rope_frequencies
+from loongtrain.model.vocab import GradientSink, embedding
 
 Tensor = torch.Tensor
 AttentionFn = Callable[..., Tensor]
@@ -168,13 +169,17 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.loss_chunk = 0  # tokens of logits at a time in the loss (0: all at once)
+        # set by loongtrain.apply under ZeRO: the vocabulary matrices' float32 gradients go
+        # straight to their shards (model/vocab.py, apply/vocab.py); None: autograd's
+        self.embedding_sink: GradientSink | None = None
+        self.output_sink: GradientSink | None = None
 
     def hidden_states(self, tokens: Tensor, positions: Tensor, layout: SequenceLayout | None = None) -> Tensor:
         """The final norm's output [B, S, dim]: what the output layer turns into logits."""
         if positions.dim() == 1:
             positions = positions.unsqueeze(0)
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
-        h = self.tok_embeddings(tokens)
+        h = embedding(tokens, self.tok_embeddings.weight, self.embedding_sink)
         for layer in self.layers:
             h = layer(h, cos, sin, layout)
         return self.norm(h)
@@ -200,7 +205,7 @@ class Transformer(nn.Module):
             return token_scores(h, weight, labels, self.loss_chunk)
         if reduction != "sum":
             raise ValueError(f"reduction={reduction!r}: use 'sum' (training) or 'none' (per-token scores)")
-        return lm_loss(h, weight, labels, self.loss_chunk)
+        return lm_loss(h, weight, labels, self.loss_chunk, self.output_sink)
 
 
 def _param_seed(seed: int, name: str) -> int:

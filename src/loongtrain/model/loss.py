@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from loongtrain.model.vocab import GradientSink
+
 Tensor = torch.Tensor
 
 IGNORE_INDEX = -100
@@ -77,7 +79,9 @@ class _ChunkedLoss(torch.autograd.Function):
     gradients computed in forward chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, h: Tensor, weight: Tensor, labels: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
+    def forward(
+        ctx, h: Tensor, weight: Tensor, labels: Tensor, chunk: int, sink: GradientSink | None
+    ) -> tuple[Tensor, Tensor]:
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         correct = torch.zeros((), dtype=torch.int64, device=h.device)
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
@@ -94,6 +98,7 @@ class _ChunkedLoss(torch.autograd.Function):
         # float32 [vocab, dim] accumulator is never copied (a saved tensor could not be)
         ctx.grads = (grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
+        ctx.sink = sink
         ctx.mark_non_differentiable(correct)
         return loss, correct
 
@@ -109,19 +114,25 @@ class _ChunkedLoss(torch.autograd.Function):
         ctx.grads = None
         if grad_h is not None:
             grad_h = grad_h.mul_(grad_loss.to(grad_h.dtype))
-        if grad_w is not None:
+        if grad_w is not None and ctx.sink is not None:
+            ctx.sink.add(grad_w.mul_(grad_loss))
+            grad_w = None
+        elif grad_w is not None:
             grad_w = grad_w.mul_(grad_loss).to(ctx.weight_dtype)  # no copy when the weight is float32
-        return grad_h, grad_w, None, None
+        return grad_h, grad_w, None, None, None
 
 
-def lm_loss(h: Tensor, weight: Tensor, labels: Tensor, chunk: int = 0) -> tuple[Tensor, Tensor]:
+def lm_loss(
+    h: Tensor, weight: Tensor, labels: Tensor, chunk: int = 0, sink: GradientSink | None = None
+) -> tuple[Tensor, Tensor]:
     """Summed next-token cross entropy (float32 scalar, differentiable in ``h`` and ``weight``)
     and the number of targets whose argmax prediction is right (int64 scalar).
 
     ``h`` [..., dim] final hidden states, ``weight`` [vocab, dim] the output matrix, ``labels``
     [...] targets (IGNORE_INDEX = -100: not scored). ``chunk`` > 0 processes that many rows at a
     time (the logits of one chunk alive at a time, gradients made in forward); 0: all rows
-    at once, through PyTorch's ``cross_entropy``.
+    at once, through PyTorch's ``cross_entropy``. ``sink`` (with ``chunk`` > 0): the weight's
+    float32 gradient goes there (:mod:`loongtrain.model.vocab`), none to autograd.
     """
     h, labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
     if chunk <= 0:
@@ -129,7 +140,7 @@ def lm_loss(h: Tensor, weight: Tensor, labels: Tensor, chunk: int = 0) -> tuple[
         loss = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
         correct = ((logits.detach().argmax(dim=-1) == labels) & (labels != IGNORE_INDEX)).sum()
         return loss, correct
-    return _ChunkedLoss.apply(h, weight, labels, chunk)
+    return _ChunkedLoss.apply(h, weight, labels, chunk, sink)
 
 
 @torch.no_grad()

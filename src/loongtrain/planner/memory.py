@@ -39,9 +39,11 @@ accumulation dtype's (4: fp32). Where each term comes from:
 - ``apply/zero.py`` (FSDP2): sharded fp32 parameters; gathered (compute dtype) copies of the
   layer in use and the one prefetched; the root (embeddings, final norm, output) stays
   gathered from forward to backward; a layer's gradients are reduce-scattered as it
-  finishes, the root's after the embedding's backward (so the output weight's gradient
-  waits through every layer's backward), through an fp32 buffer of the root's full size
-  (the "root reduce" phase; on one rank that buffer becomes the gradient, not copied again).
+  finishes. The vocabulary matrices' fp32 gradients go straight to their shards
+  (``apply/vocab.py``): the output's from the chunked loss's backward on (it waits through
+  every layer's backward), the embedding's in its backward (a dense fp32 buffer reduced on
+  several ranks); FSDP2 reduces the rest of the root after that, through an fp32 buffer of
+  its full size (the "root reduce" phase; on one rank that buffer becomes the gradient).
   AdamW's moments (fp32) exist between steps.
 
 The peak is the largest of five phases: the loss (every layer's kept tensors plus the
@@ -206,6 +208,7 @@ _KIND = {
     "root": "gathered",
     "root gradient": "gathered",
     "root reduce": "gathered",
+    "embedding gradient": "states",
     "loss fixed": "gathered",
     "kept": "activations",
     "inputs": "activations",
@@ -318,28 +321,43 @@ def memory_phases(
     gathered_layers = GATHERED_LAYERS * p_layer * e + (
         GATHERED_LAYERS * 4.0 * p_layer / shard if mem.offload_states else 0.0
     )
+    # the output matrix's gradient from the loss's backward on: with the chunked loss its fp32
+    # shard (apply/vocab.py; on the host with the states), else autograd's compute-dtype one
+    if mem.loss_chunk:
+        output_grad = 0.0 if mem.offload_states else 4.0 * p_output / shard
+    else:
+        output_grad = p_output * e
     backward_common = {
         **fixed,
         "gathered layers": gathered_layers,
         "layer gradients": layer_grads,
         "root": root,
-        "root gradient": p_output * e,
+        "root gradient": output_grad,
     }
     first = {**backward_common, "kept": kept_backward, "layer backward": work}
     last_kept = kept_ckpt_layer if n_ckpt else plain.kept * tokens
     sharded_grads = 0.0 if mem.offload_states else 4.0 * p_layer / shard * (m.n_layers - 1)
     last = {**backward_common, "grads": sharded_grads, "kept": last_kept, "layer backward": work}
 
-    # the root's gradients reduced after the embedding's backward: its gathered parameters and
-    # compute-dtype gradients, the fp32 reduce-scatter input of its full size and its output
-    # shard (on one rank the input is the output: ``apply/zero_comm.py``), beside the layers'
-    # sharded fp32 gradients
+    # the embedding's backward and the root's reduce after it: the embedding's fp32 gradient
+    # (apply/vocab.py: on one rank its rows added into the gradient itself, on several a dense
+    # [V, d] fp32 buffer reduce-scattered into the shard), then FSDP2's reduce of the rest of
+    # the root (the final norm; the output matrix when the loss is not chunked): its
+    # compute-dtype gradients and the fp32 reduce-scatter input of their full size and its
+    # output shard (on one rank the input is the output: apply/zero_comm.py); beside the layers'
+    # sharded fp32 gradients and the output matrix's
+    p_embedding = m.vocab_size * m.dim
+    fsdp_root = p_root - p_embedding - (0 if m.tie_embeddings or not mem.loss_chunk else p_output)
+    embedding_grad = 0.0 if mem.offload_states else 4.0 * p_embedding / shard
+    embedding_dense = 4.0 * p_embedding if shard > 1 else 0.0
+    fsdp_reduce = (4.0 + e) * fsdp_root + (4.0 * fsdp_root / shard if shard > 1 else 0.0)
     root_reduce = {
         **fixed,
         "root": root,
-        "root gradient": p_root * e,
+        "root gradient": 0.0 if m.tie_embeddings else output_grad,
         "grads": 0.0 if mem.offload_states else 4.0 * p_layer / shard * m.n_layers,
-        "root reduce": 4.0 * p_root + (4.0 * p_root / shard if shard > 1 else 0.0),
+        "embedding gradient": embedding_grad,
+        "root reduce": max(embedding_dense, fsdp_reduce),
     }
     phases = {"loss": loss, "backward, first layer": first, "backward, last layer": last, "root reduce": root_reduce}
     if optimizer and not mem.offload_states:  # AdamW: params, grads, moments and a foreach temporary

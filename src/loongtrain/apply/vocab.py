@@ -1,0 +1,97 @@
+"""The vocabulary matrices' float32 gradients written straight into their ZeRO shards.
+
+FSDP2 computes every gradient in the parameters' compute dtype and, after the embedding's
+backward, copies the root's gradients into a float32 buffer of their full size to reduce
+them: for the embedding and output matrices that is, per matrix, a ``[vocab, dim]``
+gradient in bf16 and a float32 one beside the float32 gradient kept (Llama-3-8B: 1 + 2.1 +
+2.1 GB). The chunked loss builds the output matrix's float32 gradient anyway and the
+embedding's is a scatter of rows, so :class:`ShardGradient` (a
+:class:`~loongtrain.model.vocab.GradientSink`) takes them in float32 and adds them into the
+sharded parameter's gradient: on one rank in place (the embedding's rows added into the
+gradient itself, no dense buffer at all), on several through one reduce-scatter of the
+dense gradient (and, under HSDP, an all-reduce of the shard over the replicas), as DTensor
+redistributes a ``Partial`` tensor to the parameter's placements. FSDP2 then finds no
+gradient on those matrices and reduces only the rest of the root.
+
+The gradient made is the one FSDP2 would make (the same sum, reduced in float32), in the
+parameter's placements, so the optimizer, clipping and checkpoints see no difference.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Partial
+
+from loongtrain.parallel.stats import AttentionStats
+
+Tensor = torch.Tensor
+
+__all__ = ["ShardGradient", "apply_vocab_gradients"]
+
+
+class ShardGradient:
+    """Float32 gradient contributions of one FSDP2-sharded ``[vocab, dim]`` parameter, added
+    into its ``.grad`` (a DTensor in the parameter's placements); collectives counted into
+    ``stats`` as ZeRO's reduce-scatter (and all-reduce) bytes."""
+
+    def __init__(self, param: DTensor, stats: AttentionStats) -> None:
+        if not isinstance(param, DTensor):
+            raise TypeError(f"ShardGradient: expected an FSDP2-sharded (DTensor) parameter, got {type(param).__name__}")
+        self.param, self.stats = param, stats
+        self.mesh, self.placements = param.device_mesh, param.placements
+        self.single = self.mesh.size() == 1
+
+    def add(self, grad: Tensor) -> None:
+        if self.single:
+            self._add_local(grad)
+            return
+        partial = DTensor.from_local(grad, self.mesh, [Partial()] * self.mesh.ndim, run_check=False)
+        reduced = partial.redistribute(self.mesh, self.placements).to_local()
+        self._count(reduced)
+        self._add_local(reduced)
+
+    def add_rows(self, ids: Tensor, rows: Tensor) -> None:
+        if self.single:  # the gradient is the whole matrix: add the rows into it
+            local = self._local_grad()
+            local.index_add_(0, ids.to(local.device), rows.to(local.device))
+            return
+        dense = torch.zeros(self.param.shape, dtype=torch.float32, device=rows.device)
+        self.add(dense.index_add_(0, ids, rows))
+
+    def _local_grad(self) -> Tensor:
+        if self.param.grad is None:
+            local = self.param.to_local()
+            self._set(torch.zeros(local.shape, dtype=torch.float32, device=local.device))
+        return self.param.grad.to_local()
+
+    def _add_local(self, local: Tensor) -> None:
+        device = self.param.to_local().device  # the host when the states are offloaded
+        if self.param.grad is None:
+            self._set(local.to(device))
+        else:
+            self.param.grad.to_local().add_(local.to(device))
+
+    def _set(self, local: Tensor) -> None:
+        self.param.grad = DTensor.from_local(
+            local, self.mesh, self.placements, run_check=False, shape=self.param.shape, stride=self.param.stride()
+        )
+
+    def _count(self, shard: Tensor) -> None:
+        nbytes = shard.numel() * shard.element_size()
+        shards = self.mesh.size(self.mesh.ndim - 1)
+        moved = nbytes * (shards - 1)
+        if moved:
+            self.stats.add("zero.reduce_scatter", moved)
+            self.stats.add_received("zero.reduce_scatter", moved)
+        if self.mesh.ndim == 2 and (replicas := self.mesh.size(0)) > 1:
+            moved = 2 * (replicas - 1) * nbytes // replicas
+            self.stats.add("zero.all_reduce", moved)
+            self.stats.add_received("zero.all_reduce", moved)
+
+
+def apply_vocab_gradients(model, stats: AttentionStats) -> None:
+    """Give the FSDP2-sharded ``model`` (after ``fully_shard``) a :class:`ShardGradient` for
+    its embedding and output matrices (one when they are tied): the embedding lookup and the
+    chunked loss write their float32 gradients there (:mod:`loongtrain.model.vocab`)."""
+    model.embedding_sink = ShardGradient(model.tok_embeddings.weight, stats)
+    model.output_sink = model.embedding_sink if model.output is None else ShardGradient(model.output.weight, stats)
