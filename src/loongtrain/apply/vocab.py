@@ -93,5 +93,6 @@ def apply_vocab_gradients(model, stats: AttentionStats) -> None:
     """Give the FSDP2-sharded ``model`` (after ``fully_shard``) a :class:`ShardGradient` for
     its embedding and output matrices (one when they are tied): the embedding lookup and the
     chunked loss write their float32 gradients there (:mod:`loongtrain.model.vocab`)."""
-    model.embedding_sink = ShardGradient(model.tok_embeddings.weight, stats)
-    model.output_sink = model.embedding_sink if model.output is None else ShardGradient(model.output.weight, stats)
+    model.tok_embeddings.sink = ShardGradient(model.tok_embeddings.weight, stats)
+    if model.output is not None:
+        model.output.sink = ShardGradient(model.output.weight, stats)

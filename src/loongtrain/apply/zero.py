@@ -38,6 +38,18 @@ def zero_mesh(state: ParallelState, scope: str) -> DeviceMesh:
     return state.zero_meshes[scope]
 
 
+def _output_gathering(module: FSDPModule, args: tuple, kwargs: dict) -> None:
+    """Before each call of the output layer (``OutputLayer.forward(h, labels, reduction,
+    chunk)``): the chunked loss makes its gradients in forward, so the matrix is freed after
+    it and not gathered again in backward; logits, or the whole-shard loss, need it in
+    backward: kept gathered from the call to its backward."""
+    labels = args[1] if len(args) > 1 else kwargs.get("labels")
+    chunk = args[3] if len(args) > 3 else kwargs.get("chunk", 0)
+    backward_needs_weight = labels is None or chunk <= 0
+    module.set_unshard_in_backward(backward_needs_weight)
+    module.set_reshard_after_forward(not backward_needs_weight, recurse=False)
+
+
 def apply_zero(
     model: Transformer,
     state: ParallelState,
@@ -66,14 +78,24 @@ def apply_zero(
     extra = {}
     if offload_states:
         extra["offload_policy"] = CPUOffloadPolicy(pin_memory=state.device.type != "cpu")
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, **extra)
-    # the root keeps its parameters (embeddings, final norm, output) gathered after
+    units: list[tuple[torch.nn.Module, bool]] = [(layer, reshard_after_forward) for layer in model.layers]
+    if model.output is not None:
+        # untied vocabulary matrices: each gathered only around its use, and not in backward,
+        # whose float32 gradients go to their shards without them (apply/vocab.py); the
+        # whole-shard loss's backward needs the output matrix: kept from the loss to its backward
+        units += [(model.tok_embeddings, True), (model.output, True)]
+    for unit, reshard in units:
+        fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, **extra)
+    if model.output is not None:
+        model.tok_embeddings.set_unshard_in_backward(False)
+        model.output.register_forward_pre_hook(_output_gathering, prepend=True, with_kwargs=True)
+    # the root keeps its parameters (the final norm; tied, the embedding) gathered after
     # forward: backward needs them first
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, **extra)
     apply_vocab_gradients(model, state.stats)  # the vocabulary matrices' gradients: float32, into their shards
     model.offload_states = offload_states  # materialize and the loaders allocate the states on the host then
-    model.reshard_after_forward = reshard_after_forward  # the layers' (generation gathers them for a while)
+    # each FSDP unit and whether it reshards after forward (generation gathers them for a while)
+    model.zero_units = [*units, (model, False)]
     replicas = mesh.size(0) if mesh.ndim == 2 else 1
     shards = mesh.size(mesh.ndim - 1)
     model.zero_comm_counted = True

@@ -84,16 +84,15 @@ def gathered(model: torch.nn.Module) -> Iterator[None]:
     FSDP is used as it is."""
     from torch.distributed.fsdp import FSDPModule
 
-    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    layers = getattr(model, "reshard_after_forward", True)
+    units = [(m, reshard) for m, reshard in getattr(model, "zero_units", []) if isinstance(m, FSDPModule)]
     try:
-        for m in modules:
+        for m, _ in units:
             m.set_reshard_after_forward(False, recurse=False)
             m.unshard()
         yield
     finally:
-        for m in modules:
-            m.set_reshard_after_forward(layers and m is not model, recurse=False)  # the root stays gathered
+        for m, reshard in units:
+            m.set_reshard_after_forward(reshard, recurse=False)  # as apply_zero set it
             m.reshard()
 
 

@@ -150,6 +150,47 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(h, self.ffn_norm)
 
 
+def lm_head(
+    h: Tensor, weight: Tensor, labels: Tensor | None, reduction: str, chunk: int, sink: GradientSink | None
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The output layer: logits ``h W^T`` without ``labels``; with them the loss
+    (:func:`~loongtrain.model.loss.lm_loss`, ``reduction="sum"``) or per-token scores
+    (``"none"``), ``chunk`` tokens of logits at a time."""
+    if labels is None:
+        return F.linear(h, weight)
+    if reduction == "none":
+        return token_scores(h, weight, labels, chunk)
+    if reduction != "sum":
+        raise ValueError(f"reduction={reduction!r}: use 'sum' (training) or 'none' (per-token scores)")
+    return lm_loss(h, weight, labels, chunk, sink)
+
+
+class Embedding(nn.Embedding):
+    """The token embedding; ``sink`` (set by ``loongtrain.parallelize`` under ZeRO) takes its
+    weight's float32 gradient instead of autograd (:mod:`loongtrain.model.vocab`)."""
+
+    def __init__(self, vocab_size: int, dim: int) -> None:
+        super().__init__(vocab_size, dim)
+        self.sink: GradientSink | None = None
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return embedding(tokens, self.weight, self.sink)
+
+
+class OutputLayer(nn.Linear):
+    """The output matrix [vocab, dim]: :func:`lm_head` of its weight (a module of its own, so
+    ZeRO can gather it only around the loss); ``sink`` as :class:`Embedding`'s."""
+
+    def __init__(self, dim: int, vocab_size: int) -> None:
+        super().__init__(dim, vocab_size, bias=False)
+        self.sink: GradientSink | None = None
+
+    def forward(
+        self, h: Tensor, labels: Tensor | None = None, reduction: str = "sum", chunk: int = 0
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        return lm_head(h, self.weight, labels, reduction, chunk, self.sink)
+
+
 class Transformer(nn.Module):
     """Decoder-only LM: ``forward(tokens [B, S], positions [B, S] or [S], layout=None) -> logits [B, S, V]``.
 
@@ -164,22 +205,18 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.tok_embeddings = Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output = None if cfg.tie_embeddings else OutputLayer(cfg.dim, cfg.vocab_size)
         self.loss_chunk = 0  # tokens of logits at a time in the loss (0: all at once)
-        # set by loongtrain.apply under ZeRO: the vocabulary matrices' float32 gradients go
-        # straight to their shards (model/vocab.py, apply/vocab.py); None: autograd's
-        self.embedding_sink: GradientSink | None = None
-        self.output_sink: GradientSink | None = None
 
     def hidden_states(self, tokens: Tensor, positions: Tensor, layout: SequenceLayout | None = None) -> Tensor:
         """The final norm's output [B, S, dim]: what the output layer turns into logits."""
         if positions.dim() == 1:
             positions = positions.unsqueeze(0)
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
-        h = embedding(tokens, self.tok_embeddings.weight, self.embedding_sink)
+        h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin, layout)
         return self.norm(h)
@@ -198,14 +235,9 @@ class Transformer(nn.Module):
         reduction: str = "sum",
     ) -> Tensor | tuple[Tensor, Tensor]:
         h = self.hidden_states(tokens, positions, layout)
-        weight = self.output_weight
-        if labels is None:
-            return F.linear(h, weight)
-        if reduction == "none":
-            return token_scores(h, weight, labels, self.loss_chunk)
-        if reduction != "sum":
-            raise ValueError(f"reduction={reduction!r}: use 'sum' (training) or 'none' (per-token scores)")
-        return lm_loss(h, weight, labels, self.loss_chunk, self.output_sink)
+        if self.output is None:  # tied: the embedding's matrix (and its gradient sink)
+            return lm_head(h, self.tok_embeddings.weight, labels, reduction, self.loss_chunk, self.tok_embeddings.sink)
+        return self.output(h, labels, reduction, self.loss_chunk)
 
 
 def _param_seed(seed: int, name: str) -> int:

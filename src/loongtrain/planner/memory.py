@@ -37,13 +37,14 @@ accumulation dtype's (4: fp32). Where each term comes from:
   gradient of the final norm's output (``[T, d]`` fp32) is made in the forward and kept
   until backward starts, and the output weight's gradient accumulates in fp32.
 - ``apply/zero.py`` (FSDP2): sharded fp32 parameters; gathered (compute dtype) copies of the
-  layer in use and the one prefetched; the root (embeddings, final norm, output) stays
-  gathered from forward to backward; a layer's gradients are reduce-scattered as it
-  finishes. The vocabulary matrices' fp32 gradients go straight to their shards
-  (``apply/vocab.py``): the output's from the chunked loss's backward on (it waits through
-  every layer's backward), the embedding's in its backward (a dense fp32 buffer reduced on
-  several ranks); FSDP2 reduces the rest of the root after that, through an fp32 buffer of
-  its full size (the "root reduce" phase; on one rank that buffer becomes the gradient).
+  layer in use and the one prefetched; the root (the final norm; tied, the embedding) stays
+  gathered from forward to backward, untied vocabulary matrices only around their use (the
+  output for the loss); a layer's gradients are reduce-scattered as it finishes. The
+  vocabulary matrices' fp32 gradients go straight to their shards (``apply/vocab.py``): the
+  output's from the chunked loss's backward on (it waits through every layer's backward),
+  the embedding's in its backward (a dense fp32 buffer reduced on several ranks); FSDP2
+  reduces the rest of the root after that, through an fp32 buffer of its full size (the
+  "root reduce" phase; on one rank that buffer becomes the gradient).
   AdamW's moments (fp32) exist between steps.
 
 The peak is the largest of five phases: the loss (every layer's kept tensors plus the
@@ -276,13 +277,17 @@ def memory_phases(
     full_sequence = w.micro_batch * w.seq_len
     fixed["inputs"] = 24.0 * full_sequence + 24.0 * tokens  # tokens/labels/positions, whole and sharded (int64)
     fixed["rope"] = 4.0 * m.head_dim * w.seq_len / p.sp  # cos and sin, fp32 [1, S/sp, head_dim/2]
-    root = p_root * e  # gathered from forward to backward (its fp32 shard is copied in only at the start)
+    # gathered from forward to backward: the root's parameters, but for untied vocabulary matrices,
+    # each its own unit gathered only around its use (apply/zero.py): the output matrix for the loss
+    p_vocab = m.vocab_size * m.dim
+    root = (p_root if m.tie_embeddings else p_root - 2 * p_vocab) * e
+    output_gathered = 0.0 if m.tie_embeddings else e * p_output
 
     kept_all = on_device_ckpt * kept_ckpt_layer + n_plain * plain.kept * tokens
     kept_backward = backward_ckpt * kept_ckpt_layer + n_plain * plain.kept * tokens
 
     # -- the loss
-    loss: dict[str, float] = {**fixed, "root": root, "kept": kept_all}
+    loss: dict[str, float] = {**fixed, "root": root + output_gathered, "kept": kept_all}
     final = norm_saved(m.dim, e) + e * m.dim  # the final norm's saved tensors and its output h
     if mem.loss_chunk:
         chunk = min(mem.loss_chunk, tokens)
@@ -346,10 +351,9 @@ def memory_phases(
     # compute-dtype gradients and the fp32 reduce-scatter input of their full size and its
     # output shard (on one rank the input is the output: apply/zero_comm.py); beside the layers'
     # sharded fp32 gradients and the output matrix's
-    p_embedding = m.vocab_size * m.dim
-    fsdp_root = p_root - p_embedding - (0 if m.tie_embeddings or not mem.loss_chunk else p_output)
-    embedding_grad = 0.0 if mem.offload_states else 4.0 * p_embedding / shard
-    embedding_dense = 4.0 * p_embedding if shard > 1 else 0.0
+    fsdp_root = p_root - p_vocab - (0 if m.tie_embeddings or not mem.loss_chunk else p_output)
+    embedding_grad = 0.0 if mem.offload_states else 4.0 * p_vocab / shard
+    embedding_dense = 4.0 * p_vocab if shard > 1 else 0.0
     fsdp_reduce = (4.0 + e) * fsdp_root + (4.0 * fsdp_root / shard if shard > 1 else 0.0)
     root_reduce = {
         **fixed,
