@@ -9,8 +9,8 @@ embedding's is a scatter of rows, so :class:`ShardGradient` (a
 :class:`~loongtrain.model.vocab.GradientSink`) takes them in float32 and adds them into the
 sharded parameter's gradient: on one rank in place (the embedding's rows added into the
 gradient itself, no dense buffer at all), on several through one reduce-scatter of the
-dense gradient (and, under HSDP, an all-reduce of the shard over the replicas), as DTensor
-redistributes a ``Partial`` tensor to the parameter's placements. FSDP2 then finds no
+dense gradient into the rank's shard (the dense buffer itself the collective's input) and,
+under HSDP, an all-reduce of the shard over the replicas. FSDP2 then finds no
 gradient on those matrices and reduces only the rest of the root.
 
 The gradient made is the one FSDP2 would make (the same sum, reduced in float32), in the
@@ -20,8 +20,10 @@ parameter's placements, so the optimizer, clipping and checkpoints see no differ
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor, Partial
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
+from loongtrain.apply.zero_comm import reduce_scatter_into
 from loongtrain.parallel.stats import AttentionStats
 
 Tensor = torch.Tensor
@@ -45,10 +47,20 @@ class ShardGradient:
         if self.single:
             self._add_local(grad)
             return
-        partial = DTensor.from_local(grad, self.mesh, [Partial()] * self.mesh.ndim, run_check=False)
-        reduced = partial.redistribute(self.mesh, self.placements).to_local()
-        self._count(reduced)
-        self._add_local(reduced)
+        shard_dim = self.mesh.ndim - 1
+        n = self.mesh.size(shard_dim)
+        rows = -(-grad.shape[0] // n)  # torch.chunk's (and FSDP2's) rows per shard
+        if n > 1:
+            if grad.shape[0] != rows * n:  # the last shards short: reduce a padded copy
+                grad = torch.cat([grad, grad.new_zeros((rows * n - grad.shape[0], *grad.shape[1:]))])
+            shard = grad.new_empty((rows, *grad.shape[1:]))
+            reduce_scatter_into(shard, grad, op=dist.ReduceOp.SUM, group=self.mesh.get_group(shard_dim))
+        else:
+            shard = grad
+        if self.mesh.ndim == 2 and self.mesh.size(0) > 1:  # HSDP: summed over the replicas too
+            dist.all_reduce(shard, group=self.mesh.get_group(0))
+        self._count(shard)
+        self._add_local(shard[: self.param.to_local().shape[0]])
 
     def add_rows(self, ids: Tensor, rows: Tensor) -> None:
         if self.single:  # the gradient is the whole matrix: add the rows into it

@@ -46,7 +46,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 # torch 2.13 renamed the tensor collectives (the old names warn); 2.11 has only the old ones
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _alloc(size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -103,7 +103,7 @@ if AllGather is not None:
             moved = _nbytes(output_tensor) * (group.size() - 1)
             self.stats.add("zero.reduce_scatter", moved)
             self.stats.add_received("zero.reduce_scatter", moved)
-            return _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+            return reduce_scatter_into(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
 def _all_reduce_counter(stats: AttentionStats, replicas: int):
