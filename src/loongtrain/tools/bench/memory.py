@@ -27,13 +27,9 @@ Parts:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
-import os
 import statistics
-import sys
-import warnings
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -47,6 +43,7 @@ from loongtrain.model import build_model, model_config
 from loongtrain.model.config import ModelConfig
 from loongtrain.options import MemoryOptions
 from loongtrain.parallel import ParallelConfig, init_parallel
+from loongtrain.tools.bench.trace import live_storages, quiet_stderr
 from loongtrain.tools.harness import release_memory
 from loongtrain.train.step import agree_and_count, shard_microbatch
 
@@ -77,35 +74,7 @@ HEADLINE_OPTIONS: list[tuple[str, dict]] = [
 # -- measuring --------------------------------------------------------------------------
 def live_tensor_bytes() -> int:
     """Bytes of the distinct storages of every live tensor (the CPU's "allocated" figure)."""
-    seen: dict[int, int] = {}
-    with warnings.catch_warnings():  # isinstance() on torch.distributed's deprecated aliases warns
-        warnings.simplefilter("ignore", FutureWarning)
-        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
-    for obj in tensors:
-        if not obj.is_meta:
-            try:
-                storage = obj.untyped_storage()
-                if storage.device.type == "cpu" and storage.nbytes():
-                    seen[storage.data_ptr()] = storage.nbytes()
-            except (RuntimeError, NotImplementedError):  # wrapper subclasses (DTensor), freed storages
-                continue
-    return sum(seen.values())
-
-
-@contextlib.contextmanager
-def _quiet_stderr():
-    """File descriptor 2 to /dev/null for the block: the profiler's C++ side (kineto) writes
-    two lines per start and stop there, which no setting turns off."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
+    return sum(live_storages().values())
 
 
 def _mark(name: str) -> None:
@@ -157,7 +126,7 @@ class TensorPeak:
             self._hooks = phase_hooks(self.model, _mark)
         self.base = live_tensor_bytes()
         self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-        with _quiet_stderr():
+        with quiet_stderr():
             self._prof.__enter__()
         return self
 
@@ -168,7 +137,7 @@ class TensorPeak:
             torch.accelerator.synchronize(self.device)
             self.bytes = torch.accelerator.max_memory_allocated(self.device)
             return
-        with _quiet_stderr():
+        with quiet_stderr():
             self._prof.__exit__(*exc)
         events = [e for e in self._prof.profiler.kineto_results.events() if e.name() == "[memory]"
                   or e.name().startswith(PHASE)]  # fmt: skip
@@ -361,7 +330,7 @@ def _trace(device: torch.device, args: argparse.Namespace, rows: list) -> None:
     options), grouped by the line of code that made them, beside the planner's terms."""
     from loongtrain.planner.cost import Candidate
     from loongtrain.planner.memory import predict_peak_memory
-    from loongtrain.tools.bench.trace import LiveTensors, by_line
+    from loongtrain.tools.bench.trace import AllocatorPeak, LiveTensors, by_line
 
     rank, world = dist.get_rank(), dist.get_world_size()
     state = init_parallel(ParallelConfig(dp=world), verify_inputs=False)
@@ -374,7 +343,7 @@ def _trace(device: torch.device, args: argparse.Namespace, rows: list) -> None:
     tokens = batch.tokens.numel() // state.sp
     live = LiveTensors()
     phase_hooks(model, lambda phase: setattr(live, "phase", phase))
-    with live:
+    with AllocatorPeak(device) as top, live:
         _forward_backward(model, batch, state)
     del model
     release_memory(device)
@@ -389,6 +358,8 @@ def _trace(device: torch.device, args: argparse.Namespace, rows: list) -> None:
           f"storages of 64 KiB or more made during the step, by the line that made them (bytes per token of "
           f"the rank's {tokens}); the offload's host copies are outside a GPU's memory and left out")  # fmt: skip
     made = sum(m.nbytes for m in on_device)
+    print(f"the allocator's peak during the step: {top.bytes / MiB:.1f} MiB (everything, the offload's host copies "
+          f"and what ops hold inside them included), while {top.op or '?'} ran at {top.where or '?'}")  # fmt: skip
     print(f"peak of what the step made: {made / MiB:.1f} MiB in '{live.peak_phase}'; the planner's "
           f"peak phase '{predicted.phase}', its terms in bytes per token: "
           + ", ".join(f"{k} {v / tokens:.0f}" for k, v in predicted.terms if v / tokens >= 1))  # fmt: skip

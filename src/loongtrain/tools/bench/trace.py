@@ -18,7 +18,12 @@ custom op's Python implementation (``CustomOpDef._init_fn`` and ``._opoverload``
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import os
+import sys
 import traceback
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -61,6 +66,112 @@ def _caller() -> str:
     return "?"
 
 
+@contextlib.contextmanager
+def quiet_stderr():
+    """File descriptor 2 to /dev/null for the block: the profiler's C++ side (kineto) writes
+    two lines per start and stop there, which no setting turns off."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def _python_event_line(name: str) -> str:
+    """A profiler Python-function event's name (``loongtrain/model/loss.py(36): _chunk_rows``)
+    as ``model/loss.py:36:_chunk_rows``."""
+    path, _, func = name.partition(": ")
+    file, _, line = path.rpartition("(")
+    return f"{file.rsplit('loongtrain/', 1)[-1]}:{line.rstrip(')')}:{func}"
+
+
+class AllocatorPeak:
+    """``with AllocatorPeak(device) as top: ...``; then ``top.bytes``: the most bytes the
+    allocator of ``device`` held at once beyond what it held at the start (every allocation
+    and free, the temporaries inside an op that a dispatch mode cannot see included: the
+    profiler's memory events), ``top.op``: the ATen op running at that moment (the one the code
+    called, ``> `` the innermost one inside it), and
+    ``top.where``: the innermost loongtrain line running then (the profiler's Python stack).
+    :class:`LiveTensors` names the line of every storage an op returns; the difference
+    between the two peaks is what ops hold inside themselves, and this names where."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.bytes, self.op, self.where = 0, "", ""
+
+    def __enter__(self) -> AllocatorPeak:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._prof = torch.profiler.profile(activities=activities, profile_memory=True, with_stack=True)
+        with quiet_stderr():
+            self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with quiet_stderr():
+            self._prof.__exit__(*exc)
+        kind = torch.profiler.DeviceType.CUDA if self.device.type == "cuda" else torch.profiler.DeviceType.CPU
+        events = [(_event_name(e), e) for e in self._prof.profiler.kineto_results.events()]
+        memory = sorted((e for name, e in events if name == "[memory]" and e.device_type() == kind),
+                        key=lambda e: e.start_ns())  # fmt: skip
+        running, at = 0, None
+        for e in memory:
+            running += e.nbytes()
+            if running > self.bytes:
+                self.bytes, at = running, e.start_ns()
+        if at is None:
+            return
+        around = [(name, e.start_ns()) for name, e in events if name != "[memory]" and e.start_ns() <= at <= e.end_ns()]
+        running_then = sorted(around, key=lambda x: x[1])
+        ops = [name for name, _ in running_then if name.startswith("aten::")]
+        if ops:  # the op the code called (the outermost), and the innermost one running inside it
+            self.op = ops[0] if ops[0] == ops[-1] else f"{ops[0]} > {ops[-1]}"
+        lines = [name for name, _ in running_then if _is_loongtrain_line(name)]
+        nodes = [name for name, _ in running_then if name.startswith("autograd::engine::evaluate_function: ")]
+        if lines:
+            self.where = _python_event_line(lines[-1])
+        elif nodes:  # backward of a built-in op: the autograd node that ran it
+            self.where = "backward of " + nodes[-1].split(": ", 1)[1]
+
+
+def _is_loongtrain_line(name: str) -> bool:
+    """Whether a profiler event is a Python function of the library (not of this tool)."""
+    return name.partition("(")[0].endswith(".py") and "loongtrain/" in name and "tools/bench/" not in name
+
+
+def _event_name(event) -> str:
+    """A profiler event's name; "" where the profiler recorded bytes that are not UTF-8 (seen
+    for some Python-function events of a run under a dispatch mode)."""
+    try:
+        return event.name()
+    except UnicodeDecodeError:
+        return ""
+
+
+def live_storages() -> dict[int, int]:
+    """``{data_ptr: bytes}`` of the distinct CPU storages of every live tensor (a scan of the
+    garbage collector's objects)."""
+    seen: dict[int, int] = {}
+    with warnings.catch_warnings():  # isinstance() on torch.distributed's deprecated aliases warns
+        warnings.simplefilter("ignore", FutureWarning)
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for obj in tensors:
+        if not obj.is_meta:
+            try:
+                storage = obj.untyped_storage()
+                if storage.device.type == "cpu" and storage.nbytes():
+                    seen[storage.data_ptr()] = storage.nbytes()
+            except (RuntimeError, NotImplementedError):  # wrapper subclasses (DTensor), freed storages
+                continue
+    return seen
+
+
 class LiveTensors(TorchDispatchMode):
     """``with LiveTensors() as live: ...``; then ``live.peak`` (bytes) and ``live.snapshot``
     (the :class:`Made` alive at that moment). ``live.phase`` may be set during the block to
@@ -76,6 +187,12 @@ class LiveTensors(TorchDispatchMode):
         self._live: dict[int, tuple[StorageWeakRef, Made]] = {}
         self._bytes = 0
         self._impls = _python_implementations()
+        self._before: set[int] = set()
+
+    def __enter__(self) -> LiveTensors:
+        # storages alive before the block (parameters, inputs): an op's view of one is not new
+        self._before = set(live_storages())
+        return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -96,7 +213,7 @@ class LiveTensors(TorchDispatchMode):
                 continue
             storage = t.untyped_storage()
             key = storage.data_ptr()
-            if storage.nbytes() < self.min_bytes or key in self._live:
+            if storage.nbytes() < self.min_bytes or key in self._live or key in self._before:
                 continue
             self._live[key] = (StorageWeakRef(storage), Made(storage.nbytes(), str(func), tuple(t.shape), _caller(),
                                                              self.phase))  # fmt: skip
