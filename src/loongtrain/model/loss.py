@@ -9,8 +9,9 @@ predictions, and -- because the loss is the end of the graph -- the gradients ri
 (the approach of Liger's fused linear cross entropy): ``dL/dh_c`` into a ``[T, dim]``
 buffer and ``dL/dW`` accumulated in float32. Backward only scales them, in place, by the
 incoming gradient and hands them over (the ``[vocab, dim]`` accumulator is the gradient
-returned, cast only when the weight is not float32). The result equals ``F.cross_entropy(F.linear(h, W).float(), labels,
-reduction="sum")`` and its gradients, up to float32 summation order.
+returned, cast only when the weight is not float32, or given to a gradient sink:
+:mod:`loongtrain.model.vocab`). The result equals ``F.cross_entropy(F.linear(h,
+W).float(), labels, reduction="sum")`` and its gradients, up to float32 summation order.
 
 :func:`token_scores` is the forward-only variant for evaluation: per-token loss and
 whether the argmax is the target, chunk by chunk, without gradients.
@@ -54,8 +55,8 @@ def _chunk(
     h_c: Tensor, weight: Tensor, y_c: Tensor, grad_h_c: Tensor | None, grad_w: Tensor | None
 ) -> tuple[Tensor, Tensor]:
     """Loss and correct count of one chunk; with ``grad_h_c`` / ``grad_w`` also its gradients
-    (written into ``grad_h_c``, added to ``grad_w``; either may be None). Its ``[chunk, vocab]`` temporaries are
-    freed when it returns, before the next chunk allocates its own."""
+    (written into ``grad_h_c``, added to ``grad_w``; either may be None). Its ``[chunk,
+    vocab]`` temporaries are freed when it returns, before the next chunk allocates its own."""
     probs, lse, picked, correct, scored = _chunk_rows(h_c, weight, y_c)
     loss = torch.where(scored, lse - picked, 0.0).sum()
     if grad_h_c is not None or grad_w is not None:

@@ -50,8 +50,8 @@ accumulation dtype's (4: fp32). Where each term comes from:
 The peak is the largest of five phases: the loss (every layer's kept tensors plus the
 loss's), the backward of the first layer it reaches (every layer's kept tensors, plus one
 layer's recompute working set), of the last (one layer's kept tensors, the other layers'
-sharded gradients), the root's reduce and the optimizer step. ``MemoryOptions`` change exactly their terms:
-``mlp_tile`` replaces the per-token MLP intermediates by one tile's, ``loss_chunk`` the
+sharded gradients), the root's reduce and the optimizer step. ``MemoryOptions`` change
+exactly their terms: ``mlp_tile`` replaces the per-token MLP intermediates by one tile's, ``loss_chunk`` the
 logits by one chunk's, ``offload_activations`` keeps two layers of kept tensors on the
 device in forward (the layer in use and the one being copied out) and one through a layer's
 attention and MLP backward (``apply/offload.py`` brings the previous layer's back once the
@@ -351,7 +351,8 @@ def memory_phases(
     # compute-dtype gradients and the fp32 reduce-scatter input of their full size and its
     # output shard (on one rank the input is the output: apply/zero_comm.py); beside the layers'
     # sharded fp32 gradients and the output matrix's
-    fsdp_root = p_root - p_vocab - (0 if m.tie_embeddings or not mem.loss_chunk else p_output)
+    p_norms = p_root - p_vocab * (1 if m.tie_embeddings else 2)
+    fsdp_root = p_norms + (0 if mem.loss_chunk else p_output)
     embedding_grad = 0.0 if mem.offload_states else 4.0 * p_vocab / shard
     embedding_dense = 4.0 * p_vocab if shard > 1 else 0.0
     fsdp_reduce = (4.0 + e) * fsdp_root + (4.0 * fsdp_root / shard if shard > 1 else 0.0)
