@@ -96,13 +96,16 @@ class AllocatorPeak:
     and free, the temporaries inside an op that a dispatch mode cannot see included: the
     profiler's memory events), ``top.op``: the ATen op running at that moment (the one the code
     called, ``> `` the innermost one inside it), and
-    ``top.where``: the innermost loongtrain line running then (the profiler's Python stack).
+    ``top.where``: the innermost loongtrain line running then (the profiler's Python stack;
+    ``python_frames`` False where this platform's profiler records none: torch 2.11 on Python
+    3.12 here).
     :class:`LiveTensors` names the line of every storage an op returns; the difference
     between the two peaks is what ops hold inside themselves, and this names where."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self.bytes, self.op, self.where = 0, "", ""
+        self.python_frames = False  # whether the profiler recorded Python calls (not on every platform)
 
     def __enter__(self) -> AllocatorPeak:
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -125,6 +128,7 @@ class AllocatorPeak:
             running += e.nbytes()
             if running > self.bytes:
                 self.bytes, at = running, e.start_ns()
+        self.python_frames = any(name.partition("(")[0].endswith(".py") for name, _ in events)
         if at is None:
             return
         around = [(name, e.start_ns()) for name, e in events if name != "[memory]" and e.start_ns() <= at <= e.end_ns()]
