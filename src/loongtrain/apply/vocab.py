@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from loongtrain.apply.zero_comm import reduce_scatter_into
+from loongtrain.apply.zero_comm import count_reduce, reduce_scatter_into
 from loongtrain.parallel.stats import AttentionStats
 
 Tensor = torch.Tensor
@@ -42,24 +42,24 @@ class ShardGradient:
         self.param, self.stats = param, stats
         self.mesh, self.placements = param.device_mesh, param.placements
         self.single = self.mesh.size() == 1
+        self.shards = self.mesh.size(self.mesh.ndim - 1)  # FSDP2's mesh: (replicate, shard) or (shard,)
+        self.replicas = self.mesh.size(0) if self.mesh.ndim == 2 else 1
 
     def add(self, grad: Tensor) -> None:
         if self.single:
             self._add_local(grad)
             return
-        shard_dim = self.mesh.ndim - 1
-        n = self.mesh.size(shard_dim)
+        n = self.shards
         rows = -(-grad.shape[0] // n)  # torch.chunk's (and FSDP2's) rows per shard
+        shard = grad
         if n > 1:
             if grad.shape[0] != rows * n:  # the last shards short: reduce a padded copy
                 grad = torch.cat([grad, grad.new_zeros((rows * n - grad.shape[0], *grad.shape[1:]))])
             shard = grad.new_empty((rows, *grad.shape[1:]))
-            reduce_scatter_into(shard, grad, op=dist.ReduceOp.SUM, group=self.mesh.get_group(shard_dim))
-        else:
-            shard = grad
-        if self.mesh.ndim == 2 and self.mesh.size(0) > 1:  # HSDP: summed over the replicas too
+            reduce_scatter_into(shard, grad, op=dist.ReduceOp.SUM, group=self.mesh.get_group(self.mesh.ndim - 1))
+        if self.replicas > 1:  # HSDP: summed over the replicas too
             dist.all_reduce(shard, group=self.mesh.get_group(0))
-        self._count(shard)
+        count_reduce(self.stats, shard, n, self.replicas)
         self._add_local(shard[: self.param.to_local().shape[0]])
 
     def add_rows(self, ids: Tensor, rows: Tensor) -> None:
@@ -87,18 +87,6 @@ class ShardGradient:
         self.param.grad = DTensor.from_local(
             local, self.mesh, self.placements, run_check=False, shape=self.param.shape, stride=self.param.stride()
         )
-
-    def _count(self, shard: Tensor) -> None:
-        nbytes = shard.numel() * shard.element_size()
-        shards = self.mesh.size(self.mesh.ndim - 1)
-        moved = nbytes * (shards - 1)
-        if moved:
-            self.stats.add("zero.reduce_scatter", moved)
-            self.stats.add_received("zero.reduce_scatter", moved)
-        if self.mesh.ndim == 2 and (replicas := self.mesh.size(0)) > 1:
-            moved = 2 * (replicas - 1) * nbytes // replicas
-            self.stats.add("zero.all_reduce", moved)
-            self.stats.add_received("zero.all_reduce", moved)
 
 
 def apply_vocab_gradients(model, stats: AttentionStats) -> None:

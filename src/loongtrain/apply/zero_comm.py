@@ -29,7 +29,7 @@ try:  # torch >= 2.9 (the custom-comm hooks); older FSDP2 runs uncounted
 except ImportError:  # pragma: no cover - depends on the installed torch
     AllGather = ReduceScatter = None  # type: ignore[assignment,misc]
 
-__all__ = ["ZERO_KINDS", "count_zero_comm", "zero_comm_countable"]
+__all__ = ["ZERO_KINDS", "count_reduce", "count_zero_comm", "reduce_scatter_into", "zero_comm_countable"]
 
 #: ``state.stats`` kinds of ZeRO's collectives.
 ZERO_KINDS = ("zero.all_gather", "zero.reduce_scatter", "zero.all_reduce")
@@ -100,22 +100,32 @@ if AllGather is not None:
             return buffer
 
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            moved = _nbytes(output_tensor) * (group.size() - 1)
-            self.stats.add("zero.reduce_scatter", moved)
-            self.stats.add_received("zero.reduce_scatter", moved)
+            _add(self.stats, "zero.reduce_scatter", _nbytes(output_tensor) * (group.size() - 1))
             return reduce_scatter_into(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+def count_reduce(stats: AttentionStats, shard: torch.Tensor, shards: int, replicas: int) -> None:
+    """Count a gradient reduced into ``shard`` by hand (not through FSDP2): a reduce-scatter
+    over ``shards`` ranks and, with ``replicas`` > 1, an all-reduce of the shard (HSDP)."""
+    if shards > 1:
+        _add(stats, "zero.reduce_scatter", _nbytes(shard) * (shards - 1))
+    if replicas > 1:
+        _add(stats, "zero.all_reduce", 2 * (replicas - 1) * _nbytes(shard) // replicas)
+
+
+def _add(stats: AttentionStats, kind: str, moved: int) -> None:
+    stats.add(kind, moved)
+    stats.add_received(kind, moved)
 
 
 def _all_reduce_counter(stats: AttentionStats, replicas: int):
     def hook(reduce_output: torch.Tensor) -> None:
-        moved = 2 * (replicas - 1) * _nbytes(reduce_output) // replicas
-        stats.add("zero.all_reduce", moved)
-        stats.add_received("zero.all_reduce", moved)
+        _add(stats, "zero.all_reduce", 2 * (replicas - 1) * _nbytes(reduce_output) // replicas)
 
     return hook
 
 
-def count_zero_comm(module, stats: AttentionStats, replicas: int, shards: int = 2) -> bool:
+def count_zero_comm(module, stats: AttentionStats, replicas: int, shards: int) -> bool:
     """Count ``module``'s (an ``FSDPModule``) collectives into ``stats``; ``replicas`` is the
     size of the mesh's replicate dimension (1 without HSDP), ``shards`` of its shard dimension
     (1: the gradients' buffer is not copied, see ``_CountingReduceScatter``). False where this
