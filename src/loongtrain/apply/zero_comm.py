@@ -63,9 +63,7 @@ if AllGather is not None:
             return _alloc(size, dtype=dtype, device=device)
 
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            moved = _nbytes(input_tensor) * (group.size() - 1)
-            self.stats.add("zero.all_gather", moved)
-            self.stats.add_received("zero.all_gather", moved)
+            _add(self.stats, "zero.all_gather", _nbytes(input_tensor) * (group.size() - 1))
             return _all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
 
     class _CountingReduceScatter(ReduceScatter):
