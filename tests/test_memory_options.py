@@ -30,7 +30,8 @@ from loongtrain.options import MemoryOptions
 from dist_pool import cached_state
 
 ALL_ON = dict(
-    activation_checkpoint="sc++", loss_chunk=24, mlp_tile=8, offload_activations=True, offload_states=True
+    activation_checkpoint="sc++", loss_chunk=24, mlp_tile=8, offload_activations=True, offload_states=True,
+    head_groups=2,
 )  # fmt: skip
 
 

@@ -41,7 +41,15 @@ def _batch(step: int, rows: int, seq: int, vocab: int) -> tuple[torch.Tensor, to
 
 
 def _equivalence(
-    cfg: dict, zero: str, ckpt: str, overrides: dict, steps: int, micro: int, every: int = 1, **options
+    cfg: dict,
+    zero: str,
+    ckpt: str,
+    overrides: dict,
+    steps: int,
+    micro: int,
+    every: int = 1,
+    head_groups: int = 1,
+    **options,
 ) -> dict:
     state = cached_state(**cfg)
     mcfg = model_config("debug", **overrides)
@@ -51,7 +59,7 @@ def _equivalence(
     par = parallelize(
         build_model(mcfg),
         state,
-        memory=MemoryOptions(activation_checkpoint=ckpt, activation_checkpoint_every=every),
+        memory=MemoryOptions(activation_checkpoint=ckpt, activation_checkpoint_every=every, head_groups=head_groups),
         zero=zero,
         **options,
     )
@@ -121,6 +129,10 @@ OPTION_CASES = [
     (4, {"hp": 2, "cp": 2}, "dp_sp", "sc++", {"reshard_after_forward": False}, TOL),
     # every second layer checkpointed
     (4, {"cp": 2, "dp": 2}, "sp", "full", {"every": 2}, TOL),
+    # the attention over head groups (model/head_groups.py) on 2D attention and on the double ring,
+    # with packed documents absent here and present in test_memory_options' every-option-on run
+    (4, {"hp": 2, "cp": 2}, "dp_sp", "full", {"head_groups": 2}, TOL),
+    (4, {"cp": 4, "ring_window": 2}, "sp", "none", {"head_groups": 4}, TOL),
     # bf16 compute, fp32 master weights and gradient reduction: bf16-level agreement
     (4, {"hp": 2, "cp": 2}, "dp_sp", "sc++", {"param_dtype": torch.bfloat16}, {"loss": 1e-2, "grad_step0": 5e-2}),
 ]

@@ -127,6 +127,12 @@ class MemoryOptions:
     mlp_tile: int = option(
         0, "run the MLP over sequence tiles of this many tokens, recomputed per tile (0: off)", bound="non_negative"
     )
+    head_groups: int = option(
+        1,
+        "run each layer's attention (q/k/v projections, RoPE, the kernel or ring, the output projection) over "
+        "this many groups of heads, one group at a time in forward and backward (1: every head at once)",
+        bound="positive",
+    )
     offload_activations: bool = option(
         False, "keep what activation checkpointing saves per layer in host memory between forward and backward"
     )
@@ -140,6 +146,8 @@ class MemoryOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"MemoryOptions: {name}={value!r} must be 0 (off) or a positive number of tokens")
+        if isinstance(self.head_groups, bool) or not isinstance(self.head_groups, int) or self.head_groups < 1:
+            raise ValueError(f"MemoryOptions: head_groups={self.head_groups!r} must be a positive integer (1: off)")
         for name in ("offload_activations", "offload_states"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MemoryOptions: {name}={getattr(self, name)!r} must be true or false")
@@ -155,10 +163,12 @@ def check_compile(memory: MemoryOptions, per_batch: bool = False) -> None:
     (host copies and per-tile recompute run outside a compiled graph) or with a layout per
     microbatch (``per_batch``: the blocks are compiled for one layout)."""
     on = [name for name in ("offload_activations", "mlp_tile") if getattr(memory, name)]
+    if memory.head_groups > 1:
+        on.append("head_groups")
     if on:
         raise ValueError(
-            f"compiled blocks (run.compile=true) cannot run with memory.{on[0]} (host copies and per-tile "
-            f"recompute run outside a compiled graph); turn one of them off"
+            f"compiled blocks (run.compile=true) cannot run with memory.{on[0]} (host copies, per-tile and "
+            f"per-head-group recompute run outside a compiled graph); turn one of them off"
         )
     if per_batch:
         raise ValueError(

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from loongtrain.apply.activation_checkpoint import apply_activation_checkpoint
-from loongtrain.apply.attention import apply_attention, check_model_fits
+from loongtrain.apply.attention import apply_attention, apply_head_groups, check_model_fits
 from loongtrain.apply.compile import apply_compile
 from loongtrain.apply.init import materialize
 from loongtrain.apply.offload import ActivationOffload
@@ -36,6 +36,7 @@ __all__ = [
     "apply_activation_checkpoint",
     "apply_attention",
     "apply_compile",
+    "apply_head_groups",
     "apply_memory_options",
     "apply_zero",
     "check_model_fits",
@@ -71,6 +72,7 @@ def parallelize(
         check_compile(memory, per_batch=bool(alternatives))
     apply_attention(model, state, alternatives)  # checks that the heads split over hp, before anything else
     apply_memory_options(model, memory)
+    apply_head_groups(model, memory.head_groups, state, alternatives)
     offload = ActivationOffload(state.device) if memory.offload_activations else None
     model.activation_offload = offload  # what it holds on the host: model.activation_offload.host_bytes()
     apply_activation_checkpoint(model, memory.activation_checkpoint, memory.activation_checkpoint_every, offload)

@@ -6,8 +6,10 @@ from collections.abc import Sequence
 from functools import partial
 
 from loongtrain.attention import head_context_attention
+from loongtrain.attention.head_context import HeadContextSplit
 from loongtrain.attention.layout import SequenceLayout
 from loongtrain.model.config import ModelConfig
+from loongtrain.model.head_groups import head_group_attention, head_group_slices
 from loongtrain.model.llama import Transformer
 from loongtrain.parallel import ParallelState
 from loongtrain.parallel.layout import check_head_split
@@ -43,9 +45,44 @@ def apply_attention(model: Transformer, state: ParallelState, alternatives: Sequ
                 f"sequence-parallel group as the state (hp={state.hp}, cp={state.cp}, dp={state.dp})"
             )
     if alternatives:
-        states = {(s.hp, s.cp, s.config.balance): s for s in (*alternatives, state)}
-        attention = partial(_on_the_layouts_state, states=states, default=state)
+        attention = partial(_on_the_layouts_state, states=_by_split(state, alternatives), default=state)
     else:
         attention = partial(head_context_attention, state=state, causal=True)
     for layer in model.layers:
         layer.attention.attention_fn = attention
+
+
+def _by_split(state: ParallelState, alternatives: Sequence[ParallelState]) -> dict:
+    return {(s.hp, s.cp, s.config.balance): s for s in (*alternatives, state)}
+
+
+def check_head_groups(cfg: ModelConfig, groups: int, hps: Sequence[int]) -> None:
+    """Raise (before any communication) unless ``groups`` head groups split the model's heads and
+    each group's heads split over every ``hp`` of ``hps``."""
+    try:
+        slices = head_group_slices(cfg.n_heads, cfg.n_kv_heads, groups)
+    except ValueError as e:
+        raise ValueError(f"memory.{e}") from None
+    heads, kv = slices[0]
+    for hp in hps:
+        try:
+            check_head_split(heads.stop - heads.start, kv.stop - kv.start, hp)
+        except ValueError as e:
+            raise ValueError(
+                f"memory.head_groups={groups}: a group of {heads.stop - heads.start} query and {kv.stop - kv.start} "
+                f"key/value heads does not split over hp={hp} ({e}); use fewer head groups"
+            ) from None
+
+
+def apply_head_groups(
+    model: Transformer, groups: int, state: ParallelState, alternatives: Sequence[ParallelState] = ()
+) -> None:
+    """Run every layer's attention over ``groups`` groups of heads, one at a time in forward and
+    backward (:mod:`loongtrain.model.head_groups`), on the 2D attention of ``state`` (and of
+    ``alternatives``, as :func:`apply_attention`). ``groups == 1``: nothing changes."""
+    check_head_groups(model.config, groups, [s.hp for s in (state, *alternatives)])
+    if groups == 1:
+        return
+    split = HeadContextSplit(state, _by_split(state, alternatives) if alternatives else None)
+    for layer in model.layers:
+        layer.attention.over_head_groups = partial(head_group_attention, groups=groups, attention=split)

@@ -118,7 +118,7 @@ def head_context_attention(
         sliding_window: ``i`` sees ``j`` only if ``i - j < sliding_window`` (``|i - j| <
             sliding_window`` when not causal), as in HF Mistral/Qwen.
     """
-    return _attend(q, k, v, state, causal, softmax_scale, layout, sliding_window)[0]
+    return _attend_parts(q, k, v, state, causal, softmax_scale, layout, sliding_window)[0]
 
 
 def head_context_attention_kv(
@@ -133,10 +133,11 @@ def head_context_attention_kv(
     values this rank attended with: ``(out [B, S/sp, H, d], kv [2, B, S/cp, max(G,hp)/hp, d])``,
     its head group's key/value heads for its context rank's tokens (in the order of
     ``layout.ranges(h, c)`` for ``h = 0 .. hp-1``): the rank's shard of a K/V cache."""
-    return _attend(q, k, v, state, True, None, layout, sliding_window)
+    out, kv_h, _, _ = _attend_parts(q, k, v, state, True, None, layout, sliding_window)
+    return out, kv_h
 
 
-def _attend(
+def _attend_parts(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -145,8 +146,9 @@ def _attend(
     softmax_scale: float | None,
     layout: SequenceLayout | None,
     sliding_window: int | None,
-) -> tuple[Tensor, Tensor]:
-    """The 2D attention: ``(out, kv_h)``, the stacked key/value heads the ring attended with."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The 2D attention: ``(out, kv_h, out_h, lse)``: the output, the stacked key/value heads
+    the ring attended with, and the ring's output and log-sum-exp in its layout."""
     if torch.compiler.is_compiling():
         # Under torch.compile the checks that read values (a kernel table) stay out of the
         # graph; the ops find the layout again from its boundaries tensor when they run.
@@ -163,8 +165,66 @@ def _attend(
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     if state.hp == 1:
         kv = torch.stack((k, v))
-        out, _lse = ops.ring_attention(q, kv, state.key, causal, scale, True, cu, sliding)
-        return out, kv
+        out, lse = ops.ring_attention(q, kv, state.key, causal, scale, True, cu, sliding)
+        return out, kv, out, lse
     q_h, kv_h = ops.head_scatter(q, k, v, state.key, causal, cu, sliding)
-    out_h, _lse = ops.ring_attention(q_h, kv_h, state.key, causal, scale, False, cu, sliding)
-    return ops.head_gather(out_h, state.key), kv_h
+    out_h, lse = ops.ring_attention(q_h, kv_h, state.key, causal, scale, False, cu, sliding)
+    return ops.head_gather(out_h, state.key), kv_h, out_h, lse
+
+
+class HeadContextSplit:
+    """:func:`head_context_attention` (causal) as a forward and a backward the caller runs
+    (:class:`~loongtrain.model.head_groups.SplitAttention`, for the attention over head
+    groups): the same custom ops and communication, called without autograd.
+
+    ``saved`` is the ring's output and log-sum-exp in its own layout (``[B, S/cp, H/hp, d]``).
+    With ``hp > 1`` the backward runs the head all-to-all of q, k, v again (q_h and kv_h are
+    not kept) and :meth:`output` gathers the output again (an all-to-all of ``out``).
+    ``states``: the states of other hp x cp splits a microbatch's layout may take, as
+    :func:`~loongtrain.apply.attention.apply_attention`'s ``alternatives``.
+    """
+
+    def __init__(self, state: ParallelState, states: dict | None = None) -> None:
+        self.state, self.states = state, states or {}
+
+    def _state(self, layout: SequenceLayout | None) -> ParallelState:
+        if layout is None:
+            return self.state
+        return self.states.get((layout.hp, layout.cp, layout.balance), self.state)
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, layout: SequenceLayout | None = None, sliding_window: int | None = None
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        state = self._state(layout)
+        out, _kv, out_h, lse = _attend_parts(q, k, v, state, True, None, layout, sliding_window)
+        return out, (out_h, lse) if state.hp > 1 else (out, lse)
+
+    def output(self, saved: tuple[Tensor, ...], layout: SequenceLayout | None = None) -> Tensor:
+        state = self._state(layout)
+        return ops.head_gather(saved[0], state.key) if state.hp > 1 else saved[0]
+
+    def backward(
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        saved: tuple[Tensor, ...],
+        layout: SequenceLayout | None = None,
+        sliding_window: int | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        state = self._state(layout)
+        out_h, lse = saved
+        cu, sliding = (None if layout is None else layout.cu_seqlens), sliding_window or 0
+        scale = q.shape[-1] ** -0.5
+        if state.hp == 1:
+            dq, dkv = ops.ring_attention_backward(
+                dout.contiguous(), q, torch.stack((k, v)), out_h, lse, state.key, True, scale, cu, sliding
+            )
+            return dq, dkv[0], dkv[1]
+        q_h, kv_h = ops.head_scatter(q, k, v, state.key, True, cu, sliding)
+        dout_h = ops.head_gather_backward(dout.contiguous(), state.key)
+        dq_h, dkv_h = ops.ring_attention_backward(dout_h, q_h, kv_h, out_h, lse, state.key, True, scale, cu, sliding)
+        del q_h, kv_h, dout_h
+        dq, dkv = ops.head_scatter_backward(dq_h, dkv_h, state.key, k.shape[2])
+        return dq, dkv[0], dkv[1]

@@ -52,22 +52,45 @@ class NormedProjections(torch.autograd.Function):
         x, norm_weight, rstd, wq, wk, wv = ctx.saved_tensors
         needs = ctx.needs_input_grad
         grad_x = torch.empty_like(x)
-        sums: list[Tensor | None] = [None] * 7  # norm weight, then (weight, bias) of q, k, v
-        for rows in tiles(x.shape[1]):
-            xt, rt = x[:, rows], rstd[:, rows]
-            h, normed = normalize(xt, rt, norm_weight)
-            h = h.flatten(0, -2)
-            grads = [g[:, rows].flatten(0, -2) for g in (dq, dk, dv)]
-            grad_h = grads[0].mm(wq)
-            grad_h.addmm_(grads[1], wk).addmm_(grads[2], wv)  # accumulated in place
-            parts: list[Tensor | None] = [None]
-            for g, i in zip(grads, (3, 5, 7)):
-                parts += [g.t().mm(h) if needs[i] else None, g.sum(0) if needs[i + 1] else None]
-            del h
-            grad_x[:, rows], parts[0] = rms_norm_backward(grad_h.view_as(xt), xt, norm_weight, rt, needs[1], normed)
-            sums = [sum_parts(total, part) for total, part in zip(sums, parts)]
+        sums = projections_backward(x, norm_weight, rstd, (wq, wk, wv), (dq, dk, dv), (needs[1], *needs[3:]), grad_x)
         typed = cast_like(sums, [norm_weight, wq, wq, wk, wk, wv, wv])  # a bias has its weight's dtype
         return grad_x, typed[0], None, *typed[1:]
+
+
+def projections_backward(
+    x: Tensor,
+    norm_weight: Tensor,
+    rstd: Tensor,
+    weights: tuple[Tensor, Tensor, Tensor],
+    grads: tuple[Tensor, Tensor, Tensor],
+    needs: tuple[bool, ...],
+    grad_x: Tensor,
+    accumulate: bool = False,
+) -> list[Tensor | None]:
+    """Backward of ``rms_norm(x)`` and its q, k, v projections (``weights``) for the
+    gradients ``grads`` [B, S, *], over token tiles: writes (``accumulate``: adds) the input
+    gradient into ``grad_x`` and returns the float32 sums of the norm weight's and each
+    projection's weight and bias gradients (``needs``: which of these seven are wanted)."""
+    wq, wk, wv = weights
+    sums: list[Tensor | None] = [None] * 7  # norm weight, then (weight, bias) of q, k, v
+    for rows in tiles(x.shape[1]):
+        xt, rt = x[:, rows], rstd[:, rows]
+        h, normed = normalize(xt, rt, norm_weight)
+        h = h.flatten(0, -2)
+        parts_of = [g[:, rows].flatten(0, -2) for g in grads]
+        grad_h = parts_of[0].mm(wq)
+        grad_h.addmm_(parts_of[1], wk).addmm_(parts_of[2], wv)  # accumulated in place
+        parts: list[Tensor | None] = [None]
+        for g, i in zip(parts_of, (1, 3, 5)):
+            parts += [g.t().mm(h) if needs[i] else None, g.sum(0) if needs[i + 1] else None]
+        del h
+        tile_x, parts[0] = rms_norm_backward(grad_h.view_as(xt), xt, norm_weight, rt, needs[0], normed)
+        if accumulate:
+            grad_x[:, rows] += tile_x
+        else:
+            grad_x[:, rows] = tile_x
+        sums = [sum_parts(total, part) for total, part in zip(sums, parts)]
+    return sums
 
 
 def lean_normed_projections(x: Tensor, norm: RMSNorm, wq: nn.Linear, wk: nn.Linear, wv: nn.Linear):

@@ -105,11 +105,16 @@ class Attention(nn.Module):
         self.attention_fn: AttentionFn = sdpa_attention
         self.projections: Callable[..., tuple[Tensor, Tensor, Tensor]] = normed_projections
         self.rope: Callable[[Tensor, Tensor, Tensor], Tensor] = apply_rope
+        # swapped by loongtrain.apply for memory.head_groups: this forward over groups of heads,
+        # one at a time in forward and backward (loongtrain.model.head_groups)
+        self.over_head_groups: Callable[..., Tensor] | None = None
 
     def forward(
         self, x: Tensor, norm: RMSNorm, cos: Tensor, sin: Tensor, layout: SequenceLayout | None = None
     ) -> Tensor:
         """Attention of ``norm(x)`` for ``x`` [B, S, dim]."""
+        if self.over_head_groups is not None:
+            return self.over_head_groups(self, x, norm, cos, sin, layout)
         b, s, _ = x.shape
         q, k, v = self.projections(x, norm, self.wq, self.wk, self.wv)
         q = q.view(b, s, self.n_heads, self.head_dim)
