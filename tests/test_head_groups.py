@@ -15,10 +15,11 @@ from loongtrain.apply.attention import check_head_groups
 from loongtrain.attention.layout import sequence_layout
 from loongtrain.attention.local import LocalSplitAttention
 from loongtrain.model.config import ModelConfig
-from loongtrain.model.head_groups import head_group_attention, head_group_slices
+from loongtrain.model.head_groups import head_group_attention
 from loongtrain.model.lean import lean_normed_projections, tiled_rope
 from loongtrain.model.llama import Attention, rope_tables
 from loongtrain.model.norm import RMSNorm
+from loongtrain.parallel.layout import head_group_slices
 
 pytestmark = pytest.mark.unit
 
@@ -53,6 +54,7 @@ CASES = [
     (8, 2, 8, {"qk_norm": True, "qkv_bias": True}),  # one head a group, Qwen3/Qwen2 pieces
     (4, 4, 2, {"sliding_window": 7}),  # MHA, a window
     (8, 2, 1, {}),  # one group: the same function, every head at once
+    (8, 2, 4, {"keep": False}),  # no output kept: backward runs each group's attention again
 ]
 
 
@@ -60,6 +62,8 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"H{c[0]}-G{c[1]}-g{c[2]}" + "".join(f"-{k}" for k in c[3]))
 def test_head_groups_equal_the_plain_attention_in_float64(case, dtype):
     heads, kv_heads, groups, extras = case
+    extras = dict(extras)
+    keep = extras.pop("keep", True)
     cfg = ModelConfig(dim=64, n_heads=heads, n_kv_heads=kv_heads, **extras)
     seq, cu = 40, [0, 9, 26, 40]  # three packed documents
     layout = sequence_layout(seq, None, cu)
@@ -78,7 +82,8 @@ def test_head_groups_equal_the_plain_attention_in_float64(case, dtype):
         attention.projections, attention.rope = lean_normed_projections, tiled_rope  # as parallelize runs it
         if groups is not None:
             split = LocalSplitAttention()
-            attention.over_head_groups = functools.partial(head_group_attention, groups=groups, attention=split)
+            grouped = functools.partial(head_group_attention, groups=groups, attention=split, keep=keep)
+            attention.over_head_groups = grouped
         out, got = _run(attention, norm, x.to(dtype), dy.to(dtype), cos, sin, layout)
         assert out.dtype == dtype and set(got) == set(want)
         assert all(got[name] is not None and got[name].dtype == dtype for name in want)

@@ -72,7 +72,9 @@ def parallelize(
         check_compile(memory, per_batch=bool(alternatives))
     apply_attention(model, state, alternatives)  # checks that the heads split over hp, before anything else
     apply_memory_options(model, memory)
-    apply_head_groups(model, memory.head_groups, state, alternatives)
+    every = memory.activation_checkpoint_every
+    full = range(0, len(model.layers), every) if memory.activation_checkpoint == "full" else ()
+    apply_head_groups(model, memory.head_groups, state, alternatives, recomputed=full)
     offload = ActivationOffload(state.device) if memory.offload_activations else None
     model.activation_offload = offload  # what it holds on the host: model.activation_offload.host_bytes()
     apply_activation_checkpoint(model, memory.activation_checkpoint, memory.activation_checkpoint_every, offload)

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from functools import partial
 
 from loongtrain.attention import head_context_attention
 from loongtrain.attention.head_context import HeadContextSplit
 from loongtrain.attention.layout import SequenceLayout
 from loongtrain.model.config import ModelConfig
-from loongtrain.model.head_groups import head_group_attention, head_group_slices
+from loongtrain.model.head_groups import head_group_attention
 from loongtrain.model.llama import Transformer
 from loongtrain.parallel import ParallelState
+from loongtrain.parallel.layout import check_head_groups as check_groups
 from loongtrain.parallel.layout import check_head_split
 
 
@@ -59,30 +60,29 @@ def _by_split(state: ParallelState, alternatives: Sequence[ParallelState]) -> di
 def check_head_groups(cfg: ModelConfig, groups: int, hps: Sequence[int]) -> None:
     """Raise (before any communication) unless ``groups`` head groups split the model's heads and
     each group's heads split over every ``hp`` of ``hps``."""
-    try:
-        slices = head_group_slices(cfg.n_heads, cfg.n_kv_heads, groups)
-    except ValueError as e:
-        raise ValueError(f"memory.{e}") from None
-    heads, kv = slices[0]
     for hp in hps:
         try:
-            check_head_split(heads.stop - heads.start, kv.stop - kv.start, hp)
+            check_groups(cfg.n_heads, cfg.n_kv_heads, groups, hp)
         except ValueError as e:
-            raise ValueError(
-                f"memory.head_groups={groups}: a group of {heads.stop - heads.start} query and {kv.stop - kv.start} "
-                f"key/value heads does not split over hp={hp} ({e}); use fewer head groups"
-            ) from None
+            raise ValueError(f"memory.{e}") from None
 
 
 def apply_head_groups(
-    model: Transformer, groups: int, state: ParallelState, alternatives: Sequence[ParallelState] = ()
+    model: Transformer,
+    groups: int,
+    state: ParallelState,
+    alternatives: Sequence[ParallelState] = (),
+    recomputed: Collection[int] = (),
 ) -> None:
     """Run every layer's attention over ``groups`` groups of heads, one at a time in forward and
     backward (:mod:`loongtrain.model.head_groups`), on the 2D attention of ``state`` (and of
-    ``alternatives``, as :func:`apply_attention`). ``groups == 1``: nothing changes."""
+    ``alternatives``, as :func:`apply_attention`). ``groups == 1``: nothing changes.
+    ``recomputed``: the layers that full checkpointing recomputes; their attention keeps no
+    output and its backward runs each group's attention forward again."""
     check_head_groups(model.config, groups, [s.hp for s in (state, *alternatives)])
     if groups == 1:
         return
     split = HeadContextSplit(state, _by_split(state, alternatives) if alternatives else None)
-    for layer in model.layers:
-        layer.attention.over_head_groups = partial(head_group_attention, groups=groups, attention=split)
+    for index, layer in enumerate(model.layers):
+        keep = index not in recomputed
+        layer.attention.over_head_groups = partial(head_group_attention, groups=groups, attention=split, keep=keep)

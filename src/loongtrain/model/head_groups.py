@@ -8,9 +8,9 @@ RoPE, the attention and the output projection one group at a time, in forward an
 backward, so only one group's q, k, v, dout, dq, dk, dv (and the attention's buffers: the
 ring's float32 partials, the all-to-alls, the kernel's workspace) exist at once. It saves the
 block input, the norm's float32 ``1 / rms`` and what the attention's backward needs (its
-output and log-sum-exp per group); backward recomputes each group's projections (a
-q/k/v-projection forward more per layer) and adds each group's input gradient into one
-``[T, dim]`` buffer. The attention itself runs once per forward, as without groups.
+output and log-sum-exp per group; or, ``keep=False``, nothing: backward runs each group's
+attention forward again); backward recomputes each group's projections (a q/k/v-projection
+forward more per layer) and adds each group's input gradient into one ``[T, dim]`` buffer.
 
 The attention is a :class:`SplitAttention`: a forward that returns what its backward needs,
 and that backward, called by hand (``loongtrain.parallelize`` wires the 2D head-context
@@ -29,6 +29,7 @@ from loongtrain.attention.layout import SequenceLayout
 from loongtrain.model.lean import projections_backward
 from loongtrain.model.llama import Attention, apply_rope
 from loongtrain.model.norm import RMSNorm, normalize, over_tiles, rms_norm, rms_norm_backward, tiles
+from loongtrain.parallel.layout import head_group_slices
 
 Tensor = torch.Tensor
 
@@ -60,27 +61,6 @@ class SplitAttention(Protocol):
         ...
 
 
-def head_group_slices(n_heads: int, n_kv_heads: int, groups: int) -> list[tuple[slice, slice]]:
-    """Each group's query heads and the key/value heads they read: whole GQA groups per head
-    group (``n_kv_heads % groups == 0``), or head groups inside one key/value head
-    (``groups % n_kv_heads == 0``: that head's k/v are recomputed by each of its groups)."""
-    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
-        raise ValueError(f"head_groups={groups!r} must be a positive integer (1: the whole layer at once)")
-    if n_heads % groups or (n_kv_heads % groups and groups % n_kv_heads):
-        raise ValueError(
-            f"head_groups={groups} does not split the model's heads (n_heads={n_heads}, n_kv_heads={n_kv_heads}): "
-            f"it must divide n_heads and divide or be a multiple of n_kv_heads"
-        )
-    per_group, ratio = n_heads // groups, n_heads // n_kv_heads
-    out = []
-    for g in range(groups):
-        first = g * per_group
-        kv_first = first // ratio
-        kv_count = max(1, per_group // ratio)
-        out.append((slice(first, first + per_group), slice(kv_first, kv_first + kv_count)))
-    return out
-
-
 @dataclass(frozen=True)
 class _Spec:
     """What the function needs besides tensors."""
@@ -92,6 +72,7 @@ class _Spec:
     qk_eps: float
     layout: SequenceLayout | None
     sliding_window: int | None
+    keep: bool  # save each group's attention output for backward (False: backward runs it again)
 
     def rows(self, heads: slice) -> slice:
         return slice(heads.start * self.head_dim, heads.stop * self.head_dim)
@@ -152,7 +133,7 @@ class _HeadGroups(torch.autograd.Function):
             part = F.linear(out.flatten(2), wo[:, spec.rows(spec.slices[g][0])])
             del out
             y = part if y is None else y.add_(part)
-            saved.append(kept)
+            saved.append(kept if spec.keep else ())
         ctx.spec, ctx.kept_sizes = spec, [len(kept) for kept in saved]
         ctx.save_for_backward(x, cos, sin, rstd, norm_w, wq, bq, wk, bk, wv, bv, wo, qn_w, kn_w,
                               *[t for kept in saved for t in kept])  # fmt: skip
@@ -180,7 +161,10 @@ class _HeadGroups(torch.autograd.Function):
             q0, k0, v = _group_qkv(spec, g, x, rstd, norm_w, wq, bq, wk, bk, wv, bv)
             q = _rope(_normed(q0, qn_w, spec.qk_eps), cos, sin)
             k = _rope(_normed(k0, kn_w, spec.qk_eps), cos, sin)
-            out = spec.attention.output(kept[g], spec.layout)
+            if spec.keep:
+                out = spec.attention.output(kept[g], spec.layout)
+            else:  # the group's attention again
+                out, kept[g] = spec.attention.forward(q, k, v, spec.layout, spec.sliding_window)
             grads["wo"][:, qr] = dy2.t().mm(out.flatten(0, 1).flatten(1)).float()
             del out
             dout = F.linear(dy, wo[:, qr].t()).view(q.shape)
@@ -229,12 +213,16 @@ def head_group_attention(
     layout: SequenceLayout | None,
     groups: int,
     attention: SplitAttention,
+    keep: bool = True,
 ) -> Tensor:
     """``module(x, norm, cos, sin, layout)`` (the attention block's output, [B, S, dim]) run
-    over ``groups`` groups of heads with the split ``attention`` (see the module docstring)."""
+    over ``groups`` groups of heads with the split ``attention`` (see the module docstring).
+    ``keep=False``: save no attention output; backward runs each group's attention forward
+    again (for a layer that full checkpointing recomputes anyway: its output would otherwise
+    be alive through the whole layer's backward)."""
     slices = head_group_slices(module.n_heads, module.n_kv_heads, groups)
     qk_eps = module.q_norm.eps if module.q_norm is not None else 0.0
-    spec = _Spec(attention, slices, module.head_dim, norm.eps, qk_eps, layout, module.sliding_window)
+    spec = _Spec(attention, slices, module.head_dim, norm.eps, qk_eps, layout, module.sliding_window, keep)
     qn = module.q_norm.weight if module.q_norm is not None else None
     kn = module.k_norm.weight if module.k_norm is not None else None
     return _HeadGroups.apply(

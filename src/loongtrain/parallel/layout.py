@@ -40,6 +40,40 @@ def check_head_split(heads: int, kv_heads: int, hp: int) -> None:
         )
 
 
+def head_group_slices(n_heads: int, n_kv_heads: int, groups: int) -> list[tuple[slice, slice]]:
+    """Each group's query heads and the key/value heads they read: whole GQA groups per head
+    group (``n_kv_heads % groups == 0``), or head groups inside one key/value head
+    (``groups % n_kv_heads == 0``: that head's k/v are recomputed by each of its groups)."""
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+        raise ValueError(f"head_groups={groups!r} must be a positive integer (1: the whole layer at once)")
+    if n_heads % groups or (n_kv_heads % groups and groups % n_kv_heads):
+        raise ValueError(
+            f"head_groups={groups} does not split the model's heads (n_heads={n_heads}, n_kv_heads={n_kv_heads}): "
+            f"it must divide n_heads and divide or be a multiple of n_kv_heads"
+        )
+    per_group, ratio = n_heads // groups, n_heads // n_kv_heads
+    out = []
+    for g in range(groups):
+        first = g * per_group
+        kv_first = first // ratio
+        kv_count = max(1, per_group // ratio)
+        out.append((slice(first, first + per_group), slice(kv_first, kv_first + kv_count)))
+    return out
+
+
+def check_head_groups(heads: int, kv_heads: int, groups: int, hp: int) -> None:
+    """Raise ValueError unless ``groups`` head groups split the heads (:func:`head_group_slices`)
+    and each group's heads split over ``hp`` head ranks (:func:`check_head_split`)."""
+    q, kv = head_group_slices(heads, kv_heads, groups)[0]
+    try:
+        check_head_split(q.stop - q.start, kv.stop - kv.start, hp)
+    except ValueError as e:
+        raise ValueError(
+            f"head_groups={groups}: a group of {q.stop - q.start} query and {kv.stop - kv.start} key/value "
+            f"heads does not split over hp={hp} ({e}); use fewer head groups"
+        ) from None
+
+
 def check_sequence_length(seq_len: int, hp: int, cp: int) -> None:
     """Raise ValueError unless ``seq_len`` can be sharded over ``hp x cp`` ranks:
     ``seq_len % (2 * hp * cp) == 0`` (zigzag cuts it into ``2*cp`` chunks, each split over

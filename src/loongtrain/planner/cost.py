@@ -95,6 +95,8 @@ class Candidate:
             parts.append("off:" + "+".join(offload))
         if m.activation_checkpoint_every > 1:
             parts.append(f"every{m.activation_checkpoint_every}")
+        if m.head_groups > 1:
+            parts.append(f"heads/{m.head_groups}")
         return " ".join(parts)
 
     def label(self) -> str:

@@ -94,17 +94,24 @@ def estimate(c: ClusterSpec, w: Workload, layout: Candidate) -> Estimate:
     n_ckpt = 0 if ckpt == "none" else math.ceil(n_layers / mem.activation_checkpoint_every)
     full = ckpt == "full"
     recompute = lin + (at.kernels_fwd if full else 0.0) if n_ckpt else 0.0  # per checkpointed layer
-    compute = n_layers * (3 * lin + at.kernels_fwd + at.kernels_bwd + tile) + n_ckpt * recompute + 3 * head
+    qkv_fwd = lin * m.qkv_params() / m.layer_matmul_params()
+    # head groups (model/head_groups.py): backward recomputes each group's q/k/v projections and,
+    # with hp > 1, runs the head all-to-alls of q/k/v and of the output again
+    regroup = qkv_fwd if mem.head_groups > 1 else 0.0
+    compute = n_layers * (3 * lin + at.kernels_fwd + at.kernels_bwd + tile + regroup) + n_ckpt * recompute + 3 * head
     a2a = n_layers * (at.a2a_fwd + at.a2a_bwd) + (n_ckpt * at.a2a_fwd if full else 0.0)
+    if mem.head_groups > 1:
+        a2a += n_layers * at.a2a_fwd
     ring_fwd = at.ring_fwd - at.kernels_fwd
     ring = n_layers * (ring_fwd + (at.ring_bwd - at.kernels_bwd)) + (n_ckpt * ring_fwd if full else 0.0)
     layer_fwd = lin + at.fwd
-    layer_bwd = 2 * lin + at.bwd + tile
+    layer_bwd = 2 * lin + at.bwd + tile + regroup + (at.a2a_fwd if mem.head_groups > 1 else 0.0)
     redo = (lin + at.fwd if full else lin) if n_ckpt else 0.0  # a checkpointed layer's recompute, comms included
     mean_bwd = layer_bwd + redo * n_ckpt / n_layers
     zero = exposed_zero_seconds(z, n_layers, layer_fwd, mean_bwd)
     # the previous layer's kept tensors come back behind this layer's q/k/v projections' backward
-    qkv_bwd = 2 * lin * m.qkv_params() / m.layer_matmul_params()
+    # (over head groups that backward is inside the attention's: they come back when read)
+    qkv_bwd = 2 * qkv_fwd if mem.head_groups == 1 else 0.0
     offload = _offload_seconds(c, w, layout, n_ckpt, layer_fwd, layer_bwd, layer_bwd + redo, qkv_bwd)
     micro = compute + a2a + ring + zero + offload
     steps = w.batch // (p.dp * w.micro_batch)

@@ -63,7 +63,7 @@ parameters, gradients and optimizer states to the host.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from loongtrain.attention.workspace import backward_heads_per_call, backward_workspace_bytes
 from loongtrain.model.config import ModelConfig
@@ -98,8 +98,23 @@ class LayerBytes:
     attention_backward: float  # attention backward buffers (ring, all-to-alls), its input gradient included
 
 
-def layer_bytes(m: ModelConfig, hp: int, cp: int, e: int, mode: str, tiled: bool, a: int = 4) -> LayerBytes:
-    """Per-token bytes of one layer (``mode``: its checkpoint mode; ``tiled``: MLP tiling on)."""
+def group_model(m: ModelConfig, groups: int) -> ModelConfig:
+    """The heads of one of ``groups`` head groups (``memory.head_groups``) as a model: its
+    query heads, and the key/value heads it reads (one when groups split a key/value head)."""
+    if groups == 1:
+        return m
+    return replace(
+        m, n_heads=m.n_heads // groups, n_kv_heads=max(1, m.n_kv_heads // groups), head_dim_override=m.head_dim
+    )
+
+
+def layer_bytes(
+    m: ModelConfig, hp: int, cp: int, e: int, mode: str, tiled: bool, a: int = 4, groups: int = 1
+) -> LayerBytes:
+    """Per-token bytes of one layer (``mode``: its checkpoint mode; ``tiled``: MLP tiling on;
+    ``groups``: the attention over that many head groups, ``model/head_groups.py``)."""
+    if groups > 1:
+        return _grouped_layer_bytes(m, hp, cp, e, mode, tiled, a, groups)
     d, hd, h, f = m.dim, m.head_dim, m.n_heads, m.ffn_dim
     gr = replicated_kv_heads(m, hp)
     q, kv, out, lse = e * h * hd, 2 * e * gr * hd, e * h * hd, a * h
@@ -133,14 +148,58 @@ def layer_bytes(m: ModelConfig, hp: int, cp: int, e: int, mode: str, tiled: bool
     # dK/dV blocks (the partial passed on, and the next one arriving or a window's total coming home);
     # with cp == 1 one block whose dq and stacked dk/dv are the result (when one kernel call
     # returns dk/dv apart, their stacking is priced with the call: ``backward_call_bytes``)
-    ring = out + a * h * hd + a * kv / e + (q + kv)
-    if cp > 1:
-        ring += 2 * kv + 2 * a * kv / e
-    else:
-        ring = out + q + kv
+    ring = _ring_backward_bytes(q, kv, h, hd, cp, e, a)
     # head_scatter's backward (hp > 1): dq_h/dkv_h and the all-to-all's packed send and receive
     scatter = 3 * (q + kv) if hp > 1 else 0.0
     attention_backward = e * d + max(ring, scatter)  # + the residual stream's gradient
+    return LayerBytes(saved, kept, recompute, mlp_backward, attention_saved, attention_recompute, attention_backward)
+
+
+def _ring_backward_bytes(q: float, kv: float, h: int, hd: int, cp: int, e: int, a: int) -> float:
+    """The ring's backward buffers for ``q``/``kv`` bytes per token of ``h`` query heads (see
+    :func:`layer_bytes`)."""
+    if cp == 1:
+        return 2 * q + kv  # dout, and the one block's dq and stacked dk/dv (the result)
+    return q + a * h * hd + a * kv / e + (q + kv) + 2 * kv + 2 * a * kv / e
+
+
+def _grouped_layer_bytes(
+    m: ModelConfig, hp: int, cp: int, e: int, mode: str, tiled: bool, a: int, groups: int
+) -> LayerBytes:
+    """:func:`layer_bytes` of a layer whose attention runs over ``groups`` head groups: the
+    function saves the block input, its fp32 ``1 / rms`` and each group's ring output and
+    lse (all groups: one ``out`` and one ``lse``); its backward holds the residual gradient
+    ``dy`` and the input gradient it adds into, and one group's q/k/v (before and after their
+    norms and RoPE), ``dout`` and ring (or all-to-all) buffers at a time."""
+    d, hd, h, f = m.dim, m.head_dim, m.n_heads, m.ffn_dim
+    gm = group_model(m, groups)
+    gr = replicated_kv_heads(gm, hp)
+    out, lse = e * h * hd, a * h
+    attention_saved = norm_saved(d, e) + out + lse
+    mlp_part = norm_saved(d, e) + (0.0 if tiled else e * d + 4 * e * f)
+    saved = attention_saved + mlp_part
+    input_alias = e * d
+    if mode == "none":
+        attention_kept = attention_saved - input_alias
+        kept, recompute = saved, 0.0
+    elif mode == "full":
+        attention_kept = 0.0
+        kept, recompute = e * d, saved - input_alias
+    elif mode == "sc++":  # the selective checkpoint keeps the attention ops' outputs, every group's
+        q_all, kv_all = e * h * hd, 2 * e * replicated_kv_heads(m, hp) * hd
+        attention_kept = out + lse + (q_all + kv_all + out if hp > 1 else 0.0)
+        kept = e * d + attention_kept
+        recompute = max(0.0, saved - input_alias - attention_kept)
+    else:
+        raise ValueError(f"unknown checkpoint mode {mode!r}")
+    attention_recompute = max(0.0, attention_saved - input_alias - attention_kept)
+    q, kv = e * gm.n_heads * hd, 2 * e * gr * hd  # one group's, after the all-to-all's replication
+    own_kv = 2 * e * gm.n_kv_heads * hd
+    projections = 2 * e * gm.n_heads * hd + 1.5 * own_kv  # q and k before and after their norms and RoPE, v
+    ring = _ring_backward_bytes(q, kv, gm.n_heads, hd, cp, e, a)
+    scatter = 3 * (q + kv) if hp > 1 else 0.0
+    attention_backward = 2 * e * d + projections + max(ring, scatter)  # dy and the input gradient
+    mlp_backward = 0.0 if tiled else 2 * e * f
     return LayerBytes(saved, kept, recompute, mlp_backward, attention_saved, attention_recompute, attention_backward)
 
 
@@ -251,8 +310,9 @@ def memory_phases(
     every = mem.activation_checkpoint_every
     n_ckpt = 0 if ckpt == "none" else math.ceil(m.n_layers / every)
     n_plain = m.n_layers - n_ckpt
-    mine = layer_bytes(m, p.hp, p.cp, e, ckpt, tile > 0, a) if n_ckpt else None
-    plain = layer_bytes(m, p.hp, p.cp, e, "none", tile > 0, a)
+    groups = mem.head_groups
+    mine = layer_bytes(m, p.hp, p.cp, e, ckpt, tile > 0, a, groups) if n_ckpt else None
+    plain = layer_bytes(m, p.hp, p.cp, e, "none", tile > 0, a, groups)
 
     # -- host: offloaded kept tensors (all checkpointed layers) and model states
     host = 0.0
@@ -303,7 +363,7 @@ def memory_phases(
 
     # -- one layer's backward (the first one reached, and the last)
     rows = w.micro_batch * w.seq_len // p.cp  # the largest block
-    call = backward_call_bytes(m, p.hp, rows, e, gpu, a, stacked=p.cp == 1) / tokens
+    call = backward_call_bytes(group_model(m, groups), p.hp, rows, e, gpu, a, stacked=p.cp == 1) / tokens
 
     def working(lb: LayerBytes) -> float:
         mlp_phase = lb.recompute + lb.mlp_backward + e * m.dim  # + the gradient flowing in
@@ -317,6 +377,8 @@ def memory_phases(
     # RoPE's output or the projections' input gradient; beside the prefetched previous layer
     q_bytes, kv_bytes = e * m.n_heads * m.head_dim, 2 * e * m.n_kv_heads * m.head_dim
     projections = (e * m.dim + q_bytes + kv_bytes + max(q_bytes, e * m.dim)) * tokens + prefetched
+    if groups > 1:  # the projections' backward is inside the grouped function (its working set);
+        projections = 0.0  # the previous layer's kept tensors come back when its backward reads them
     work = projections
     if mine:
         work = max(work, working(mine))

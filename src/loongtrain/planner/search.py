@@ -7,9 +7,10 @@ A layout is (dp, hp, cp, ring_window, placement, ZeRO scope, checkpoint mode) wi
 
 The other memory options are chosen per layout, not multiplied into the candidates
 (:func:`choose_memory_options`): the chunked loss or the whole-shard one, whichever needs
-less memory (they cost the same FLOPs); tiling and offload only when the layout does not
-fit without them, then the fastest combination that fits; model-state offload only when
-nothing else fits.
+less memory (they cost the same FLOPs); tiling, activation offload and the attention over
+head groups (the most groups the heads allow) only when the layout does not fit without
+them, then the fastest combination that fits; model-state offload only when nothing else
+fits.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from loongtrain.options import (
     check_zero_scope,
 )
 from loongtrain.parallel.config import ParallelConfig
-from loongtrain.parallel.layout import check_head_split, check_sequence_length
+from loongtrain.parallel.layout import check_head_groups, check_head_split, check_sequence_length
 from loongtrain.planner.cost import Candidate, Workload
 from loongtrain.planner.estimate import Estimate, estimate
 from loongtrain.planner.memory import memory_bytes
@@ -51,6 +52,12 @@ def _passes(check, *args) -> bool:
 def head_degree_ok(m: ModelConfig, hp: int) -> bool:
     """``hp`` divides the query heads and fits the KV heads (the library's ``check_head_split``)."""
     return _passes(check_head_split, m.n_heads, m.n_kv_heads, hp)
+
+
+def head_group_options(m: ModelConfig, hp: int) -> list[int]:
+    """The head-group counts above one that split the model's heads, each group over ``hp``
+    (``memory.head_groups``), fewest first."""
+    return [g for g in divisors(m.n_heads)[1:] if _passes(check_head_groups, m.n_heads, m.n_kv_heads, g, hp)]
 
 
 def sequence_ok(seq_len: int, sp: int) -> bool:
@@ -142,7 +149,8 @@ def _option_sets(c: ClusterSpec, w: Workload, base: Candidate) -> tuple[list[dic
     acts = [False]
     if base.checkpoint != "none" and c.offload_gap("activations") is None:
         acts.append(True)
-    combos = [dict(mlp_tile=t, offload_activations=a) for t in tiles for a in acts]
+    groups = [1] + head_group_options(w.model, base.parallel.hp)[-1:]
+    combos = [dict(mlp_tile=t, offload_activations=a, head_groups=g) for g in groups for t in tiles for a in acts]
     more = combos[1:]
     states = [dict(combo, offload_states=True) for combo in combos] if c.offload_gap("states") is None else []
     return more, states
