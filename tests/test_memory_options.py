@@ -62,6 +62,34 @@ def test_chunked_loss_equals_full_cross_entropy(chunk):
     assert torch.equal(hits, (logits.argmax(-1) == labels) & scored)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_loss_with_the_final_norm_equals_norm_then_cross_entropy(dtype):
+    """The training model's loss applies the final norm itself, chunk by chunk (no [T, dim]
+    normed copy or its gradient): loss and the gradients of the block output, the output
+    matrix and the norm weight equal the float64 norm-then-cross-entropy."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 20, 12, generator=gen, dtype=torch.float64)
+    w = torch.randn(37, 12, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, 37, (2, 20), generator=gen)
+    labels[1, ::4] = -100
+    norm = RMSNorm(12, 1e-5).double()
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(12, generator=gen, dtype=torch.float64))
+    leaves = [t.clone().requires_grad_() for t in (x, w)]
+    ref = F.cross_entropy(F.linear(norm(leaves[0]), leaves[1]).flatten(0, 1), labels.flatten(), reduction="sum")
+    want = torch.autograd.grad(1.5 * ref, [*leaves, norm.weight])
+    mine = [t.to(dtype).requires_grad_() for t in (x, w)]
+    low = RMSNorm(12, 1e-5).to(dtype)
+    with torch.no_grad():
+        low.weight.copy_(norm.weight)
+    loss, _ = lm_loss(mine[0], mine[1], labels, 7, None, low)
+    got = torch.autograd.grad(1.5 * loss, [*mine, low.weight])
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    assert abs(loss.item() / ref.item() - 1) <= tol
+    for name, g, r in zip(("x", "weight", "norm"), got, want):
+        assert g.dtype == dtype and _rel(g, r) <= tol, (name, _rel(g, r))
+
+
 def test_chunked_loss_without_targets_is_zero_and_has_zero_gradients():
     h = torch.randn(6, 4, requires_grad=True)
     w = torch.randn(9, 4, requires_grad=True)

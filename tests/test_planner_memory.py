@@ -71,11 +71,13 @@ def test_chunked_loss_changes_the_loss_terms_and_where_the_output_gradient_lives
     assert differing(whole, chunked) == {
         # whole shard: the loss's backward holds the fp32 log-softmax, its gradient and the input
         # gradient, and that gradient cast to bf16 for the output layer's backward
-        # chunked: grad_h [T, d] fp32 made in the forward; fp32 grad_W [V, d], one fp32 [chunk, V]
-        # (logits, softmax and gradient in place) and its bf16 logits or gradient beside it
+        # chunked (the final norm inside, chunk by chunk): the last block's output and its bf16
+        # gradient [T, d] made in the forward; fp32 grad_W [V, d], one fp32 [chunk, V] (logits,
+        # softmax and gradient in place), its bf16 logits or gradient beside it, and the chunk's
+        # normed rows and their gradient
         "loss": {
-            "loss": ((final + 12 * 100 + 2 * 100) * T, (final + 4 * 64) * T),
-            "loss fixed": (0.0, 4 * 100 * 64 + (4 + 2) * 64 * 100),
+            "loss": ((final + 12 * 100 + 2 * 100) * T, (2 * 64 + 2 * 64) * T),
+            "loss fixed": (0.0, 4 * 100 * 64 + (4 + 2) * 64 * 100 + 2 * 2 * 64 * 64),
         },
         "backward, first layer": {"root gradient": output_grad},
         "backward, last layer": {"root gradient": output_grad},

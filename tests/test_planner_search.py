@@ -175,7 +175,9 @@ def test_memory_limit_picks_selective_checkpoint():
     need_none = min(
         memory_bytes(w, leanest(big, w, e.candidate)).total for e in result.ranked if e.candidate.checkpoint == "none"
     )
-    need_sc = min(e.memory.total for e in result.ranked if e.candidate.checkpoint == "sc++")
+    need_sc = min(
+        memory_bytes(w, leanest(big, w, e.candidate)).total for e in result.ranked if e.candidate.checkpoint == "sc++"
+    )
     assert need_sc < need_none
     limit_gib = (need_sc + need_none) / 2 / 2**30 / NODE8.usable_memory_fraction
     best = search_layouts(replace(NODE8, device_memory_gib=limit_gib), w, 8).best

@@ -156,18 +156,27 @@ class TransformerBlock(nn.Module):
 
 
 def lm_head(
-    h: Tensor, weight: Tensor, labels: Tensor | None, reduction: str, chunk: int, sink: GradientSink | None
+    h: Tensor,
+    weight: Tensor,
+    labels: Tensor | None,
+    reduction: str,
+    chunk: int,
+    sink: GradientSink | None,
+    norm: RMSNorm | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """The output layer: logits ``h W^T`` without ``labels``; with them the loss
     (:func:`~loongtrain.model.loss.lm_loss`, ``reduction="sum"``) or per-token scores
-    (``"none"``), ``chunk`` tokens of logits at a time."""
+    (``"none"``), ``chunk`` tokens of logits at a time. ``norm``: the final norm, applied
+    here first (the training loss applies it chunk by chunk)."""
+    if norm is not None and (labels is None or reduction != "sum"):
+        h, norm = norm(h), None
     if labels is None:
         return F.linear(h, weight)
     if reduction == "none":
         return token_scores(h, weight, labels, chunk)
     if reduction != "sum":
         raise ValueError(f"reduction={reduction!r}: use 'sum' (training) or 'none' (per-token scores)")
-    return lm_loss(h, weight, labels, chunk, sink)
+    return lm_loss(h, weight, labels, chunk, sink, norm)
 
 
 class Embedding(nn.Embedding):
@@ -191,9 +200,14 @@ class OutputLayer(nn.Linear):
         self.sink: GradientSink | None = None
 
     def forward(
-        self, h: Tensor, labels: Tensor | None = None, reduction: str = "sum", chunk: int = 0
+        self,
+        h: Tensor,
+        labels: Tensor | None = None,
+        reduction: str = "sum",
+        chunk: int = 0,
+        norm: RMSNorm | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        return lm_head(h, self.weight, labels, reduction, chunk, self.sink)
+        return lm_head(h, self.weight, labels, reduction, chunk, self.sink, norm)
 
 
 class Transformer(nn.Module):
@@ -216,15 +230,19 @@ class Transformer(nn.Module):
         self.output = None if cfg.tie_embeddings else OutputLayer(cfg.dim, cfg.vocab_size)
         self.loss_chunk = 0  # tokens of logits at a time in the loss (0: all at once)
 
-    def hidden_states(self, tokens: Tensor, positions: Tensor, layout: SequenceLayout | None = None) -> Tensor:
-        """The final norm's output [B, S, dim]: what the output layer turns into logits."""
+    def residual_stream(self, tokens: Tensor, positions: Tensor, layout: SequenceLayout | None = None) -> Tensor:
+        """The last block's output [B, S, dim] (before the final norm)."""
         if positions.dim() == 1:
             positions = positions.unsqueeze(0)
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin, layout)
-        return self.norm(h)
+        return h
+
+    def hidden_states(self, tokens: Tensor, positions: Tensor, layout: SequenceLayout | None = None) -> Tensor:
+        """The final norm's output [B, S, dim]: what the output layer turns into logits."""
+        return self.norm(self.residual_stream(tokens, positions, layout))
 
     @property
     def output_weight(self) -> Tensor:
@@ -239,10 +257,12 @@ class Transformer(nn.Module):
         labels: Tensor | None = None,
         reduction: str = "sum",
     ) -> Tensor | tuple[Tensor, Tensor]:
-        h = self.hidden_states(tokens, positions, layout)
+        # the output layer applies the final norm (the chunked training loss: chunk by chunk)
+        x = self.residual_stream(tokens, positions, layout)
         if self.output is None:  # tied: the embedding's matrix (and its gradient sink)
-            return lm_head(h, self.tok_embeddings.weight, labels, reduction, self.loss_chunk, self.tok_embeddings.sink)
-        return self.output(h, labels, reduction, self.loss_chunk)
+            embedding = self.tok_embeddings
+            return lm_head(x, embedding.weight, labels, reduction, self.loss_chunk, embedding.sink, self.norm)
+        return self.output(x, labels, reduction, self.loss_chunk, self.norm)
 
 
 def _param_seed(seed: int, name: str) -> int:

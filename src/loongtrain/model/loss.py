@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from loongtrain.model.norm import RMSNorm, rms_norm, rms_norm_backward, sum_parts
 from loongtrain.model.vocab import GradientSink
 
 Tensor = torch.Tensor
@@ -81,24 +82,42 @@ class _ChunkedLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, h: Tensor, weight: Tensor, labels: Tensor, chunk: int, sink: GradientSink | None
+        ctx,
+        h: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        chunk: int,
+        sink: GradientSink | None,
+        norm_weight: Tensor | None,
+        eps: float,
     ) -> tuple[Tensor, Tensor]:
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         correct = torch.zeros((), dtype=torch.int64, device=h.device)
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        grad_w = None
+        grad_w = grad_norm = None
         if ctx.needs_input_grad[1]:
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for start in range(0, h.shape[0], chunk):
             rows = slice(start, start + chunk)
-            grad_h_c = grad_h[rows] if grad_h is not None else None
-            loss_c, correct_c = _chunk(h[rows], weight, labels[rows], grad_h_c, grad_w)
+            x_c = h[rows]
+            if norm_weight is None:
+                grad_h_c = grad_h[rows] if grad_h is not None else None
+                loss_c, correct_c = _chunk(x_c, weight, labels[rows], grad_h_c, grad_w)
+            else:  # the final norm, chunk by chunk: its output and gradient exist for one chunk
+                h_c, rstd = rms_norm(x_c, norm_weight, eps)
+                grad_h_c = torch.empty_like(h_c) if grad_h is not None else None
+                loss_c, correct_c = _chunk(h_c, weight, labels[rows], grad_h_c, grad_w)
+                del h_c
+                if grad_h_c is not None:
+                    grad_h[rows], part = rms_norm_backward(grad_h_c, x_c, norm_weight, rstd, ctx.needs_input_grad[5])
+                    grad_norm = sum_parts(grad_norm, part)
             loss += loss_c
             correct += correct_c
         # kept on ctx, not saved: backward scales them in place and hands them over, so the
         # float32 [vocab, dim] accumulator is never copied (a saved tensor could not be)
-        ctx.grads = (grad_h, grad_w)
+        ctx.grads = (grad_h, grad_w, grad_norm)
         ctx.weight_dtype = weight.dtype
+        ctx.norm_dtype = None if norm_weight is None else norm_weight.dtype
         ctx.sink = sink
         ctx.mark_non_differentiable(correct)
         return loss, correct
@@ -111,20 +130,27 @@ class _ChunkedLoss(torch.autograd.Function):
                 "backward; a second backward through the same graph (retain_graph=True) is not supported: "
                 "run the forward again, or use loss_chunk=0"
             )
-        grad_h, grad_w = ctx.grads
+        grad_h, grad_w, grad_norm = ctx.grads
         ctx.grads = None
         if grad_h is not None:
             grad_h = grad_h.mul_(grad_loss.to(grad_h.dtype))
+        if grad_norm is not None:
+            grad_norm = (grad_norm.float() * grad_loss).to(ctx.norm_dtype)
         if grad_w is not None and ctx.sink is not None:
             ctx.sink.add(grad_w.mul_(grad_loss))
             grad_w = None
         elif grad_w is not None:
             grad_w = grad_w.mul_(grad_loss).to(ctx.weight_dtype)  # no copy when the weight is float32
-        return grad_h, grad_w, None, None, None
+        return grad_h, grad_w, None, None, None, grad_norm, None
 
 
 def lm_loss(
-    h: Tensor, weight: Tensor, labels: Tensor, chunk: int = 0, sink: GradientSink | None = None
+    h: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    chunk: int = 0,
+    sink: GradientSink | None = None,
+    norm: RMSNorm | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Summed next-token cross entropy (float32 scalar, differentiable in ``h`` and ``weight``)
     and the number of targets whose argmax prediction is right (int64 scalar).
@@ -133,15 +159,22 @@ def lm_loss(
     [...] targets (IGNORE_INDEX = -100: not scored). ``chunk`` > 0 processes that many rows at a
     time (the logits of one chunk alive at a time, gradients made in forward); 0: all rows
     at once, through PyTorch's ``cross_entropy``. ``sink`` (with ``chunk`` > 0): the weight's
-    float32 gradient goes there (:mod:`loongtrain.model.vocab`), none to autograd.
+    float32 gradient goes there (:mod:`loongtrain.model.vocab`), none to autograd. ``norm``:
+    the final RMSNorm, applied here to ``h`` (then the last block's output), chunk by chunk
+    with ``chunk`` > 0: the normed hidden states and their gradient never exist for the
+    whole shard, only ``h``'s gradient (made in forward) does.
     """
+    if norm is not None and chunk <= 0:
+        h, norm = norm(h), None
     h, labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
+    if norm is not None:
+        return _ChunkedLoss.apply(h, weight, labels, chunk, sink, norm.weight, norm.eps)
     if chunk <= 0:
         logits = F.linear(h, weight)
         loss = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
         correct = ((logits.detach().argmax(dim=-1) == labels) & (labels != IGNORE_INDEX)).sum()
         return loss, correct
-    return _ChunkedLoss.apply(h, weight, labels, chunk, sink)
+    return _ChunkedLoss.apply(h, weight, labels, chunk, sink, None, 0.0)
 
 
 @torch.no_grad()

@@ -95,17 +95,22 @@ def estimate(c: ClusterSpec, w: Workload, layout: Candidate) -> Estimate:
     full = ckpt == "full"
     recompute = lin + (at.kernels_fwd if full else 0.0) if n_ckpt else 0.0  # per checkpointed layer
     qkv_fwd = lin * m.qkv_params() / m.layer_matmul_params()
+    ring_fwd = at.ring_fwd - at.kernels_fwd
     # head groups (model/head_groups.py): backward recomputes each group's q/k/v projections and,
-    # with hp > 1, runs the head all-to-alls of q/k/v and of the output again
-    regroup = qkv_fwd if mem.head_groups > 1 else 0.0
+    # with hp > 1, runs the head all-to-alls of q/k/v and of the output again; under full
+    # checkpointing no output is kept, and backward runs each group's attention forward again
+    grouped = mem.head_groups > 1
+    again = grouped and full
+    regroup = (qkv_fwd + (at.kernels_fwd if again else 0.0)) if grouped else 0.0
     compute = n_layers * (3 * lin + at.kernels_fwd + at.kernels_bwd + tile + regroup) + n_ckpt * recompute + 3 * head
     a2a = n_layers * (at.a2a_fwd + at.a2a_bwd) + (n_ckpt * at.a2a_fwd if full else 0.0)
-    if mem.head_groups > 1:
-        a2a += n_layers * at.a2a_fwd
-    ring_fwd = at.ring_fwd - at.kernels_fwd
+    a2a += n_layers * at.a2a_fwd * (2 if again else 1) if grouped else 0.0
     ring = n_layers * (ring_fwd + (at.ring_bwd - at.kernels_bwd)) + (n_ckpt * ring_fwd if full else 0.0)
+    ring += n_layers * ring_fwd if again else 0.0
     layer_fwd = lin + at.fwd
-    layer_bwd = 2 * lin + at.bwd + tile + regroup + (at.a2a_fwd if mem.head_groups > 1 else 0.0)
+    layer_bwd = 2 * lin + at.bwd + tile + regroup
+    if grouped:  # the all-to-alls run again and, not kept, the ring's forward
+        layer_bwd += at.a2a_fwd * (2 if again else 1) + (ring_fwd if again else 0.0)
     redo = (lin + at.fwd if full else lin) if n_ckpt else 0.0  # a checkpointed layer's recompute, comms included
     mean_bwd = layer_bwd + redo * n_ckpt / n_layers
     zero = exposed_zero_seconds(z, n_layers, layer_fwd, mean_bwd)

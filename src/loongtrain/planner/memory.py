@@ -168,13 +168,16 @@ def _grouped_layer_bytes(
 ) -> LayerBytes:
     """:func:`layer_bytes` of a layer whose attention runs over ``groups`` head groups: the
     function saves the block input, its fp32 ``1 / rms`` and each group's ring output and
-    lse (all groups: one ``out`` and one ``lse``); its backward holds the residual gradient
-    ``dy`` and the input gradient it adds into, and one group's q/k/v (before and after their
-    norms and RoPE), ``dout`` and ring (or all-to-all) buffers at a time."""
+    lse (all groups: one ``out`` and one ``lse``), but under ``full`` (which recomputes the
+    layer) none of the attention's (its backward runs each group's attention again); its
+    backward holds the residual gradient ``dy`` and the input gradient it adds into, and one
+    group's q/k/v (before and after their norms and RoPE), output, ``dout`` and ring (or
+    all-to-all) buffers at a time."""
     d, hd, h, f = m.dim, m.head_dim, m.n_heads, m.ffn_dim
     gm = group_model(m, groups)
     gr = replicated_kv_heads(gm, hp)
-    out, lse = e * h * hd, a * h
+    keep = mode != "full"
+    out, lse = (e * h * hd, a * h) if keep else (0.0, 0.0)
     attention_saved = norm_saved(d, e) + out + lse
     mlp_part = norm_saved(d, e) + (0.0 if tiled else e * d + 4 * e * f)
     saved = attention_saved + mlp_part
@@ -186,7 +189,7 @@ def _grouped_layer_bytes(
         attention_kept = 0.0
         kept, recompute = e * d, saved - input_alias
     elif mode == "sc++":  # the selective checkpoint keeps the attention ops' outputs, every group's
-        q_all, kv_all = e * h * hd, 2 * e * replicated_kv_heads(m, hp) * hd
+        q_all, kv_all = e * h * hd, 2 * e * replicated_kv_heads(gm, hp) * groups * hd
         attention_kept = out + lse + (q_all + kv_all + out if hp > 1 else 0.0)
         kept = e * d + attention_kept
         recompute = max(0.0, saved - input_alias - attention_kept)
@@ -196,6 +199,8 @@ def _grouped_layer_bytes(
     q, kv = e * gm.n_heads * hd, 2 * e * gr * hd  # one group's, after the all-to-all's replication
     own_kv = 2 * e * gm.n_kv_heads * hd
     projections = 2 * e * gm.n_heads * hd + 1.5 * own_kv  # q and k before and after their norms and RoPE, v
+    # the group's output: run again (and its lse) when not kept, gathered again when hp > 1
+    projections += (0.0 if keep and hp == 1 else e * gm.n_heads * hd) + (0.0 if keep else a * gm.n_heads)
     ring = _ring_backward_bytes(q, kv, gm.n_heads, hd, cp, e, a)
     scatter = 3 * (q + kv) if hp > 1 else 0.0
     attention_backward = 2 * e * d + projections + max(ring, scatter)  # dy and the input gradient
@@ -351,10 +356,14 @@ def memory_phases(
     final = norm_saved(m.dim, e) + e * m.dim  # the final norm's saved tensors and its output h
     if mem.loss_chunk:
         chunk = min(mem.loss_chunk, tokens)
-        loss["loss"] = (final + 4.0 * m.dim) * tokens  # + grad_h [T, d] fp32, made in the forward
+        # the last block's output and its gradient [T, d], made in the forward: the final norm
+        # runs inside the loss, chunk by chunk (model/loss.py)
+        loss["loss"] = 2.0 * e * m.dim * tokens
         # the fp32 dL/dW accumulator, one chunk's fp32 logits (turned into their softmax and its
-        # gradient in place) and beside them its compute-dtype logits or gradient (fp32: none)
-        loss["loss fixed"] = 4.0 * p_output + (4.0 + (e if e < 4 else 0.0)) * chunk * m.vocab_size
+        # gradient in place) and beside them its compute-dtype logits or gradient (fp32: none);
+        # the chunk's normed rows and their gradient
+        chunk_logits = (4.0 + (e if e < 4 else 0.0)) * chunk * m.vocab_size
+        loss["loss fixed"] = 4.0 * p_output + chunk_logits + 2.0 * e * chunk * m.dim
     else:
         # the loss's backward: the saved fp32 log-softmax, the gradient of its output and of its
         # input (fp32), cast to the compute dtype for the output layer's backward when that is not fp32

@@ -112,6 +112,7 @@ def train_config(e: Estimate, w: Workload, model: str) -> str:
             "activation_checkpoint": m.activation_checkpoint,
             "loss_chunk": m.loss_chunk,
             "mlp_tile": m.mlp_tile,
+            "head_groups": m.head_groups,
             "offload_activations": m.offload_activations,
             "offload_states": m.offload_states,
         },
@@ -222,6 +223,7 @@ def short_label(x: Candidate) -> str:
     dp = f"dp{p.dp} " if p.dp > 1 else ""
     extra = (" tile" if m.mlp_tile else "") + (" offA" if m.offload_activations else "")
     extra += " offS" if m.offload_states else ""
+    extra += f" heads/{m.head_groups}" if m.head_groups > 1 else ""
     return f"{dp}hp{p.hp} cp{p.cp}{ring}{place} {x.zero} {x.checkpoint}{extra}"
 
 
