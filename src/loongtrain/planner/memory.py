@@ -301,7 +301,10 @@ def memory_phases(
     w: Workload, layout: Candidate, optimizer: bool = True, gpu: bool = True
 ) -> tuple[dict[str, dict[str, float]], float]:
     """Every phase's named terms (bytes on one device) and the host bytes the rank pins:
-    ``({phase: {term: bytes}}, host)``. The peak is the phase with the largest sum."""
+    ``({phase: {term: bytes}}, host)``. The peak is the phase with the largest sum.
+    ``gpu=False``: the CPU attention kernel, and gloo's collectives, which copy a
+    reduce-scatter's input and make an all-gather's output anew (measured: an 8 MiB buffer,
+    8 MiB more in each; NCCL works in place)."""
     m, e, a = w.model, w.dtype_bytes, w.accum_bytes
     p, mem = layout.parallel, layout.memory
     tokens = w.micro_batch * w.seq_len / p.sp
@@ -364,6 +367,8 @@ def memory_phases(
         # the chunk's normed rows and their gradient
         chunk_logits = (4.0 + (e if e < 4 else 0.0)) * chunk * m.vocab_size
         loss["loss fixed"] = 4.0 * p_output + chunk_logits + 2.0 * e * chunk * m.dim
+        if not gpu and shard > 1:  # gloo: the sink's reduce-scatter copies the [V, d] fp32 gradient
+            loss["gloo copies"] = 4.0 * p_output
     else:
         # the loss's backward: the saved fp32 log-softmax, the gradient of its output and of its
         # input (fp32), cast to the compute dtype for the output layer's backward when that is not fp32
@@ -410,6 +415,8 @@ def memory_phases(
         "root": root,
         "root gradient": output_grad,
     }
+    if not gpu and shard > 1:  # gloo: a layer's fp32 gradient reduce-scatter, or its all-gather
+        backward_common["gloo copies"] = max(4.0, e) * p_layer
     first = {**backward_common, "kept": kept_backward, "layer backward": work}
     last_kept = kept_ckpt_layer if n_ckpt else plain.kept * tokens
     sharded_grads = 0.0 if mem.offload_states else 4.0 * p_layer / shard * (m.n_layers - 1)
@@ -433,7 +440,7 @@ def memory_phases(
         "root gradient": 0.0 if m.tie_embeddings else output_grad,
         "grads": 0.0 if mem.offload_states else 4.0 * p_layer / shard * m.n_layers,
         "embedding gradient": embedding_grad,
-        "root reduce": max(embedding_dense, fsdp_reduce),
+        "root reduce": max(embedding_dense, fsdp_reduce) * (2 if not gpu and shard > 1 else 1),  # gloo: copied
     }
     phases = {"loss": loss, "backward, first layer": first, "backward, last layer": last, "root reduce": root_reduce}
     if optimizer and not mem.offload_states:  # AdamW: params, grads, moments and a foreach temporary

@@ -60,6 +60,9 @@ GRID_OPTIONS: list[tuple[str, dict]] = [
     ("sc++ +offload", dict(activation_checkpoint="sc++", loss_chunk=128, offload_activations=True)),
     ("all on", dict(activation_checkpoint="sc++", loss_chunk=128, mlp_tile=128, offload_activations=True,
                     offload_states=True)),
+    ("none +head groups", dict(activation_checkpoint="none", loss_chunk=128, head_groups=4)),
+    ("full +head groups", dict(activation_checkpoint="full", loss_chunk=128, mlp_tile=128, offload_activations=True,
+                               head_groups=4)),
 ]  # fmt: skip
 
 #: the headline's three configurations
