@@ -135,6 +135,8 @@ def _config_keys_of(option_cls: type) -> dict[str, list[str]]:
                 setattr(getattr(cfg, sec), key, changed)
                 if name == "ring_window":
                     cfg.parallel.cp = changed * 2
+                if name == "activation_checkpoint_span":  # spans need full checkpointing
+                    cfg.memory.activation_checkpoint = "full"
                 built = build[option_cls](cfg)
                 moved = [f.name for f in fields(option_cls) if getattr(built, f.name) != getattr(base, f.name)]
                 assert name in moved, (dotted, moved)

@@ -361,6 +361,50 @@ def test_offload_frees_the_device_copy_of_each_block_input(mode):
         assert torch.equal(grads[1][name], g), name
 
 
+@pytest.mark.parametrize("offload", [False, True])
+def test_checkpoint_spans_keep_one_input_per_span_and_train_like_no_checkpoint(offload):
+    """``activation_checkpoint_span=2`` on 5 layers: after the forward only the inputs of
+    layers 0, 2, 4 (the spans') are alive, on the device or (offload) on the host alone; the
+    loss and every gradient equal the model without checkpointing (float64)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from loongtrain.apply import materialize
+    from loongtrain.apply.activation_checkpoint import apply_activation_checkpoint
+    from loongtrain.apply.offload import ActivationOffload
+    from loongtrain.model import build_model, model_config
+
+    mcfg = model_config("debug", n_layers=5)
+    tokens = torch.randint(0, mcfg.vocab_size, (1, 33), generator=torch.Generator().manual_seed(0))
+    results = []
+    for span in (0, 2):
+        model = build_model(mcfg)
+        materialize(model, torch.device("cpu"), 3)
+        model.double()
+        if span:
+            store = ActivationOffload(torch.device("cpu")) if offload else None
+            apply_activation_checkpoint(model, "full", offload=store, span=span)
+        inputs: list[StorageWeakRef] = []
+
+        def record(module, args, inputs=inputs):
+            inputs.append(StorageWeakRef(args[0].untyped_storage()))
+
+        hooks = [layer.register_forward_pre_hook(record) for layer in model.layers]
+        loss, _ = model(tokens[:, :-1], torch.arange(32), labels=tokens[:, 1:])
+        for h in hooks:
+            h.remove()
+        alive = [not ref.expired() for ref in inputs[:5]]  # the forward's (recompute adds more)
+        if span:
+            assert alive == ([False] * 5 if offload else [True, False, True, False, True]), alive
+        loss.backward()
+        results.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (plain_loss, plain), (loss, grads) = results
+    assert abs(loss / plain_loss - 1) < 1e-12
+    for name, g in plain.items():
+        assert torch.allclose(grads[name], g, rtol=1e-10, atol=1e-14), name
+    with pytest.raises(ValueError, match="activation_checkpoint_span=2 .* needs activation_checkpoint='full'"):
+        MemoryOptions(activation_checkpoint="sc++", activation_checkpoint_span=2)
+
+
 @pytest.mark.parametrize("mode", ["full", "sc++"])
 def test_offload_fetches_the_previous_layer_after_the_attention_backward(monkeypatch, mode):
     """The previous layer's kept tensors start coming back once a layer's attention backward

@@ -49,6 +49,7 @@ def _equivalence(
     micro: int,
     every: int = 1,
     head_groups: int = 1,
+    span: int = 1,
     **options,
 ) -> dict:
     state = cached_state(**cfg)
@@ -59,7 +60,12 @@ def _equivalence(
     par = parallelize(
         build_model(mcfg),
         state,
-        memory=MemoryOptions(activation_checkpoint=ckpt, activation_checkpoint_every=every, head_groups=head_groups),
+        memory=MemoryOptions(
+            activation_checkpoint=ckpt,
+            activation_checkpoint_every=every,
+            head_groups=head_groups,
+            activation_checkpoint_span=span,
+        ),  # fmt: skip
         zero=zero,
         **options,
     )
@@ -133,6 +139,8 @@ OPTION_CASES = [
     # with packed documents absent here and present in test_memory_options' every-option-on run
     (4, {"hp": 2, "cp": 2}, "dp_sp", "full", {"head_groups": 2}, TOL),
     (4, {"cp": 4, "ring_window": 2}, "sp", "none", {"head_groups": 4}, TOL),
+    # spans of two layers in one checkpoint (each layer checkpointed again inside), with head groups
+    (4, {"hp": 2, "cp": 2}, "dp_sp", "full", {"span": 2, "head_groups": 2}, TOL),
     # bf16 compute, fp32 master weights and gradient reduction: bf16-level agreement
     (4, {"hp": 2, "cp": 2}, "dp_sp", "sc++", {"param_dtype": torch.bfloat16}, {"loss": 1e-2, "grad_step0": 5e-2}),
 ]

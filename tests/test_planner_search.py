@@ -276,7 +276,7 @@ def test_impossible_requests_explain_themselves(cluster, model, seq, devices, me
 
 def test_too_long_sequence_suggests_more_devices():
     with pytest.raises(PlanError, match="devices would fit"):
-        search_layouts(A100, Workload(PRESETS["7b-mha"], 4 * M1), 8)
+        search_layouts(A100, Workload(PRESETS["7b-mha"], 8 * M1), 8)
 
 
 def test_unknown_presets():

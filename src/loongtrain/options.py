@@ -90,14 +90,23 @@ def check_bounds(obj: object) -> None:
                 raise ValueError(f"{type(obj).__name__}: {error}")
 
 
-def check_activation_checkpoint(mode: str, every: int = 1) -> None:
-    """Raise ValueError unless ``mode`` is an activation checkpoint mode and ``every`` a positive integer."""
+def check_activation_checkpoint(mode: str, every: int = 1, span: int = 1) -> None:
+    """Raise ValueError unless ``mode`` is an activation checkpoint mode, ``every`` and ``span``
+    positive integers, and ``span > 1`` only with ``full`` on every layer."""
     if mode not in ACTIVATION_CHECKPOINT_MODES:
         raise ValueError(
             f"unknown activation checkpoint mode {mode!r}; choose one of {list(ACTIVATION_CHECKPOINT_MODES)}"
         )
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"activation checkpoint every={every!r} must be a positive integer (1 = every layer)")
+    if isinstance(span, bool) or not isinstance(span, int) or span < 1:
+        raise ValueError(f"activation checkpoint span={span!r} must be a positive integer (1 = each layer its own)")
+    if span > 1 and (mode != "full" or every != 1):
+        raise ValueError(
+            f"activation_checkpoint_span={span} keeps one input per span of layers and recomputes the span, each "
+            f"layer again checkpointed: it needs activation_checkpoint='full' with activation_checkpoint_every=1 "
+            f"(got {mode!r}, every={every})"
+        )
 
 
 def check_zero_scope(scope: str) -> None:
@@ -119,6 +128,12 @@ class MemoryOptions:
         choices=ACTIVATION_CHECKPOINT_MODES,
     )
     activation_checkpoint_every: int = option(1, "activation-checkpoint every k-th layer", bound="positive")
+    activation_checkpoint_span: int = option(
+        1,
+        "under full checkpointing, keep one input per span of this many layers and recompute the span in "
+        "backward (each layer again checkpointed inside it): 1/span of the kept inputs, one more forward",
+        bound="positive",
+    )
     loss_chunk: int = option(
         1024,
         "tokens of logits at a time in the loss (output layer + cross entropy); 0: the whole shard at once",
@@ -141,7 +156,9 @@ class MemoryOptions:
     )
 
     def __post_init__(self) -> None:
-        check_activation_checkpoint(self.activation_checkpoint, self.activation_checkpoint_every)
+        check_activation_checkpoint(
+            self.activation_checkpoint, self.activation_checkpoint_every, self.activation_checkpoint_span
+        )
         for name in ("loss_chunk", "mlp_tile"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

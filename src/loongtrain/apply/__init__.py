@@ -77,7 +77,9 @@ def parallelize(
     apply_head_groups(model, memory.head_groups, state, alternatives, recomputed=full)
     offload = ActivationOffload(state.device) if memory.offload_activations else None
     model.activation_offload = offload  # what it holds on the host: model.activation_offload.host_bytes()
-    apply_activation_checkpoint(model, memory.activation_checkpoint, memory.activation_checkpoint_every, offload)
+    apply_activation_checkpoint(
+        model, memory.activation_checkpoint, every, offload, span=memory.activation_checkpoint_span
+    )
     if compile:
         apply_compile(model)
     apply_zero(

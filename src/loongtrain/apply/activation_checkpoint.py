@@ -91,16 +91,22 @@ def _entered_together(*managers):
 
 
 def apply_activation_checkpoint(
-    model: Transformer, mode: str, every: int = 1, offload: ActivationOffload | None = None
+    model: Transformer, mode: str, every: int = 1, offload: ActivationOffload | None = None, span: int = 1
 ) -> None:
     """Checkpoint layers ``0, every, 2*every, ...`` with ``mode``; with ``offload``, what each
     checkpointed layer keeps (its input; under sc++ also the attention results) lives in
     host memory between its forward and its backward (:mod:`loongtrain.apply.offload`).
+    ``span > 1`` (``full`` only): spans of ``span`` layers run in one checkpoint that keeps
+    the span's input alone (offloaded with ``offload``); its recompute in backward runs the
+    span's layers, each checkpointed again, so one layer's recompute at a time.
 
     The block's ``forward`` is wrapped in place (parameter names do not change, so
     checkpoints load across modes).
     """
-    check_activation_checkpoint(mode, every)
+    check_activation_checkpoint(mode, every, span)
+    if span > 1:
+        _checkpoint_spans(model, span, offload)
+        offload = None  # the spans' inputs are what is offloaded; a layer's input inside a span is not kept
     if mode == "none":
         if offload is not None:
             raise ValueError(
@@ -127,3 +133,28 @@ def apply_activation_checkpoint(
         layer.forward = types.MethodType(forward, layer)
         if offload is not None:
             layer.attention.attention_fn = offload.mark_attention(layer.attention.attention_fn)
+
+
+def _checkpoint_spans(model: Transformer, span: int, offload: ActivationOffload | None) -> None:
+    """``model.run_layers`` over spans of ``span`` layers, each span one checkpoint."""
+
+    def run_layers(self, h, cos, sin, layout):
+        layers = list(self.layers)
+        for first in range(0, len(layers), span):
+            part = layers[first : first + span]
+
+            def run(x, *args, _part=part):
+                for layer in _part:
+                    x = layer(x, *args)
+                return x
+
+            if offload is None:
+                h = checkpoint(run, h, cos, sin, layout, use_reentrant=False)
+                continue
+            stash = offload.new_stash(first_layer=first == 0)
+            with offload.saving(stash, h):
+                h = checkpoint(run, h, cos, sin, layout, use_reentrant=False)
+            stash.forward_done()
+        return h
+
+    model.run_layers = types.MethodType(run_layers, model)

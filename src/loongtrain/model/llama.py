@@ -235,7 +235,11 @@ class Transformer(nn.Module):
         if positions.dim() == 1:
             positions = positions.unsqueeze(0)
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
-        h = self.tok_embeddings(tokens)
+        return self.run_layers(self.tok_embeddings(tokens), cos, sin, layout)
+
+    def run_layers(self, h: Tensor, cos: Tensor, sin: Tensor, layout: SequenceLayout | None) -> Tensor:
+        """The blocks in turn (``loongtrain.apply`` runs spans of them in one checkpoint for
+        ``memory.activation_checkpoint_span``)."""
         for layer in self.layers:
             h = layer(h, cos, sin, layout)
         return h

@@ -74,9 +74,13 @@ _LAYOUT_KEYS = {
     "loss_chunk": "loss_chunk",
     "mlp_tile": "mlp_tile",
     "head_groups": "head_groups",
+    "span": "activation_checkpoint_span",
     "offload": "offload",
 }
-_INT_KEYS = ("dp", "hp", "cp", "ring_window", "activation_checkpoint_every", "loss_chunk", "mlp_tile", "head_groups")
+_INT_KEYS = (
+    "dp", "hp", "cp", "ring_window", "activation_checkpoint_every", "loss_chunk", "mlp_tile", "head_groups",
+    "activation_checkpoint_span",
+)  # fmt: skip
 _OFFLOADS = {
     "none": (False, False),
     "activations": (True, False),
@@ -182,7 +186,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--layout",
         default=None,
         help="also price this layout: keys hp, cp, ring_window (w), placement, dp, zero, ckpt, every, loss_chunk, "
-        "mlp_tile, head_groups, offload=none|activations|states|both; e.g. hp=8,cp=8,ring_window=4,ckpt=sc++",
+        "mlp_tile, head_groups, span, offload=none|activations|states|both; e.g. hp=8,cp=8,ring_window=4,ckpt=sc++",
     )
     out.add_argument("--timeline", default=None, metavar="PNG", help="simulate one layer of the winner (or --layout)")
 

@@ -97,6 +97,8 @@ class Candidate:
             parts.append(f"every{m.activation_checkpoint_every}")
         if m.head_groups > 1:
             parts.append(f"heads/{m.head_groups}")
+        if m.activation_checkpoint_span > 1:
+            parts.append(f"span{m.activation_checkpoint_span}")
         return " ".join(parts)
 
     def label(self) -> str:

@@ -325,11 +325,16 @@ def memory_phases(
     # -- host: offloaded kept tensors (all checkpointed layers) and model states
     host = 0.0
     kept_ckpt_layer = mine.kept * tokens if mine else 0.0
-    on_device_ckpt = backward_ckpt = n_ckpt
+    # checkpoint spans (apply/activation_checkpoint.py): one kept input per span; in a span's
+    # backward its recompute has made the inputs of its other layers again
+    span = mem.activation_checkpoint_span
+    units = math.ceil(n_ckpt / span)
+    span_inputs = (span - 1) * e * m.dim * tokens
+    on_device_ckpt = backward_ckpt = units
     prefetched = 0.0  # the previous layer's kept tensors, back on the device during the projections' backward
     if mem.offload_activations and n_ckpt:
-        host += n_ckpt * kept_ckpt_layer
-        on_device_ckpt = min(n_ckpt, OFFLOAD_LAYERS_ON_DEVICE)
+        host += units * kept_ckpt_layer
+        on_device_ckpt = min(units, OFFLOAD_LAYERS_ON_DEVICE)
         backward_ckpt, prefetched = 1, kept_ckpt_layer
     if mem.offload_states:
         host += 16.0 * p_total / shard
@@ -417,6 +422,8 @@ def memory_phases(
     }
     if not gpu and shard > 1:  # gloo: a layer's fp32 gradient reduce-scatter, or its all-gather
         backward_common["gloo copies"] = max(4.0, e) * p_layer
+    if span > 1:
+        backward_common["span inputs"] = span_inputs
     first = {**backward_common, "kept": kept_backward, "layer backward": work}
     last_kept = kept_ckpt_layer if n_ckpt else plain.kept * tokens
     sharded_grads = 0.0 if mem.offload_states else 4.0 * p_layer / shard * (m.n_layers - 1)

@@ -113,6 +113,7 @@ def train_config(e: Estimate, w: Workload, model: str) -> str:
             "loss_chunk": m.loss_chunk,
             "mlp_tile": m.mlp_tile,
             "head_groups": m.head_groups,
+            "activation_checkpoint_span": m.activation_checkpoint_span,
             "offload_activations": m.offload_activations,
             "offload_states": m.offload_states,
         },
@@ -224,6 +225,7 @@ def short_label(x: Candidate) -> str:
     extra = (" tile" if m.mlp_tile else "") + (" offA" if m.offload_activations else "")
     extra += " offS" if m.offload_states else ""
     extra += f" heads/{m.head_groups}" if m.head_groups > 1 else ""
+    extra += f" span{m.activation_checkpoint_span}" if m.activation_checkpoint_span > 1 else ""
     return f"{dp}hp{p.hp} cp{p.cp}{ring}{place} {x.zero} {x.checkpoint}{extra}"
 
 

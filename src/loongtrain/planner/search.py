@@ -150,7 +150,14 @@ def _option_sets(c: ClusterSpec, w: Workload, base: Candidate) -> tuple[list[dic
     if base.checkpoint != "none" and c.offload_gap("activations") is None:
         acts.append(True)
     groups = [1] + head_group_options(w.model, base.parallel.hp)[-1:]
-    combos = [dict(mlp_tile=t, offload_activations=a, head_groups=g) for g in groups for t in tiles for a in acts]
+    spans = [1, 2] if base.checkpoint == "full" and base.memory.activation_checkpoint_every == 1 else [1]
+    combos = [
+        dict(mlp_tile=t, offload_activations=a, head_groups=g, activation_checkpoint_span=n)
+        for n in spans
+        for g in groups
+        for t in tiles
+        for a in acts
+    ]
     more = combos[1:]
     states = [dict(combo, offload_states=True) for combo in combos] if c.offload_gap("states") is None else []
     return more, states
@@ -219,7 +226,14 @@ def choose_memory_options(c: ClusterSpec, w: Workload, base: Candidate) -> Estim
         fitting = [e for e in estimates if e.fits]
         if fitting:
             return min(fitting, key=lambda e: (e.step_s, e.memory.total))
-    return min(tried, key=lambda e: (e.memory.total, e.host_per_node))
+    return min(tried, key=overshoot)
+
+
+def overshoot(e: Estimate) -> tuple[float, float]:
+    """How far an estimate is from fitting: its device or host memory over the limit, whichever
+    is further (then device memory): the leanest of layouts that do not fit is the nearest."""
+    host = e.host_per_node / e.host_limit if e.host_limit > 0 else 0.0
+    return max(e.memory.total / e.memory_limit, host), e.memory.total
 
 
 def _why_none_valid(m: ModelConfig, w: Workload, devices: int) -> str:
@@ -283,7 +297,7 @@ def _devices_that_fit(c: ClusterSpec, w: Workload, devices: int) -> int | None:
 def too_big_message(c: ClusterSpec, w: Workload, devices: int, too_big: list[Estimate], hint: bool = True) -> str:
     """Why no layout fits: the leanest layout's device (or host) memory against the limit;
     ``hint``: also how many devices would fit."""
-    lean = min(too_big, key=lambda e: (e.memory.total, e.host_per_node))
+    lean = min(too_big, key=overshoot)
     suffix = ""
     if hint:
         more = _devices_that_fit(c, w, devices)
@@ -292,7 +306,7 @@ def too_big_message(c: ClusterSpec, w: Workload, devices: int, too_big: list[Est
     if lean.memory.total <= lean.memory_limit and lean.blocked is None:
         return (
             f"seq_len={w.seq_len} does not fit on {devices} devices of {c.name!r}: the leanest layout "
-            f"({lean.candidate.label()}) pins {lean.host_per_node / GiB:.0f} GiB of host memory per node, more "
+            f"({lean.candidate.label()}) pins {lean.host_per_node / GiB:.1f} GiB of host memory per node, more "
             f"than the usable {c.host_memory_gib:g} GiB{suffix}"
         )
     phase = lean.memory.phase
