@@ -265,7 +265,15 @@ def _grads(model) -> dict[str, torch.Tensor]:
     }
 
 
-def _options_on_vs_off(cfg: dict, run_dir: str) -> dict:
+#: the other way to everything on: full checkpointing in spans of two layers, the attention over
+#: head groups (no output kept), offload of both
+SPANS_ON = dict(
+    activation_checkpoint="full", activation_checkpoint_span=2, loss_chunk=24, mlp_tile=8, offload_activations=True,
+    offload_states=True, head_groups=2,
+)  # fmt: skip
+
+
+def _options_on_vs_off(cfg: dict, run_dir: str, on_options: dict = ALL_ON) -> dict:
     """Two steps with every option off and on from the same weights; the 'on' model is
     checkpointed after step 1 and a fresh 'on' model resumes from it for step 2."""
     from loongtrain.apply import materialize, parallelize
@@ -291,7 +299,7 @@ def _options_on_vs_off(cfg: dict, run_dir: str) -> dict:
         return result.loss, grads
 
     off, off_opt = build(dict(loss_chunk=0))
-    on, on_opt = build(ALL_ON)
+    on, on_opt = build(on_options)
     assert all(p.device.type == "cpu" for p in on.parameters())
     report = {"loss": [], "grad": []}
     loss_off, grads_off = step(off, off_opt, batches[0])
@@ -300,7 +308,7 @@ def _options_on_vs_off(cfg: dict, run_dir: str) -> dict:
     report["grad"].append(max(_rel(grads_on[n], grads_off[n]) for n in grads_off))
     manager = CheckpointManager(Path(run_dir), keep=1)
     manager.save(1, on, on_opt, {"model_shape": {}})
-    resumed, resumed_opt = build(ALL_ON)
+    resumed, resumed_opt = build(on_options)
     manager.load(manager.folder / "step-1", resumed, resumed_opt, {})
     loss_off, grads_off = step(off, off_opt, batches[1])
     loss_on, grads_on = step(resumed, resumed_opt, batches[1])
@@ -312,12 +320,16 @@ def _options_on_vs_off(cfg: dict, run_dir: str) -> dict:
 
 @pytest.mark.dist
 @pytest.mark.parametrize(
-    "cfg",
-    [{"hp": 2, "cp": 2, "ring_window": 2, "balance": "documents"}, {"cp": 4, "ring_window": 2}],
-    ids=["2d-hp2-cp2", "double-ring-cp4-w2"],
+    "cfg, on_options",
+    [
+        ({"hp": 2, "cp": 2, "ring_window": 2, "balance": "documents"}, ALL_ON),
+        ({"cp": 4, "ring_window": 2}, ALL_ON),
+        ({"hp": 2, "cp": 2, "ring_window": 2, "balance": "documents"}, SPANS_ON),
+    ],
+    ids=["2d-hp2-cp2", "double-ring-cp4-w2", "2d-spans-head-groups"],
 )
-def test_every_option_on_trains_like_every_option_off(dist_pool, tmp_path, cfg):
-    for report in dist_pool(4).run(_options_on_vs_off, cfg, str(tmp_path / "ckpt")):
+def test_every_option_on_trains_like_every_option_off(dist_pool, tmp_path, cfg, on_options):
+    for report in dist_pool(4).run(_options_on_vs_off, cfg, str(tmp_path / "ckpt"), on_options):
         assert report["docs"] >= 4
         assert max(report["loss"]) <= 1e-5, report
         assert max(report["grad"]) <= 1e-5, report

@@ -306,8 +306,8 @@ def too_big_message(c: ClusterSpec, w: Workload, devices: int, too_big: list[Est
     if lean.memory.total <= lean.memory_limit and lean.blocked is None:
         return (
             f"seq_len={w.seq_len} does not fit on {devices} devices of {c.name!r}: the leanest layout "
-            f"({lean.candidate.label()}) pins {lean.host_per_node / GiB:.1f} GiB of host memory per node, more "
-            f"than the usable {c.host_memory_gib:g} GiB{suffix}"
+            f"({lean.candidate.label()}) pins {lean.host_per_node / GiB:.2f} GiB of host memory per node, more "
+            f"than the usable {c.host_memory_gib:.2f} GiB{suffix}"
         )
     phase = lean.memory.phase
     biggest = max(lean.memory.terms, key=lambda t: t[1])
