@@ -234,6 +234,9 @@ def test_memory_options_refuse_what_cannot_apply():
         load_config(None, ["memory.offload_activations=true", "memory.activation_checkpoint=none"])
     with pytest.raises(ConfigError, match=r"compiled blocks \(run.compile=true\) cannot run with memory.mlp_tile"):
         load_config(None, ["run.compile=true", "memory.mlp_tile=64"])
+    for key in ("memory.head_groups=2", "memory.activation_checkpoint_span=2"):
+        with pytest.raises(ConfigError, match=rf"cannot run with {key.split('=')[0]} "):
+            load_config(None, ["run.compile=true", "memory.activation_checkpoint=full", key])
     with pytest.raises(ConfigError, match="memory.loss_chunk=-5 must not be negative"):
         load_config(None, ["memory.loss_chunk=-5"])
 

@@ -63,11 +63,13 @@ def _packed_equivalence(cfg: dict, ckpt: str, overrides: dict, micro: int, other
     # other hp x cp splits of the same ranks; a balance alone: a view of the state (its groups)
     alternatives = [state.with_balance(o["balance"]) if set(o) == {"balance"} else cached_state(**{**cfg, **o})
                     for o in others]  # fmt: skip
+    overrides = dict(overrides)
+    groups = overrides.pop("head_groups", 1)  # a memory option, not the model's
     mcfg = model_config("debug", **overrides)
     device = torch.device("cpu")
     ref = build_model(mcfg)
     materialize(ref, device, SEED)
-    memory = MemoryOptions(activation_checkpoint=ckpt)
+    memory = MemoryOptions(activation_checkpoint=ckpt, head_groups=groups)
     par = parallelize(build_model(mcfg), state, memory=memory, zero="dp_sp", alternatives=alternatives)
     materialize(par, device, SEED)
     seq = 16 * state.sp
@@ -107,6 +109,8 @@ CASES = [
     (4, {"hp": 2, "cp": 2, "placement": "context_first"}, "none", {"sliding_window": 20}, 1),
     (4, {"cp": 2, "dp": 2, "balance": "documents"}, "sc++", {"sliding_window": 5}, 2),
     (4, {"hp": 4, "balance": "documents"}, "full", {"n_heads": 4, "n_kv_heads": 1}, 1),
+    # the attention over head groups on packed documents with a sliding window
+    (4, {"cp": 4, "ring_window": 2, "balance": "documents"}, "none", {"sliding_window": 7, "head_groups": 4}, 1),
 ]
 # a layout per microbatch: three microbatches of one step on 2D, the double ring and Ulysses
 PER_BATCH = [
@@ -118,6 +122,8 @@ PER_BATCH = [
     ),
     ({"hp": 2, "cp": 2, "balance": "locality"}, "full", {"sliding_window": 7}, ({"hp": 1, "cp": 4, "ring_window": 2},)),
     ({"hp": 2, "cp": 2}, "sc++", {}, ({"balance": "locality"}, {"hp": 1, "cp": 4, "balance": "locality"})),
+    # head groups: each microbatch's groups on its own layout's state
+    ({"hp": 2, "cp": 2, "balance": "locality"}, "full", {"head_groups": 2}, ({"hp": 1, "cp": 4, "ring_window": 2},)),
 ]
 
 

@@ -182,10 +182,12 @@ def check_compile(memory: MemoryOptions, per_batch: bool = False) -> None:
     on = [name for name in ("offload_activations", "mlp_tile") if getattr(memory, name)]
     if memory.head_groups > 1:
         on.append("head_groups")
+    if memory.activation_checkpoint_span > 1:
+        on.append("activation_checkpoint_span")
     if on:
         raise ValueError(
-            f"compiled blocks (run.compile=true) cannot run with memory.{on[0]} (host copies, per-tile and "
-            f"per-head-group recompute run outside a compiled graph); turn one of them off"
+            f"compiled blocks (run.compile=true) cannot run with memory.{on[0]} (host copies, per-tile, "
+            f"per-head-group and per-span recompute run outside a compiled graph); turn one of them off"
         )
     if per_batch:
         raise ValueError(
