@@ -115,10 +115,11 @@ def _hf_generate(folder, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
     return out.sequences[0, len(prompt) :].tolist(), torch.stack([step[0] for step in out.logits])
 
 
-def _generate_on(folders: dict, config: dict, prompts, zero: bool = True) -> dict:
+def _generate_on(folders: dict, config: dict, prompts, zero: bool = True, head_groups: int = 1) -> dict:
     """Body on every rank: each family's greedy tokens and logits [steps, P, V] (``zero``:
-    the model under FSDP, gathered for the generation; else a plain module)."""
-    from loongtrain.apply import parallelize
+    the model under FSDP, gathered for the generation; else a plain module; ``head_groups``:
+    parallelized with the attention over head groups, which generation runs whole)."""
+    from loongtrain.apply import MemoryOptions, parallelize
     from loongtrain.generate import Sampling, generate
     from loongtrain.hf.load import load_weights, read_folder
     from loongtrain.model import build_model
@@ -131,7 +132,7 @@ def _generate_on(folders: dict, config: dict, prompts, zero: bool = True) -> dic
         hf = read_folder(folder)
         model = build_model(hf.model)
         if zero:
-            parallelize(model, state, zero="dp_sp")
+            parallelize(model, state, zero="dp_sp", memory=MemoryOptions(head_groups=head_groups))
         model.to_empty(device="cpu")
         load_weights(model, hf)
         done = generate(model, state, prompts, Sampling(max_new_tokens=NEW), keep_logits=True)
@@ -177,6 +178,7 @@ def test_one_process_generates_as_transformers(dist_pool, reference):
 def test_sharded_generation_equals_transformers(dist_pool, reference, world, config):
     folders, expected = reference
     chosen = {"ulysses3": folders["ulysses3"]} if config.get("hp") == 3 else {f: folders[f] for f in FAMILIES}
-    results = dist_pool(world).run(_generate_on, chosen, config, _prompts())
+    groups = 2 if config.get("balance") == "locality" else 1  # a model trained over head groups generates whole
+    results = dist_pool(world).run(_generate_on, chosen, config, _prompts(), True, groups)
     for rank, result in enumerate(results):
         _assert_same(result, expected, f"rank {rank} of {config}")

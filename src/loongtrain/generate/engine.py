@@ -65,16 +65,17 @@ def attention_modules(model: torch.nn.Module) -> list[Attention]:
 
 @contextlib.contextmanager
 def attention_fns(model: torch.nn.Module, make) -> Iterator[None]:
-    """Every attention module of ``model`` calls ``make(i)`` (layer ``i``) inside the block."""
+    """Every attention module of ``model`` calls ``make(i)`` (layer ``i``) inside the block (the
+    whole-layer path: a layer trained over head groups runs every head at once here)."""
     modules = attention_modules(model)
-    saved = [m.attention_fn for m in modules]
+    saved = [(m.attention_fn, m.over_head_groups) for m in modules]
     try:
         for i, m in enumerate(modules):
-            m.attention_fn = make(i)
+            m.attention_fn, m.over_head_groups = make(i), None
         yield
     finally:
-        for m, fn in zip(modules, saved):
-            m.attention_fn = fn
+        for m, (fn, grouped) in zip(modules, saved):
+            m.attention_fn, m.over_head_groups = fn, grouped
 
 
 @contextlib.contextmanager
