@@ -338,13 +338,28 @@ def test_every_option_on_trains_like_every_option_off(dist_pool, tmp_path, cfg, 
         assert max(report["grad"]) <= 1e-5, report
 
 
+def _forward_recording_block_inputs(model, tokens: torch.Tensor) -> tuple:
+    """The loss of ``tokens`` (33 of them) and a weak reference to each block input's storage,
+    in call order (a recompute in backward would add more)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    inputs: list[StorageWeakRef] = []
+
+    def record(module, args):
+        inputs.append(StorageWeakRef(args[0].untyped_storage()))
+
+    hooks = [layer.register_forward_pre_hook(record) for layer in model.layers]
+    loss, _ = model(tokens[:, :-1], torch.arange(32), labels=tokens[:, 1:])
+    for h in hooks:
+        h.remove()
+    return loss, inputs
+
+
 @pytest.mark.parametrize("mode", ["full", "sc++"])
 def test_offload_frees_the_device_copy_of_each_block_input(mode):
     """After the forward, no checkpointed block's input is alive in compute memory: its only
     copy is the host one (a hook that held the original, as the pack hook's closure once
     did, would keep every layer's input on the device). Backward then equals no offload."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
     from loongtrain.apply import materialize
     from loongtrain.apply.activation_checkpoint import apply_activation_checkpoint
     from loongtrain.apply.offload import ActivationOffload
@@ -357,15 +372,7 @@ def test_offload_frees_the_device_copy_of_each_block_input(mode):
         model = build_model(mcfg)
         materialize(model, torch.device("cpu"), 3)
         apply_activation_checkpoint(model, mode, offload=ActivationOffload(torch.device("cpu")) if offload else None)
-        inputs: list[StorageWeakRef] = []
-
-        def record(module, args, inputs=inputs):
-            inputs.append(StorageWeakRef(args[0].untyped_storage()))
-
-        hooks = [layer.register_forward_pre_hook(record) for layer in model.layers]
-        loss, _ = model(tokens[:, :-1], torch.arange(32), labels=tokens[:, 1:])
-        for h in hooks:
-            h.remove()
+        loss, inputs = _forward_recording_block_inputs(model, tokens)
         if offload:
             assert [ref.expired() for ref in inputs] == [True] * 3
         else:  # the check can fail: without offload the checkpoints keep every input
@@ -381,8 +388,6 @@ def test_checkpoint_spans_keep_one_input_per_span_and_train_like_no_checkpoint(o
     """``activation_checkpoint_span=2`` on 5 layers: after the forward only the inputs of
     layers 0, 2, 4 (the spans') are alive, on the device or (offload) on the host alone; the
     loss and every gradient equal the model without checkpointing (float64)."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
     from loongtrain.apply import materialize
     from loongtrain.apply.activation_checkpoint import apply_activation_checkpoint
     from loongtrain.apply.offload import ActivationOffload
@@ -398,15 +403,7 @@ def test_checkpoint_spans_keep_one_input_per_span_and_train_like_no_checkpoint(o
         if span:
             store = ActivationOffload(torch.device("cpu")) if offload else None
             apply_activation_checkpoint(model, "full", offload=store, span=span)
-        inputs: list[StorageWeakRef] = []
-
-        def record(module, args, inputs=inputs):
-            inputs.append(StorageWeakRef(args[0].untyped_storage()))
-
-        hooks = [layer.register_forward_pre_hook(record) for layer in model.layers]
-        loss, _ = model(tokens[:, :-1], torch.arange(32), labels=tokens[:, 1:])
-        for h in hooks:
-            h.remove()
+        loss, inputs = _forward_recording_block_inputs(model, tokens)
         alive = [not ref.expired() for ref in inputs[:5]]  # the forward's (recompute adds more)
         if span:
             assert alive == ([False] * 5 if offload else [True, False, True, False, True]), alive

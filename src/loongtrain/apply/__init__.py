@@ -1,8 +1,9 @@
 """Apply parallelism and memory options to a model, in one readable order:
 
 1. attention wiring (2D head-context attention on the ParallelState),
-2. the memory options (chunked loss, tiled MLP) and activation checkpointing (none / full /
-   sc++, every k-th layer, what it keeps optionally offloaded to host memory),
+2. the memory options (chunked loss, tiled MLP, the attention over head groups) and
+   activation checkpointing (none / full / sc++, every k-th layer or spans of layers, what it
+   keeps optionally offloaded to host memory),
 3. ``torch.compile`` of each block, when asked (the attention ops stay opaque),
 4. hybrid ZeRO (FSDP2 over the chosen scope, optional bf16 compute, states optionally in
    host memory).
