@@ -7,10 +7,10 @@ A layout is (dp, hp, cp, ring_window, placement, ZeRO scope, checkpoint mode) wi
 
 The other memory options are chosen per layout, not multiplied into the candidates
 (:func:`choose_memory_options`): the chunked loss or the whole-shard one, whichever needs
-less memory (they cost the same FLOPs); tiling, activation offload and the attention over
-head groups (the most groups the heads allow) only when the layout does not fit without
-them, then the fastest combination that fits; model-state offload only when nothing else
-fits.
+less memory (they cost the same FLOPs); tiling, activation offload, the attention over
+head groups (the most groups the heads allow) and, under ``full``, checkpoint spans of two
+layers only when the layout does not fit without them, then the fastest combination that
+fits; model-state offload only when nothing else fits.
 """
 
 from __future__ import annotations
