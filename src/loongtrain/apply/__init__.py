@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from loongtrain.apply.activation_checkpoint import apply_activation_checkpoint
+from loongtrain.apply.activation_checkpoint import apply_activation_checkpoint, checkpointed_layers
 from loongtrain.apply.attention import apply_attention, apply_head_groups, check_model_fits
 from loongtrain.apply.compile import apply_compile
 from loongtrain.apply.init import materialize
@@ -73,14 +73,12 @@ def parallelize(
         check_compile(memory, per_batch=bool(alternatives))
     apply_attention(model, state, alternatives)  # checks that the heads split over hp, before anything else
     apply_memory_options(model, memory)
-    every = memory.activation_checkpoint_every
-    full = range(0, len(model.layers), every) if memory.activation_checkpoint == "full" else ()
-    apply_head_groups(model, memory.head_groups, state, alternatives, recomputed=full)
+    mode, every = memory.activation_checkpoint, memory.activation_checkpoint_every
+    recomputed = checkpointed_layers(len(model.layers), mode, every) if mode == "full" else ()
+    apply_head_groups(model, memory.head_groups, state, alternatives, recomputed=recomputed)
     offload = ActivationOffload(state.device) if memory.offload_activations else None
     model.activation_offload = offload  # what it holds on the host: model.activation_offload.host_bytes()
-    apply_activation_checkpoint(
-        model, memory.activation_checkpoint, every, offload, span=memory.activation_checkpoint_span
-    )
+    apply_activation_checkpoint(model, mode, every, offload, span=memory.activation_checkpoint_span)
     if compile:
         apply_compile(model)
     apply_zero(

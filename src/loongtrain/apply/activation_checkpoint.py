@@ -24,7 +24,7 @@ from loongtrain.attention.ops import ATTENTION_OPS
 from loongtrain.model.llama import Transformer
 from loongtrain.options import check_activation_checkpoint
 
-__all__ = ["apply_activation_checkpoint"]
+__all__ = ["apply_activation_checkpoint", "checkpointed_layers"]
 
 # The attention ops kept by sc++: the distributed ones, and PyTorch's own SDPA kernels so
 # that sc++ means the same on a single device.
@@ -114,8 +114,9 @@ def apply_activation_checkpoint(
                 "there is nothing to move: use 'full' or 'sc++'"
             )
         return
+    checkpointed = checkpointed_layers(len(model.layers), mode, every)
     for index, layer in enumerate(model.layers):
-        if index % every != 0:
+        if index not in checkpointed:
             continue
         inner = layer.forward
 
@@ -133,6 +134,11 @@ def apply_activation_checkpoint(
         layer.forward = types.MethodType(forward, layer)
         if offload is not None:
             layer.attention.attention_fn = offload.mark_attention(layer.attention.attention_fn)
+
+
+def checkpointed_layers(n_layers: int, mode: str, every: int = 1) -> range:
+    """The layers ``mode`` checkpoints: ``0, every, 2*every, ...`` (none under ``"none"``)."""
+    return range(0) if mode == "none" else range(0, n_layers, every)
 
 
 def _checkpoint_spans(model: Transformer, span: int, offload: ActivationOffload | None) -> None:

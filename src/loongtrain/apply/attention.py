@@ -6,7 +6,7 @@ from collections.abc import Collection, Sequence
 from functools import partial
 
 from loongtrain.attention import head_context_attention
-from loongtrain.attention.head_context import HeadContextSplit
+from loongtrain.attention.head_context import HeadContextSplit, state_of_layout
 from loongtrain.attention.layout import SequenceLayout
 from loongtrain.model.config import ModelConfig
 from loongtrain.model.head_groups import head_group_attention
@@ -26,7 +26,7 @@ def check_model_fits(cfg: ModelConfig, hp: int) -> None:
 
 def _on_the_layouts_state(q, k, v, *, states: dict, default: ParallelState, layout: SequenceLayout | None = None,
                           sliding_window: int | None = None):  # fmt: skip
-    state = default if layout is None else states.get((layout.hp, layout.cp, layout.balance), default)
+    state = state_of_layout(layout, states, default)
     return head_context_attention(q, k, v, state, causal=True, layout=layout, sliding_window=sliding_window)
 
 

@@ -172,6 +172,14 @@ def _attend_parts(
     return ops.head_gather(out_h, state.key), kv_h, out_h, lse
 
 
+def state_of_layout(layout: SequenceLayout | None, states: dict, default: ParallelState) -> ParallelState:
+    """The state a batch's ``layout`` was made for, among ``states`` keyed by ``(hp, cp,
+    balance)`` (the other splits of a layout per microbatch); ``default`` otherwise."""
+    if layout is None:
+        return default
+    return states.get((layout.hp, layout.cp, layout.balance), default)
+
+
 class HeadContextSplit:
     """:func:`head_context_attention` (causal) as a forward and a backward the caller runs
     (:class:`~loongtrain.model.head_groups.SplitAttention`, for the attention over head
@@ -188,9 +196,7 @@ class HeadContextSplit:
         self.state, self.states = state, states or {}
 
     def _state(self, layout: SequenceLayout | None) -> ParallelState:
-        if layout is None:
-            return self.state
-        return self.states.get((layout.hp, layout.cp, layout.balance), self.state)
+        return state_of_layout(layout, self.states, self.state)
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, layout: SequenceLayout | None = None, sliding_window: int | None = None

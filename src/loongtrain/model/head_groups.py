@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from loongtrain.attention.layout import SequenceLayout
 from loongtrain.model.lean import projections_backward
 from loongtrain.model.llama import Attention, apply_rope
-from loongtrain.model.norm import RMSNorm, normalize, over_tiles, rms_norm, rms_norm_backward, tiles
+from loongtrain.model.norm import RMSNorm, inverse_rms, normalize, over_tiles, rms_norm, rms_norm_backward, tiles
 from loongtrain.parallel.layout import head_group_slices
 
 Tensor = torch.Tensor
@@ -113,8 +113,7 @@ def _unnormed(grad: Tensor, t: Tensor, weight: Tensor | None, eps: float) -> tup
     out, total = torch.empty_like(t), None
     for rows in tiles(t.shape[1]):
         tt = t[:, rows]
-        rstd = torch.rsqrt(tt.float().pow(2).mean(dim=-1, keepdim=True) + eps)
-        out[:, rows], part = rms_norm_backward(grad[:, rows], tt, weight, rstd, True)
+        out[:, rows], part = rms_norm_backward(grad[:, rows], tt, weight, inverse_rms(tt, eps), True)
         total = part.float() if total is None else total + part.float()
     return out, total
 
@@ -122,7 +121,7 @@ def _unnormed(grad: Tensor, t: Tensor, weight: Tensor | None, eps: float) -> tup
 class _HeadGroups(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec: _Spec, x, cos, sin, norm_w, wq, bq, wk, bk, wv, bv, wo, qn_w, kn_w):
-        (rstd,) = over_tiles(lambda rows: (rms_norm(x[:, rows], norm_w, spec.eps)[1],), x.shape[1])
+        (rstd,) = over_tiles(lambda rows: (inverse_rms(x[:, rows], spec.eps),), x.shape[1])
         y, saved = None, []
         for g in range(len(spec.slices)):
             q, k, v = _group_qkv(spec, g, x, rstd, norm_w, wq, bq, wk, bk, wv, bv)

@@ -54,11 +54,15 @@ def sum_parts(total: Tensor | None, part: Tensor | None) -> Tensor | None:
     return part if total is None else total.float() + part
 
 
+def inverse_rms(x: Tensor, eps: float) -> Tensor:
+    """``1 / rms(x)`` over the last dimension, in float32 (``[..., 1]``)."""
+    return torch.rsqrt(x.float().pow(2).mean(dim=-1, keepdim=True) + eps)
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """``((x / rms(x)).type_as(x) * weight, 1 / rms)``, the statistics in float32."""
-    x32 = x.float()
-    rstd = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return (x32 * rstd).type_as(x) * weight, rstd
+    rstd = inverse_rms(x, eps)
+    return (x.float() * rstd).type_as(x) * weight, rstd
 
 
 def normalize(x: Tensor, rstd: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:

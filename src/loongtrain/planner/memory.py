@@ -123,26 +123,7 @@ def layer_bytes(
     norm1 = norm_saved(d, e)
     # norm1 + wq/wk/wv (one function: the block input and 1/rms), q/k norms, the ring op
     attention_saved = norm1 + qk_norms + q + kv + out + lse + gathered_out
-    # norm2 and w1/w3's input and the SwiGLU intermediates; tiled: norm2 is inside the tiles,
-    # so only its input and 1/rms are saved
-    mlp_part = norm_saved(d, e) + (0.0 if tiled else e * d + 4 * e * f)
-    saved = attention_saved + mlp_part
-    input_alias = e * d  # norm1 saves its input: the block input itself
-    if mode == "none":
-        kept, recompute, attention_kept = saved, 0.0, attention_saved - input_alias
-    elif mode == "full":
-        kept, attention_kept = e * d, 0.0
-        recompute = saved - input_alias
-    elif mode == "sc++":
-        attention_kept = out + lse + (q + kv + gathered_out if hp > 1 else 0.0)
-        kept = e * d + attention_kept
-        recompute = saved - input_alias - attention_kept
-    else:
-        raise ValueError(f"unknown checkpoint mode {mode!r}")
-    # the block input and what the checkpoint keeps are in ``kept``, not recomputed
-    attention_recompute = attention_saved - input_alias - attention_kept
-    # backward of w2 then of the product: its gradient and the gradients of silu's and w3's outputs
-    mlp_backward = 0.0 if tiled else 2 * e * f
+    sc_kept = out + lse + (q + kv + gathered_out if hp > 1 else 0.0)  # the ring op's results (and scatter's)
     # ring backward (double_ring.ring_backward): dout, fp32 dq accumulator and the own block's
     # dK/dV, the block kernel's dq/dk/dv; with cp > 1 two KV blocks in flight and two fp32
     # dK/dV blocks (the partial passed on, and the next one arriving or a window's total coming home);
@@ -152,6 +133,35 @@ def layer_bytes(
     # head_scatter's backward (hp > 1): dq_h/dkv_h and the all-to-all's packed send and receive
     scatter = 3 * (q + kv) if hp > 1 else 0.0
     attention_backward = e * d + max(ring, scatter)  # + the residual stream's gradient
+    return _checkpointed(mode, attention_saved, sc_kept, attention_backward, d, f, e, tiled)
+
+
+def _checkpointed(
+    mode: str, attention_saved: float, sc_kept: float, attention_backward: float, d: int, f: int, e: int, tiled: bool
+) -> LayerBytes:
+    """A layer's bytes under checkpoint ``mode`` from what its attention saves (the block
+    input, norm1's saved input, among them), what ``sc++`` keeps of it, and its attention
+    backward's buffers; the MLP's part (norm2 and w1/w3's input and the SwiGLU intermediates;
+    tiled: norm2 is inside the tiles, so only its input and 1/rms are saved) added here."""
+    mlp_part = norm_saved(d, e) + (0.0 if tiled else e * d + 4 * e * f)
+    saved = attention_saved + mlp_part
+    input_alias = e * d  # norm1 saves its input: the block input itself
+    if mode == "none":
+        kept, recompute, attention_kept = saved, 0.0, attention_saved - input_alias
+    elif mode == "full":
+        kept, attention_kept = e * d, 0.0
+        recompute = saved - input_alias
+    elif mode == "sc++":
+        attention_kept = sc_kept
+        kept = e * d + attention_kept
+        # (over head groups the selective checkpoint caches tensors the function does not save)
+        recompute = max(0.0, saved - input_alias - attention_kept)
+    else:
+        raise ValueError(f"unknown checkpoint mode {mode!r}")
+    # the block input and what the checkpoint keeps are in ``kept``, not recomputed
+    attention_recompute = max(0.0, attention_saved - input_alias - attention_kept)
+    # backward of w2 then of the product: its gradient and the gradients of silu's and w3's outputs
+    mlp_backward = 0.0 if tiled else 2 * e * f
     return LayerBytes(saved, kept, recompute, mlp_backward, attention_saved, attention_recompute, attention_backward)
 
 
@@ -179,23 +189,9 @@ def _grouped_layer_bytes(
     keep = mode != "full"
     out, lse = (e * h * hd, a * h) if keep else (0.0, 0.0)
     attention_saved = norm_saved(d, e) + out + lse
-    mlp_part = norm_saved(d, e) + (0.0 if tiled else e * d + 4 * e * f)
-    saved = attention_saved + mlp_part
-    input_alias = e * d
-    if mode == "none":
-        attention_kept = attention_saved - input_alias
-        kept, recompute = saved, 0.0
-    elif mode == "full":
-        attention_kept = 0.0
-        kept, recompute = e * d, saved - input_alias
-    elif mode == "sc++":  # the selective checkpoint keeps the attention ops' outputs, every group's
-        q_all, kv_all = e * h * hd, 2 * e * replicated_kv_heads(gm, hp) * groups * hd
-        attention_kept = out + lse + (q_all + kv_all + out if hp > 1 else 0.0)
-        kept = e * d + attention_kept
-        recompute = max(0.0, saved - input_alias - attention_kept)
-    else:
-        raise ValueError(f"unknown checkpoint mode {mode!r}")
-    attention_recompute = max(0.0, attention_saved - input_alias - attention_kept)
+    # sc++ keeps the attention ops' outputs, every group's
+    q_all, kv_all = e * h * hd, 2 * e * replicated_kv_heads(gm, hp) * groups * hd
+    sc_kept = out + lse + (q_all + kv_all + out if hp > 1 else 0.0)
     q, kv = e * gm.n_heads * hd, 2 * e * gr * hd  # one group's, after the all-to-all's replication
     own_kv = 2 * e * gm.n_kv_heads * hd
     projections = 2 * e * gm.n_heads * hd + 1.5 * own_kv  # q and k before and after their norms and RoPE, v
@@ -204,8 +200,7 @@ def _grouped_layer_bytes(
     ring = _ring_backward_bytes(q, kv, gm.n_heads, hd, cp, e, a)
     scatter = 3 * (q + kv) if hp > 1 else 0.0
     attention_backward = 2 * e * d + projections + max(ring, scatter)  # dy and the input gradient
-    mlp_backward = 0.0 if tiled else 2 * e * f
-    return LayerBytes(saved, kept, recompute, mlp_backward, attention_saved, attention_recompute, attention_backward)
+    return _checkpointed(mode, attention_saved, sc_kept, attention_backward, d, f, e, tiled)
 
 
 def backward_call_bytes(
