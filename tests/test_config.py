@@ -228,6 +228,11 @@ def test_device_and_optimizer_checked_before_spawning(tmp_path):
     with pytest.raises(ConfigError, match="Invalid epsilon value: -1.0"):
         check_optimizer(OptimSection(eps=-1.0))  # AdamW's own check behind config validation
     check_optimizer(OptimSection())
+    # head groups that do not split the debug model's 4 heads over hp=2 (one head a group)
+    cfg = load_config(None, ["parallel.hp=2", "memory.head_groups=4", f"run.output_dir={tmp_path}"])
+    refusal = r"memory.head_groups=4: a group of 1 query .* over hp=2 .* fewer head groups"
+    with pytest.raises(ConfigError, match=refusal):
+        preflight(cfg, 2)
 
 
 def test_torch_older_than_the_oldest_tested_is_refused_with_one_line():

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from loongtrain.apply import check_model_fits
+from loongtrain.apply.attention import check_head_groups
 from loongtrain.attention.sharding import check_sequence_length
 from loongtrain.config import ConfigError, ModelSection, OptimSection, TrainConfig
 from loongtrain.data import (
@@ -104,6 +105,7 @@ def preflight(cfg: TrainConfig, world_size: int, local_world_size: int | None = 
         layout, mcfg = spec.parallel, spec.model
         dp = layout.resolve_dp(world_size)
         check_model_fits(mcfg, layout.hp)
+        check_head_groups(mcfg, cfg.memory.head_groups, [layout.hp])
         check_sequence_length(cfg.data.seq_len, layout.hp, layout.cp)
         rows_per_microbatch(cfg.data.global_batch, dp, cfg.data.micro_batches)
         check_device(cfg.run.device, local_world_size or world_size)
