@@ -274,6 +274,17 @@ def test_impossible_requests_explain_themselves(cluster, model, seq, devices, me
         search_layouts(cluster_spec(cluster), Workload(model_spec(model), seq), devices)
 
 
+def test_head_groups_that_do_not_split_the_heads_are_refused():
+    from loongtrain.planner.search import check_candidate
+
+    w = Workload(PRESETS["llama3-8b"], 64 * 1024)
+    with pytest.raises(PlanError, match="layout: head_groups=3 does not split the model's heads"):
+        check_candidate(w, Candidate.of(head_groups=3), 1)
+    with pytest.raises(PlanError, match="layout: head_groups=8: a group of 4 query .* over hp=8"):
+        check_candidate(w, Candidate.of(hp=8, head_groups=8), 8)
+    check_candidate(w, Candidate.of(hp=8, head_groups=4), 8)
+
+
 def test_too_long_sequence_suggests_more_devices():
     with pytest.raises(PlanError, match="devices would fit"):
         search_layouts(A100, Workload(PRESETS["7b-mha"], 8 * M1), 8)

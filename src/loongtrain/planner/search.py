@@ -357,7 +357,7 @@ def check_candidate(w: Workload, candidate: Candidate, devices: int, c: ClusterS
     (and, given the cluster ``c``, an option that cannot apply there).
 
     The rules are the library's own: ``ParallelConfig`` (degrees, ring window, placement, the
-    world size), ``check_head_split``, ``check_sequence_length``, ``MemoryOptions`` and the
+    world size), ``check_head_split``, ``check_head_groups``, ``check_sequence_length``, ``MemoryOptions`` and the
     option checks; plus what only a plan knows: an MLP tile larger than the rank's shard,
     and offload on a cluster without host memory to spare.
     """
@@ -370,6 +370,7 @@ def check_candidate(w: Workload, candidate: Candidate, devices: int, c: ClusterS
         (f"layout zero={candidate.zero!r}", check_zero_scope, (candidate.zero,)),
         (f"layout hp={p.hp} does not fit the model's heads", check_head_split, (m.n_heads, m.n_kv_heads, p.hp)),
         (f"seq_len={w.seq_len}", check_sequence_length, (w.seq_len, p.hp, p.cp)),
+        ("layout", check_head_groups, (m.n_heads, m.n_kv_heads, mem.head_groups, p.hp)),
     ):
         try:
             check(*args)
