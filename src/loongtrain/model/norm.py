@@ -61,8 +61,9 @@ def inverse_rms(x: Tensor, eps: float) -> Tensor:
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """``((x / rms(x)).type_as(x) * weight, 1 / rms)``, the statistics in float32."""
-    rstd = inverse_rms(x, eps)
-    return (x.float() * rstd).type_as(x) * weight, rstd
+    x32 = x.float()
+    rstd = inverse_rms(x32, eps)  # (no second float32 copy: .float() of a float32 tensor is itself)
+    return (x32 * rstd).type_as(x) * weight, rstd
 
 
 def normalize(x: Tensor, rstd: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
