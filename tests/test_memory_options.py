@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from loongtrain.config import ConfigError, load_config
-from loongtrain.model import loss as loss_module
+from loongtrain.model import config as model_config_module
 from loongtrain.model.loss import lm_loss, token_scores
 from loongtrain.model.norm import RMSNorm
 from loongtrain.model.tiled_mlp import normed_swiglu, swiglu
@@ -102,7 +102,7 @@ def test_chunked_loss_without_targets_is_zero_and_has_zero_gradients():
 def test_chunked_loss_in_bfloat16_equals_float64_cross_entropy(monkeypatch):
     """bf16 weights: dL/dW summed in float32 over chunks, its products a vocabulary slice at a
     time (a slice smaller than the vocabulary here), against float64 autograd."""
-    monkeypatch.setattr(loss_module, "_GRAD_W_ROWS", 16)
+    monkeypatch.setattr(model_config_module, "VOCAB_SLICE", 20)
     gen = torch.Generator().manual_seed(3)
     h = torch.randn(40, 24, generator=gen).bfloat16()
     w = (0.5 * torch.randn(50, 24, generator=gen)).bfloat16()
@@ -196,6 +196,113 @@ def test_vocabulary_gradients_go_to_the_sink_in_float32(dtype):
     with torch.no_grad():  # no graph: the plain lookup, nothing sent
         embedding(tokens, got_w, sink)
     assert sink.calls == 2
+
+
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_chunked_loss_reads_a_float32_master_matrix_a_vocabulary_slice_at_a_time(monkeypatch, with_norm):
+    """The output matrix as its float32 master beside bf16 hidden states (what the model passes
+    where one shard holds the whole matrix, model/vocab.py), cast 20 rows at a time (3 slices):
+    the loss, dL/dh, the sink's dL/dW, the final norm's weight gradient and the per-token scores
+    against float64 (bf16's tolerance); the logits, so the loss, dL/dW and the scores, the same
+    bits as the same loss on the bf16 matrix (the gathered copy the master replaces). dL/dh sums
+    the slices' bf16 products in float32: not the same bits."""
+    from loongtrain.model.norm import rms_norm
+
+    monkeypatch.setattr(model_config_module, "VOCAB_SLICE", 20)
+    gen = torch.Generator().manual_seed(17)
+    h = torch.randn(40, 24, generator=gen).bfloat16()
+    master = 0.5 * torch.randn(50, 24, generator=gen)
+    norm_w = (1 + 0.1 * torch.randn(24, generator=gen)).bfloat16()
+    labels = torch.randint(0, 50, (40,), generator=gen)
+    labels[::5] = -100
+    ref_h, ref_w, ref_n = (t.double().requires_grad_() for t in (h, master, norm_w))
+    x = rms_norm(ref_h, ref_n, 1e-5)[0] if with_norm else ref_h
+    ref_scores = F.cross_entropy(F.linear(x, ref_w), labels, ignore_index=-100, reduction="none")
+    (1.5 * ref_scores.sum()).backward()
+
+    def run(weight: torch.Tensor) -> list[torch.Tensor]:
+        sink, got_h, got_w = _DenseSink(weight.shape), h.clone().requires_grad_(), weight.clone().requires_grad_()
+        norm = None
+        if with_norm:
+            norm = RMSNorm(24, 1e-5).bfloat16()
+            norm.weight.data.copy_(norm_w)
+        loss, _ = lm_loss(got_h, got_w, labels, chunk=7, sink=sink, norm=norm)
+        (1.5 * loss).backward()
+        assert got_w.grad is None
+        with torch.no_grad():
+            scores, _ = token_scores(norm(h) if with_norm else h, weight, labels, chunk=7)
+        return [loss, got_h.grad, sink.grad, scores] + ([norm.weight.grad] if with_norm else [])
+
+    wants = [ref_scores.sum(), ref_h.grad, ref_w.grad, ref_scores] + ([ref_n.grad] if with_norm else [])
+    from_master, from_copy = run(master), run(master.bfloat16())
+    assert from_master[1].dtype == torch.bfloat16
+    for got, want in zip(from_master, wants):
+        assert _rel(got, want) <= 1e-2
+    for i in (0, 2, 3):  # loss, dL/dW, scores
+        assert torch.equal(from_master[i], from_copy[i])
+
+
+def test_the_embedding_reads_its_rows_from_a_float32_master_in_the_compute_dtype():
+    from loongtrain.model.vocab import embedding
+
+    gen = torch.Generator().manual_seed(19)
+    master = torch.randn(30, 8, generator=gen, requires_grad=True)
+    tokens = torch.tensor([[3, 7, 3, 29]])
+    sink = _DenseSink(master.shape)
+    rows = embedding(tokens, master, sink, torch.bfloat16)
+    assert rows.dtype == torch.bfloat16 and torch.equal(rows, master.detach()[tokens].bfloat16())
+    grad = torch.randn(1, 4, 8, generator=gen).bfloat16()
+    rows.backward(grad)
+    want = torch.zeros(30, 8).index_add_(0, tokens[0], grad[0].float())
+    assert master.grad is None and torch.equal(sink.grad, want)
+
+
+def _one_rank_vocabulary_reads(vocab: int) -> list:
+    """One bf16 forward+backward at world 1 under ZeRO (one shard), the vocabulary matrices read
+    from their float32 masters and (the sink's ``master`` hidden) through FSDP2's gathered
+    copies: (loss, every gradient, step peak, embedding-phase peak) of each."""
+    from loongtrain.apply import materialize, parallelize
+    from loongtrain.apply.vocab import ShardGradient
+    from loongtrain.model import build_model, model_config
+    from loongtrain.tools.bench.memory import TensorPeak
+
+    state = cached_state()
+    mcfg = model_config("debug", vocab_size=vocab, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128)
+    gen = torch.Generator().manual_seed(23)
+    tokens, labels = torch.randint(0, vocab, (2, 1, 48), generator=gen).to(state.device)
+    positions = torch.arange(48, device=state.device)
+    results, master = [], ShardGradient.master
+    for hidden in (False, True):
+        if hidden:
+            ShardGradient.master = lambda self: None
+        try:
+            options = MemoryOptions(loss_chunk=16)
+            model = parallelize(build_model(mcfg), state, memory=options, param_dtype=torch.bfloat16)
+            materialize(model, state.device, seed=0)
+            with TensorPeak(state.device, model) as peak:
+                loss, _ = model(tokens, positions, labels=labels)
+                loss.backward()
+        finally:
+            ShardGradient.master = master
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        results.append((loss.item(), grads, peak.bytes - peak.base, peak.phases["embedding"] - peak.base))
+    return results
+
+
+@pytest.mark.dist
+def test_one_shard_reads_the_vocabulary_masters_without_gathered_copies(dist_pool):
+    """World 1 (one shard holds the whole matrices): the embedding's rows and the chunked loss's
+    vocabulary slices are read from the float32 masters, so neither bf16 ``[vocab, dim]`` copy
+    FSDP2 would gather exists (allocation tracking: the step's peak and the embedding's each a
+    matrix lower), with the same loss and the same gradients, bit for bit (one slice)."""
+    vocab = 8192
+    matrix = vocab * 64 * 2
+    (master, gathered) = dist_pool(1).run(_one_rank_vocabulary_reads, vocab)[0]
+    assert master[0] == gathered[0]
+    for name, grad in gathered[1].items():
+        assert torch.equal(master[1][name], grad), name
+    assert gathered[2] - master[2] >= 0.9 * matrix, (gathered[2], master[2])
+    assert gathered[3] - master[3] >= 0.9 * matrix, (gathered[3], master[3])
 
 
 @pytest.mark.parametrize("tile", [1, 3, 8, 64])

@@ -74,10 +74,13 @@ def test_chunked_loss_changes_the_loss_terms_and_where_the_output_gradient_lives
         # chunked (the final norm inside, chunk by chunk): the last block's output and its bf16
         # gradient [T, d] made in the forward; fp32 grad_W [V, d], one fp32 [chunk, V] (logits,
         # softmax and gradient in place), its bf16 logits or gradient beside it, and the chunk's
-        # normed rows and their gradient
+        # normed rows and their gradient; on one shard it reads the fp32 master matrix: no bf16
+        # gathered copy of it (the root's 2 * 100 * 64), one cast vocabulary slice (here all 100
+        # rows) and the fp32 sum of the chunk's dL/dh instead
         "loss": {
             "loss": ((final + 12 * 100 + 2 * 100) * T, (2 * 64 + 2 * 64) * T),
-            "loss fixed": (0.0, 4 * 100 * 64 + (4 + 2) * 64 * 100 + 2 * 2 * 64 * 64),
+            "loss fixed": (0.0, 4 * 100 * 64 + (4 + 2) * 64 * 100 + 2 * 2 * 64 * 64 + 2 * 100 * 64 + 4 * 64 * 64),
+            "root": (2 * (64 + 100 * 64), 2 * 64),
         },
         "backward, first layer": {"root gradient": output_grad},
         "backward, last layer": {"root gradient": output_grad},
@@ -144,6 +147,11 @@ def test_state_offload_moves_the_model_states_to_the_host():
             assert diff.pop("root gradient") == (4 * 100 * 64, 0.0)
         if phase == "backward, last layer":  # the other layers' gradient shards went to the host
             assert diff.pop("grads") == (4 * P_LAYER, 0.0)
+        if phase == "loss":  # the master matrix on the host: the loss reads a gathered bf16 copy, not
+            # the master a cast slice at a time (the slice's bf16 product stays; the fp32 sum of dL/dh goes)
+            assert diff.pop("root") == (2 * 64, 2 * (64 + 100 * 64))
+            chunked = 4 * 100 * 64 + (4 + 2) * 64 * 100 + 2 * 2 * 64 * 64 + 2 * 100 * 64
+            assert diff.pop("loss fixed") == (chunked + 4 * 64 * 64, chunked)
         if phase == "root reduce":  # every layer's gradient shard and the embedding's went to the host
             assert diff.pop("grads") == (2 * 4 * P_LAYER, 0.0)
             assert diff.pop("embedding gradient") == (4 * 100 * 64, 0.0)

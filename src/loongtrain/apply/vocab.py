@@ -13,6 +13,10 @@ dense gradient into the rank's shard (the dense buffer itself the collective's i
 under HSDP, an all-reduce of the shard over the replicas. FSDP2 then finds no
 gradient on those matrices and reduces only the rest of the root.
 
+Where a rank's shard is the whole matrix on the compute device (one shard: one rank, or the
+states replicated, and not offloaded), :meth:`ShardGradient.master` hands it to the model,
+which reads it directly instead of through FSDP2's gathered copy (``model/vocab.py``).
+
 The gradient made is the one FSDP2 would make (the same sum, reduced in float32), in the
 parameter's placements, so the optimizer, clipping and checkpoints see no difference.
 """
@@ -34,16 +38,24 @@ __all__ = ["ShardGradient", "apply_vocab_gradients"]
 class ShardGradient:
     """Float32 gradient contributions of one FSDP2-sharded ``[vocab, dim]`` parameter, added
     into its ``.grad`` (a DTensor in the parameter's placements); collectives counted into
-    ``stats`` as ZeRO's reduce-scatter (and all-reduce) bytes."""
+    ``stats`` as ZeRO's reduce-scatter (and all-reduce) bytes; ``compute_dtype`` the dtype
+    FSDP2 casts the matrix to for compute."""
 
-    def __init__(self, param: DTensor, stats: AttentionStats) -> None:
+    def __init__(self, param: DTensor, stats: AttentionStats, compute_dtype: torch.dtype | None = None) -> None:
         if not isinstance(param, DTensor):
             raise TypeError(f"ShardGradient: expected an FSDP2-sharded (DTensor) parameter, got {type(param).__name__}")
         self.param, self.stats = param, stats
+        self.compute_dtype = compute_dtype or param.dtype
         self.mesh, self.placements = param.device_mesh, param.placements
         self.single = self.mesh.size() == 1
         self.shards = self.mesh.size(self.mesh.ndim - 1)  # FSDP2's mesh: (replicate, shard) or (shard,)
         self.replicas = self.mesh.size(0) if self.mesh.ndim == 2 else 1
+
+    def master(self) -> Tensor | None:
+        if self.shards > 1:
+            return None
+        local = self.param.to_local()
+        return local if local.device.type == self.mesh.device_type else None  # not when offloaded to the host
 
     def add(self, grad: Tensor) -> None:
         if self.single:
@@ -89,10 +101,11 @@ class ShardGradient:
         )
 
 
-def apply_vocab_gradients(model, stats: AttentionStats) -> None:
+def apply_vocab_gradients(model, stats: AttentionStats, compute_dtype: torch.dtype | None = None) -> None:
     """Give the FSDP2-sharded ``model`` (after ``fully_shard``) a :class:`ShardGradient` for
     its embedding and output matrices (one when they are tied): the embedding lookup and the
-    chunked loss write their float32 gradients there (:mod:`loongtrain.model.vocab`)."""
-    model.tok_embeddings.sink = ShardGradient(model.tok_embeddings.weight, stats)
+    chunked loss write their float32 gradients there (:mod:`loongtrain.model.vocab`).
+    ``compute_dtype``: FSDP2's ``param_dtype`` (None: the parameters' own)."""
+    model.tok_embeddings.sink = ShardGradient(model.tok_embeddings.weight, stats, compute_dtype)
     if model.output is not None:
-        model.output.sink = ShardGradient(model.output.weight, stats)
+        model.output.sink = ShardGradient(model.output.weight, stats, compute_dtype)

@@ -92,7 +92,8 @@ def apply_zero(
     # the root keeps its parameters (the final norm; tied, the embedding) gathered after
     # forward: backward needs them first
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, **extra)
-    apply_vocab_gradients(model, state.stats)  # the vocabulary matrices' gradients: float32, into their shards
+    # the vocabulary matrices' gradients: float32, into their shards (on one shard, their masters read directly)
+    apply_vocab_gradients(model, state.stats, param_dtype)
     model.offload_states = offload_states  # materialize and the loaders allocate the states on the host then
     # each FSDP unit and whether it reshards after forward (generation gathers them for a while)
     model.zero_units = [*units, (model, False)]

@@ -6,6 +6,12 @@ from dataclasses import MISSING, dataclass, fields, replace
 
 from loongtrain.options import option
 
+#: vocabulary rows per product where the chunked loss (:mod:`loongtrain.model.loss`) makes a
+#: product a vocabulary slice at a time: a low-precision chunk's ``dL/dW`` added to the float32
+#: accumulator, and every product with a float32 master matrix read in the compute dtype (one
+#: ``[rows, dim]`` cast at a time); the planner's memory model counts one slice
+VOCAB_SLICE = 8192
+
 ROPE_SCALINGS: tuple[str, ...] = ("linear", "llama3", "yarn")
 
 

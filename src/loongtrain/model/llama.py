@@ -190,6 +190,15 @@ class Embedding(nn.Embedding):
     def forward(self, tokens: Tensor) -> Tensor:
         return embedding(tokens, self.weight, self.sink)
 
+    def lookup(self, tokens: Tensor) -> Tensor:
+        """:meth:`forward`, or where the sink holds the whole float32 master matrix on this
+        device, its rows read from it and cast to the compute dtype: not through the module,
+        whose sharding layer would gather a copy of the matrix."""
+        master = None if self.sink is None else self.sink.master()
+        if master is None:
+            return self(tokens)
+        return embedding(tokens, master, self.sink, self.sink.compute_dtype)
+
 
 class OutputLayer(nn.Linear):
     """The output matrix [vocab, dim]: :func:`lm_head` of its weight (a module of its own, so
@@ -208,6 +217,22 @@ class OutputLayer(nn.Linear):
         norm: RMSNorm | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         return lm_head(h, self.weight, labels, reduction, chunk, self.sink, norm)
+
+    def head(
+        self,
+        h: Tensor,
+        labels: Tensor | None = None,
+        reduction: str = "sum",
+        chunk: int = 0,
+        norm: RMSNorm | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """:meth:`forward`, or for the chunked loss where the sink holds the whole float32
+        master matrix on this device, the loss reading it a vocabulary slice at a time: not
+        through the module, whose sharding layer would gather a copy of the matrix."""
+        master = None if self.sink is None or labels is None or chunk <= 0 else self.sink.master()
+        if master is None:
+            return self(h, labels, reduction, chunk, norm)
+        return lm_head(h, master, labels, reduction, chunk, self.sink, norm)
 
 
 class Transformer(nn.Module):
@@ -235,7 +260,7 @@ class Transformer(nn.Module):
         if positions.dim() == 1:
             positions = positions.unsqueeze(0)
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
-        return self.run_layers(self.tok_embeddings(tokens), cos, sin, layout)
+        return self.run_layers(self.tok_embeddings.lookup(tokens), cos, sin, layout)
 
     def run_layers(self, h: Tensor, cos: Tensor, sin: Tensor, layout: SequenceLayout | None) -> Tensor:
         """The blocks in turn (``loongtrain.apply`` runs spans of them in one checkpoint for
@@ -266,7 +291,7 @@ class Transformer(nn.Module):
         if self.output is None:  # tied: the embedding's matrix (and its gradient sink)
             embedding = self.tok_embeddings
             return lm_head(x, embedding.weight, labels, reduction, self.loss_chunk, embedding.sink, self.norm)
-        return self.output(x, labels, reduction, self.loss_chunk, self.norm)
+        return self.output.head(x, labels, reduction, self.loss_chunk, self.norm)
 
 
 def _param_seed(seed: int, name: str) -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from loongtrain.model import config
 from loongtrain.model.norm import RMSNorm, rms_norm, rms_norm_backward, sum_parts
 from loongtrain.model.vocab import GradientSink
 
@@ -35,7 +36,7 @@ def _chunk_rows(h: Tensor, weight: Tensor, labels: Tensor) -> tuple[Tensor, Tens
     log-sum-exp, the target's logit, whether the argmax is the target, and which rows are
     scored. The logits' buffer is the only ``[chunk, vocab]`` float32 one: ``torch.logsumexp``
     would allocate a second (its ``x - max``)."""
-    logits = F.linear(h, weight).float()
+    logits = _logits(h, weight)
     scored = labels != IGNORE_INDEX
     targets = torch.where(scored, labels, 0)
     picked = logits.gather(1, targets.unsqueeze(1)).squeeze(1)
@@ -47,9 +48,34 @@ def _chunk_rows(h: Tensor, weight: Tensor, labels: Tensor) -> tuple[Tensor, Tens
     return probs.div_(total), lse, picked, correct, scored
 
 
-#: vocabulary rows per product when a low-precision chunk's ``dL/dW`` is added to the float32
-#: accumulator: one ``[rows, dim]`` temporary in the compute dtype, not a ``[vocab, dim]`` one
-_GRAD_W_ROWS = 8192
+def _vocab_slices(vocab: int) -> list[slice]:
+    """The vocabulary a :data:`~loongtrain.model.config.VOCAB_SLICE` of rows at a time (read at call time)."""
+    step = config.VOCAB_SLICE
+    return [slice(first, first + step) for first in range(0, vocab, step)]
+
+
+def _logits(h: Tensor, weight: Tensor) -> Tensor:
+    """``F.linear(h, weight).float()``; a ``weight`` in another dtype than ``h`` (the float32
+    master, :mod:`loongtrain.model.vocab`) is cast a vocabulary slice at a time, each slice's
+    logits written into the float32 buffer."""
+    if weight.dtype == h.dtype:
+        return F.linear(h, weight).float()
+    logits = torch.empty((h.shape[0], weight.shape[0]), dtype=torch.float32, device=h.device)
+    for rows in _vocab_slices(weight.shape[0]):
+        logits[:, rows] = F.linear(h, weight[rows].to(h.dtype))
+    return logits
+
+
+def _input_gradient(grad: Tensor, weight: Tensor, out: Tensor) -> None:
+    """``out = grad @ weight``; a ``weight`` in another dtype than ``grad``: cast a vocabulary
+    slice at a time, the slices' products summed in float32."""
+    if weight.dtype == grad.dtype:
+        torch.mm(grad, weight, out=out)
+        return
+    total = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
+    for rows in _vocab_slices(weight.shape[0]):
+        total += grad[:, rows] @ weight[rows].to(grad.dtype)
+    out.copy_(total)
 
 
 def _chunk(
@@ -66,12 +92,11 @@ def _chunk(
         probs.scatter_add_(1, targets.unsqueeze(1), torch.full_like(lse, -1.0).unsqueeze(1))
         grad = probs.mul_(scored.unsqueeze(1)).to(h_c.dtype)
         if grad_h_c is not None:
-            torch.mm(grad, weight, out=grad_h_c)
+            _input_gradient(grad, weight, grad_h_c)
         if grad_w is not None and grad.dtype == torch.float32:
             grad_w.addmm_(grad.t(), h_c)
         elif grad_w is not None:  # products in the compute dtype summed in float32, a vocabulary slice at a time
-            for first in range(0, grad_w.shape[0], _GRAD_W_ROWS):
-                rows = slice(first, first + _GRAD_W_ROWS)
+            for rows in _vocab_slices(grad_w.shape[0]):
                 grad_w[rows] += grad[:, rows].t() @ h_c
     return loss, correct.sum()
 
@@ -155,14 +180,16 @@ def lm_loss(
     """Summed next-token cross entropy (float32 scalar, differentiable in ``h`` and ``weight``)
     and the number of targets whose argmax prediction is right (int64 scalar).
 
-    ``h`` [..., dim] final hidden states, ``weight`` [vocab, dim] the output matrix, ``labels``
-    [...] targets (IGNORE_INDEX = -100: not scored). ``chunk`` > 0 processes that many rows at a
-    time (the logits of one chunk alive at a time, gradients made in forward); 0: all rows
-    at once, through PyTorch's ``cross_entropy``. ``sink`` (with ``chunk`` > 0): the weight's
-    float32 gradient goes there (:mod:`loongtrain.model.vocab`), none to autograd. ``norm``:
-    the final RMSNorm, applied here to ``h`` (then the last block's output), chunk by chunk
-    with ``chunk`` > 0: the normed hidden states and their gradient never exist for the
-    whole shard, only ``h``'s gradient (made in forward) does.
+    ``h`` [..., dim] final hidden states, ``weight`` [vocab, dim] the output matrix (with
+    ``chunk`` > 0 it may be a float32 master with ``h`` in a lower precision: read in ``h``'s
+    dtype a vocabulary slice at a time), ``labels`` [...] targets (IGNORE_INDEX = -100: not
+    scored). ``chunk`` > 0 processes that many rows at a time (the logits of one chunk alive at
+    a time, gradients made in forward); 0: all rows at once, through PyTorch's
+    ``cross_entropy``. ``sink`` (with ``chunk`` > 0): the weight's float32 gradient goes there
+    (:mod:`loongtrain.model.vocab`), none to autograd. ``norm``: the final RMSNorm, applied
+    here to ``h`` (then the last block's output), chunk by chunk with ``chunk`` > 0: the
+    normed hidden states and their gradient never exist for the whole shard, only ``h``'s
+    gradient (made in forward) does.
     """
     if norm is not None and chunk <= 0:
         h, norm = norm(h), None

@@ -66,7 +66,7 @@ import math
 from dataclasses import dataclass, replace
 
 from loongtrain.attention.workspace import backward_heads_per_call, backward_workspace_bytes
-from loongtrain.model.config import ModelConfig
+from loongtrain.model.config import VOCAB_SLICE, ModelConfig
 from loongtrain.planner.cost import Candidate, Workload, replicated_kv_heads
 from loongtrain.planner.zero import shard_degree
 
@@ -349,7 +349,10 @@ def memory_phases(
     # each its own unit gathered only around its use (apply/zero.py): the output matrix for the loss
     p_vocab = m.vocab_size * m.dim
     root = (p_root if m.tie_embeddings else p_root - 2 * p_vocab) * e
-    output_gathered = 0.0 if m.tie_embeddings else e * p_output
+    # ... where one shard is the whole matrix on the device, the chunked loss reads that float32
+    # master a vocabulary slice at a time instead (model/vocab.py): no gathered copy
+    master = not m.tie_embeddings and bool(mem.loss_chunk) and shard == 1 and not mem.offload_states
+    output_gathered = 0.0 if m.tie_embeddings or master else e * p_output
 
     kept_all = on_device_ckpt * kept_ckpt_layer + n_plain * plain.kept * tokens
     kept_backward = backward_ckpt * kept_ckpt_layer + n_plain * plain.kept * tokens
@@ -366,7 +369,12 @@ def memory_phases(
         # gradient in place) and beside them its compute-dtype logits or gradient (fp32: none);
         # the chunk's normed rows and their gradient
         chunk_logits = (4.0 + (e if e < 4 else 0.0)) * chunk * m.vocab_size
-        loss["loss fixed"] = 4.0 * p_output + chunk_logits + 2.0 * e * chunk * m.dim
+        # a vocabulary slice's compute-dtype product with the chunk (dL/dW's; the master's cast
+        # slice and its float32 sum of dL/dh)
+        vocab_slice = (e if e < 4 else 0.0) * min(VOCAB_SLICE, m.vocab_size) * m.dim
+        if master:
+            vocab_slice = e * min(VOCAB_SLICE, m.vocab_size) * m.dim + 4.0 * chunk * m.dim
+        loss["loss fixed"] = 4.0 * p_output + chunk_logits + 2.0 * e * chunk * m.dim + vocab_slice
         if not gpu and shard > 1:  # gloo: the sink's reduce-scatter copies the [V, d] fp32 gradient
             loss["gloo copies"] = 4.0 * p_output
     else:
