@@ -43,7 +43,7 @@ from loongtrain.model import build_model, model_config
 from loongtrain.model.config import ModelConfig
 from loongtrain.options import MemoryOptions
 from loongtrain.parallel import ParallelConfig, init_parallel
-from loongtrain.tools.bench.trace import live_storages, quiet_stderr
+from loongtrain.tools.bench.trace import PHASE, live_storages, quiet_stderr
 from loongtrain.tools.harness import release_memory
 from loongtrain.train.step import agree_and_count, shard_microbatch
 
@@ -83,9 +83,6 @@ def live_tensor_bytes() -> int:
 def _mark(name: str) -> None:
     with torch.profiler.record_function(f"{PHASE}{name}"):
         pass
-
-
-PHASE = "loongtrain-phase:"
 
 
 def phase_hooks(model: torch.nn.Module, mark: Callable[[str], None]) -> list:
@@ -329,11 +326,12 @@ TRACE_OPTIONS = dict(activation_checkpoint="full", loss_chunk=1024, mlp_tile=204
 
 
 def _trace(device: torch.device, args: argparse.Namespace, rows: list) -> None:
-    """The tensors alive at the peak of one bf16 forward+backward (hp = cp = 1, the long-sequence
-    options), grouped by the line of code that made them, beside the planner's terms."""
+    """What the allocator holds at the peak of one bf16 forward+backward (hp = cp = 1, the
+    long-sequence options), every byte by the line of code that made it, beside the planner's
+    terms."""
     from loongtrain.planner.cost import Candidate
     from loongtrain.planner.memory import predict_peak_memory
-    from loongtrain.tools.bench.trace import AllocatorPeak, LiveTensors, by_line
+    from loongtrain.tools.bench.trace import AllocatorPeak, by_line
 
     rank, world = dist.get_rank(), dist.get_world_size()
     state = init_parallel(ParallelConfig(dp=world), verify_inputs=False)
@@ -344,32 +342,37 @@ def _trace(device: torch.device, args: argparse.Namespace, rows: list) -> None:
     materialize(model, device, seed=0)
     batch = _batch(seq, mcfg.vocab_size, seed=state.coords.dp).to(device)
     tokens = batch.tokens.numel() // state.sp
-    live = LiveTensors()
-    phase_hooks(model, lambda phase: setattr(live, "phase", phase))
-    with AllocatorPeak(device) as top, live:
+    hooks = phase_hooks(model, _mark)
+    with AllocatorPeak(device) as top:
         _forward_backward(model, batch, state)
+    for hook in hooks:
+        hook.remove()
     del model
     release_memory(device)
-    on_device = [m for m in live.snapshot if "to_host" not in m.where]  # the offload's host copies left out
     candidate = Candidate.of(dp=world, zero="dp_sp", **TRACE_OPTIONS)
     predicted = predict_peak_memory(mcfg, seq, 1, 2, candidate, optimizer=False, gpu=False)
     if rank != 0:
         return
-    print(f"\n[3] trace: what is alive at the peak of one bf16 forward+backward, vocabulary {mcfg.vocab_size}, "
-          f"dim 256, 4 layers, S={seq} on {world} process(es) (hp=1 cp=1), "
-          f"{', '.join(f'{k}={v}' for k, v in TRACE_OPTIONS.items())}; "
-          f"storages of 64 KiB or more made during the step, by the line that made them (bytes per token of "
-          f"the rank's {tokens}); the offload's host copies are outside a GPU's memory and left out")  # fmt: skip
-    made = sum(m.nbytes for m in on_device)
-    print(f"the allocator's peak during the step: {top.bytes / MiB:.1f} MiB (everything, the offload's host copies "
-          f"and what ops hold inside them included), while {top.op or '?'} ran at {top.where or '?'}")  # fmt: skip
-    print(f"peak of what the step made: {made / MiB:.1f} MiB in '{live.peak_phase}'; the planner's "
-          f"peak phase '{predicted.phase}', its terms in bytes per token: "
+    print(f"\n[3] trace: what the allocator holds at the peak of one bf16 forward+backward, vocabulary "
+          f"{mcfg.vocab_size}, dim 256, 4 layers, S={seq} on {world} process(es) (hp=1 cp=1), "
+          f"{', '.join(f'{k}={v}' for k, v in TRACE_OPTIONS.items())}; every allocation made during the "
+          f"step and held then, by the line that made it (bytes per token of the rank's {tokens}); on this CPU "
+          f"the offload's host copies are in the same allocator (lines offload.py)")  # fmt: skip
+    print(f"the allocator's peak during the step: {top.bytes / MiB:.1f} MiB above its start, in '{top.phase}', "
+          f"reached by {top.op or '?'} at {top.where or '?'}; the planner's peak phase '{predicted.phase}', "
+          "its terms in bytes per token: "
           + ", ".join(f"{k} {v / tokens:.0f}" for k, v in predicted.terms if v / tokens >= 1))  # fmt: skip
-    print(f"{'bytes/token':>11s} {'count':>5s}  {'op':48s} made at")
-    for where, op, count, nbytes in by_line(on_device):
-        print(f"{nbytes / tokens:11.0f} {count:5d}  {op:48s} {where}")
+    if not top.python_frames:
+        print("(this platform's profiler recorded no Python calls: lines are '?', backward ops named by their node)")
+    print(f"{'bytes/token':>11s} {'count':>5s}  {'op':40s} made at")
+    for where, op, count, nbytes in by_line(top.held):
+        if nbytes / tokens >= 1:
+            print(f"{nbytes / tokens:11.0f} {count:5d}  {op:40s} {where}")
         rows.append({"part": "trace", "where": where, "op": op, "count": count, "bytes": nbytes, "tokens": tokens})
+    small = sum(b for *_, b in by_line(top.held) if b / tokens < 1)
+    print(f"{small / tokens:11.2f}        (lines under 1 byte per token, together)")
+    held = sum(h.nbytes for h in top.held)
+    print(f"{held / tokens:11.0f}        total = the peak ({top.bytes / tokens:.0f})")
 
 
 def _bench_rank(device: torch.device, args: argparse.Namespace) -> None:

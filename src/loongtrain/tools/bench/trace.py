@@ -1,19 +1,22 @@
-"""What is alive at a step's memory peak, tensor by tensor, and which line of code made it:
-the tool that finds where the memory model and the real code disagree.
+"""What the allocator holds at a step's memory peak, allocation by allocation, and which line
+of code made each: the tool that finds where the memory model and the real code disagree.
 
-:class:`LiveTensors` watches every op while it is active (a ``TorchDispatchMode``): each
-storage an op makes is recorded with the op, its shape and the innermost loongtrain line on
-the Python stack, and followed by a weak reference until it is freed. At each new maximum
-of the bytes alive, the list of live storages is kept: ``peak`` and ``snapshot`` after the
-block. loongtrain's attention ops are custom ops, opaque to a dispatch mode (it would see
-their outputs only); their Python implementations are run under the mode instead, so the
-ring's and the all-to-alls' own buffers show too.
+:class:`AllocatorPeak` records the block with PyTorch's profiler (its allocator events, with
+Python stacks) and replays every allocation and free of the device in order. At the largest
+moment it keeps the allocations still held, and names each by the innermost loongtrain line
+on its call stack (``file:line:function``, the line that called the op), the ATen op that
+allocated it (temporaries inside an op included: ``torch.logsumexp``'s ``x - max`` shows,
+which a dispatch mode could not see) and the step's phase. An allocation made by a built-in
+op's backward is named by the forward line that made the autograd node (its sequence
+number). The held allocations add up to the peak, byte for byte. The profiler reports no
+free of a storage made before the block (it warns once), so the peak is of what the block
+made: beyond the start, not less what older tensors freed (none in a training step but the
+previous step's leftovers).
 
-Only storages made inside the block are seen (parameters and anything made before are
-not), and storages smaller than ``min_bytes`` are skipped. Two private PyTorch names are
-used here and only here: ``TorchDispatchMode`` (``torch.utils._python_dispatch``: the
-extension point for seeing every op, documented in PyTorch's dispatcher notes) and a
-custom op's Python implementation (``CustomOpDef._init_fn`` and ``._opoverload``).
+One private PyTorch name is used, here only: the profiler's event tree
+(``kineto_results.experimental_event_tree()``, the tree ``torch.profiler._memory_profiler``
+reads): the public events carry an allocation's size but not its address, nor the Python
+frame that called it.
 """
 
 from __future__ import annotations
@@ -22,48 +25,29 @@ import contextlib
 import gc
 import os
 import sys
-import traceback
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch._C._profiler import _EventType
 
-Tensor = torch.Tensor
+__all__ = ["PHASE", "AllocatorPeak", "Held", "by_line", "live_storages", "quiet_stderr"]
+
+#: the name prefix of the phase marks (``record_function`` ranges) the step's hooks emit
+PHASE = "loongtrain-phase:"
+_BACKWARD = "autograd::engine::evaluate_function: "
 
 
 @dataclass(frozen=True)
-class Made:
-    """One storage alive at the peak: its bytes, the op that made it, its shape, the
-    loongtrain line that called the op (``file:line:function``), and the phase then."""
+class Held:
+    """One allocation held at the peak: its bytes, the ATen op that made it (``outer > inner``
+    when the op the code called made it inside another), the line that made it, the phase."""
 
     nbytes: int
     op: str
-    shape: tuple[int, ...]
     where: str
     phase: str
-
-
-def _python_implementations() -> dict:
-    """loongtrain's custom ops (``attention/ops.py``) -> their Python functions."""
-    from loongtrain.attention import ops
-
-    found = {}
-    for value in vars(ops).values():  # torch.library.custom_op's CustomOpDef: its op and function
-        op, fn = getattr(value, "_opoverload", None), getattr(value, "_init_fn", None)
-        if op is not None and fn is not None:
-            found[op] = fn
-    return found
-
-
-def _caller() -> str:
-    for frame in reversed(traceback.extract_stack(limit=48)):
-        if "/loongtrain/" in frame.filename and not frame.filename.endswith("bench/trace.py"):
-            return f"{frame.filename.split('/loongtrain/')[-1]}:{frame.lineno}:{frame.name}"
-    return "?"
 
 
 @contextlib.contextmanager
@@ -82,30 +66,103 @@ def quiet_stderr():
         os.close(devnull)
 
 
-def _python_event_line(name: str) -> str:
-    """A profiler Python-function event's name (``loongtrain/model/loss.py(36): _chunk_rows``)
-    as ``model/loss.py:36:_chunk_rows``."""
-    path, _, func = name.partition(": ")
-    file, _, line = path.rpartition("(")
-    return f"{file.rsplit('loongtrain/', 1)[-1]}:{line.rstrip(')')}:{func}"
+def _event_tree(prof: torch.profiler.profile) -> list:
+    """Every node of the profiler's event tree, parents before children (the one private
+    profiler API here; see the module docstring)."""
+    nodes, todo = [], list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
+    while todo:
+        node = todo.pop()
+        nodes.append(node)
+        todo.extend(reversed(node.children))
+    return nodes
+
+
+def _library_line(frame) -> str | None:
+    """``file:line:function`` of a profiler frame in loongtrain's code (not this tool's), else None."""
+    path = frame.file_name.replace("\\", "/")
+    if "loongtrain/" not in path or "/tools/bench/" in path:
+        return None
+    return f"{path.rsplit('loongtrain/', 1)[-1]}:{frame.line_number}:{frame.function_name}"
+
+
+class _Namer:
+    """Names an event-tree node by the loongtrain line and the ATen op it runs under."""
+
+    def __init__(self, nodes: list) -> None:
+        self._lines: dict[int, str] = {}
+        self.python_frames = any(n.tag == _EventType.PyCall for n in nodes)
+        # the ops that made autograd nodes, by sequence number (the outermost of each; a
+        # checkpoint's recompute runs inside backward and makes nodes too), to name a backward
+        self._forward: dict[int, list] = defaultdict(list)
+        for n in nodes:
+            if n.tag != _EventType.TorchOp or n.extra_fields.sequence_number < 0 or n.name.startswith(_BACKWARD):
+                continue
+            parent = n.parent
+            if parent is not None and parent.name == _BACKWARD + n.name:  # the node's own record
+                continue
+            if parent is not None and parent.tag == _EventType.TorchOp:
+                if parent.extra_fields.sequence_number == n.extra_fields.sequence_number:
+                    continue  # an op inside the op that made the node
+            self._forward[n.extra_fields.sequence_number].append(n)
+
+    def _made(self, backward) -> object | None:
+        """The op that made the node ``backward`` runs: of those with its sequence number, the
+        last to start before it (sequence numbers count per thread)."""
+        before = [n for n in self._forward.get(backward.extra_fields.sequence_number, ())
+                  if n.start_time_ns < backward.start_time_ns]  # fmt: skip
+        return max(before, key=lambda n: n.start_time_ns) if before else None
+
+    def line(self, node, backward: bool = True) -> str:
+        """The innermost loongtrain line calling ``node``; in a built-in op's backward, the
+        forward line that made the autograd node. An op run by an operator (``x + y``: no
+        Python call of its own) is named by its loongtrain function's definition line."""
+        while node is not None:
+            if node.tag == _EventType.PyCall:
+                line = _library_line(node.extra_fields.callsite) or _library_line(node.extra_fields.caller)
+                if line is not None:
+                    return line
+            if node.tag == _EventType.PyCCall:
+                line = _library_line(node.extra_fields.caller)
+                if line is not None:
+                    return line
+            if backward and node.tag == _EventType.TorchOp and node.name.startswith(_BACKWARD):
+                name = node.name[len(_BACKWARD) :]
+                forward = self._made(node)
+                made = self.line(forward, backward=False) if forward is not None else "?"
+                return f"backward ({name}) of {made}"
+            node = node.parent
+        return "?"
+
+    @staticmethod
+    def op(node) -> str:
+        """The ATen op that allocated (``called > innermost``), else the innermost recorded one
+        (a backward node's own record)."""
+        ops, node = [], node.parent
+        while node is not None and node.tag == _EventType.TorchOp and not node.name.startswith(_BACKWARD):
+            ops.append(node.name)
+            node = node.parent
+        aten = [name for name in ops if name.startswith("aten::")]
+        if not aten:
+            return ops[0] if ops else "?"
+        return aten[-1] if aten[-1] == aten[0] else f"{aten[-1]} > {aten[0]}"
 
 
 class AllocatorPeak:
     """``with AllocatorPeak(device) as top: ...``; then ``top.bytes``: the most bytes the
     allocator of ``device`` held at once beyond what it held at the start (every allocation
-    and free, the temporaries inside an op that a dispatch mode cannot see included: the
-    profiler's memory events), ``top.op``: the ATen op running at that moment (the one the code
-    called, ``> `` the innermost one inside it), and
-    ``top.where``: the innermost loongtrain line running then (the profiler's Python stack;
-    ``python_frames`` False where this platform's profiler records none: torch 2.11 on Python
-    3.12 here).
-    :class:`LiveTensors` names the line of every storage an op returns; the difference
-    between the two peaks is what ops hold inside themselves, and this names where."""
+    and free, temporaries inside ops included: the profiler's memory events);
+    ``top.held``: the :class:`Held` allocations made in the block and alive at that moment
+    (their sum is ``bytes``); ``top.op`` and ``top.where``: the op and line of the
+    allocation that reached the peak; ``top.phase``: the phase then (the last
+    ``record_function(PHASE + name)`` mark). ``python_frames`` is False where this platform's
+    profiler records no Python calls (torch 2.11 on Python 3.12 here): lines are then "?"
+    and backward allocations named by their autograd node."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
-        self.bytes, self.op, self.where = 0, "", ""
-        self.python_frames = False  # whether the profiler recorded Python calls (not on every platform)
+        self.bytes, self.op, self.where, self.phase = 0, "", "", ""
+        self.held: list[Held] = []
+        self.python_frames = False
 
     def __enter__(self) -> AllocatorPeak:
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -119,43 +176,54 @@ class AllocatorPeak:
     def __exit__(self, *exc) -> None:
         with quiet_stderr():
             self._prof.__exit__(*exc)
-        kind = torch.profiler.DeviceType.CUDA if self.device.type == "cuda" else torch.profiler.DeviceType.CPU
-        events = [(_event_name(e), e) for e in self._prof.profiler.kineto_results.events()]
-        memory = sorted((e for name, e in events if name == "[memory]" and e.device_type() == kind),
-                        key=lambda e: e.start_ns())  # fmt: skip
-        running, at = 0, None
-        for e in memory:
-            running += e.nbytes()
-            if running > self.bytes:
-                self.bytes, at = running, e.start_ns()
-        self.python_frames = any(name.partition("(")[0].endswith(".py") for name, _ in events)
-        if at is None:
+        nodes = _event_tree(self._prof)
+        namer = _Namer(nodes)
+        self.python_frames = namer.python_frames
+        marks = [n for n in nodes if n.tag == _EventType.TorchOp and n.name.startswith(PHASE)]
+        allocs = [n for n in nodes if n.tag == _EventType.Allocation and self._here(n.extra_fields.device)]
+        events = sorted([(n.start_time_ns, 1, n) for n in allocs] + [(n.start_time_ns, 0, n) for n in marks],
+                        key=lambda e: (e[0], e[1]))  # fmt: skip
+        # first pass: the moment of the peak; second: what is held then
+        running, peak_at, made = 0, -1, set()
+        for i, (_, is_alloc, n) in enumerate(events):
+            if is_alloc:
+                size, ptr = n.extra_fields.alloc_size, n.extra_fields.ptr
+                if size < 0 and ptr not in made:  # an older storage's free (not reported on the CPU)
+                    continue
+                made.add(ptr) if size > 0 else made.discard(ptr)
+                running += size
+                if running > self.bytes:
+                    self.bytes, peak_at = running, i
+        if peak_at < 0:
             return
-        around = [(name, e.start_ns()) for name, e in events if name != "[memory]" and e.start_ns() <= at <= e.end_ns()]
-        running_then = sorted(around, key=lambda x: x[1])
-        ops = [name for name, _ in running_then if name.startswith("aten::")]
-        if ops:  # the op the code called (the outermost), and the innermost one running inside it
-            self.op = ops[0] if ops[0] == ops[-1] else f"{ops[0]} > {ops[-1]}"
-        lines = [name for name, _ in running_then if _is_loongtrain_line(name)]
-        nodes = [name for name, _ in running_then if name.startswith("autograd::engine::evaluate_function: ")]
-        if lines:
-            self.where = _python_event_line(lines[-1])
-        elif nodes:  # backward of a built-in op: the autograd node that ran it
-            self.where = "backward of " + nodes[-1].split(": ", 1)[1]
+        live: dict[int, tuple[int, object, str]] = {}
+        phase = "start"
+        for _, is_alloc, n in events[: peak_at + 1]:
+            if not is_alloc:
+                phase = n.name[len(PHASE) :]
+                continue
+            size, ptr = n.extra_fields.alloc_size, n.extra_fields.ptr
+            if size > 0:
+                live[ptr] = (size, n, phase)
+            else:
+                live.pop(ptr, None)
+        self.phase = phase
+        self.held = [Held(size, namer.op(n), namer.line(n), p) for size, n, p in live.values()]
+        top = events[peak_at][2]
+        self.op, self.where = namer.op(top), namer.line(top)
+
+    def _here(self, device) -> bool:
+        return device.type == self.device.type and (self.device.index is None or device.index == self.device.index)
 
 
-def _is_loongtrain_line(name: str) -> bool:
-    """Whether a profiler event is a Python function of the library (not of this tool)."""
-    return name.partition("(")[0].endswith(".py") and "loongtrain/" in name and "tools/bench/" not in name
-
-
-def _event_name(event) -> str:
-    """A profiler event's name; "" where the profiler recorded bytes that are not UTF-8 (seen
-    for some Python-function events of a run under a dispatch mode)."""
-    try:
-        return event.name()
-    except UnicodeDecodeError:
-        return ""
+def by_line(held: list[Held]) -> list[tuple[str, str, int, int]]:
+    """Held allocations grouped by (code line, op): ``(where, op, count, bytes)``, largest first."""
+    groups: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for h in held:
+        entry = groups[(h.where, h.op)]
+        entry[0] += 1
+        entry[1] += h.nbytes
+    return sorted(((w, op, n, b) for (w, op), (n, b) in groups.items()), key=lambda row: -row[3])
 
 
 def live_storages() -> dict[int, int]:
@@ -174,64 +242,3 @@ def live_storages() -> dict[int, int]:
             except (RuntimeError, NotImplementedError):  # wrapper subclasses (DTensor), freed storages
                 continue
     return seen
-
-
-class LiveTensors(TorchDispatchMode):
-    """``with LiveTensors() as live: ...``; then ``live.peak`` (bytes) and ``live.snapshot``
-    (the :class:`Made` alive at that moment). ``live.phase`` may be set during the block to
-    label what follows (it is recorded with each storage and the peak)."""
-
-    def __init__(self, min_bytes: int = 1 << 16) -> None:
-        super().__init__()
-        self.min_bytes = min_bytes
-        self.phase = "start"
-        self.peak = 0
-        self.peak_phase = ""
-        self.snapshot: list[Made] = []
-        self._live: dict[int, tuple[StorageWeakRef, Made]] = {}
-        self._bytes = 0
-        self._impls = _python_implementations()
-        self._before: set[int] = set()
-
-    def __enter__(self) -> LiveTensors:
-        # storages alive before the block (parameters, inputs): an op's view of one is not new
-        self._before = set(live_storages())
-        return super().__enter__()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        impl = self._impls.get(func)
-        if impl is not None:
-            with self:  # the op's own Python code, its inner ops seen one by one
-                out = impl(*args, **kwargs)
-        else:
-            out = func(*args, **kwargs)
-        self._record(func, out)
-        return out
-
-    def _record(self, func, out) -> None:
-        for key in [k for k, (ref, _) in self._live.items() if ref.expired()]:
-            self._bytes -= self._live.pop(key)[1].nbytes
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, Tensor) or t.device.type == "meta":
-                continue
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
-            if storage.nbytes() < self.min_bytes or key in self._live or key in self._before:
-                continue
-            self._live[key] = (StorageWeakRef(storage), Made(storage.nbytes(), str(func), tuple(t.shape), _caller(),
-                                                             self.phase))  # fmt: skip
-            self._bytes += storage.nbytes()
-        if self._bytes > self.peak:
-            self.peak, self.peak_phase = self._bytes, self.phase
-            self.snapshot = [made for _, made in self._live.values()]
-
-
-def by_line(snapshot: list[Made]) -> list[tuple[str, str, int, int]]:
-    """The snapshot grouped by (code line, op): ``(where, op, count, bytes)``, largest first."""
-    groups: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
-    for made in snapshot:
-        entry = groups[(made.where, made.op)]
-        entry[0] += 1
-        entry[1] += made.nbytes
-    return sorted(((w, op, n, b) for (w, op), (n, b) in groups.items()), key=lambda row: -row[3])
