@@ -87,18 +87,33 @@ def _mark(name: str) -> None:
 
 def phase_hooks(model: torch.nn.Module, mark: Callable[[str], None]) -> list:
     """Hooks on ``model`` that call ``mark(phase)`` as a step enters each phase: the embedding,
-    each layer's forward, the loss, each layer's backward (its recompute included). Returns
+    each layer's forward, the loss (after the last layer's forward), each layer's backward (its
+    recompute included: a checkpoint's forward run again in backward marks nothing). Returns
     the handles."""
-    hooks = [model.register_forward_pre_hook(lambda m, a: mark("embedding")),
-             model.norm.register_forward_hook(lambda m, a, out: mark("loss"))]  # fmt: skip
+    in_backward = False
+    last = len(model.layers) - 1
+
+    def at(phase: str) -> None:
+        nonlocal in_backward
+        if phase == "embedding":  # a new step
+            in_backward = False
+        elif phase.startswith("backward"):
+            in_backward = True
+        elif in_backward:  # a recompute
+            return
+        mark(phase)
+
+    hooks = [model.register_forward_pre_hook(lambda m, a: at("embedding"))]
     for i, layer in enumerate(model.layers):
 
         def start(m, args, i=i):
-            mark(f"forward {i}")
+            at(f"forward {i}")
 
         def done(m, args, out, i=i):
             if out.requires_grad:
-                out.register_hook(lambda g, i=i: mark(f"backward {i}"))
+                out.register_hook(lambda g, i=i: at(f"backward {i}"))
+            if i == last:
+                at("loss")
 
         hooks += [layer.register_forward_pre_hook(start), layer.register_forward_hook(done)]
     return hooks
@@ -224,13 +239,20 @@ def _measure(mcfg, state, options: MemoryOptions, seq: int, device, train: bool,
     if train:
         step()  # warm-up: optimizer states exist, lazy initialisation done
     release_memory(device)
+    resident = state_bytes(model, optimizer)  # parameters and moments (no gradients between steps)
     with TensorPeak(device, model) as peak:
         host = step()
     states = state_bytes(model, optimizer)
-    offloaded = states if options.offload_states and device.type == "cpu" else 0  # host-resident on a GPU
     host_bytes = host + (states if options.offload_states else 0)
-    phases = {name: value - offloaded for name, value in peak.phases.items()}
-    return {"device": peak.bytes - offloaded, "host": host_bytes, "states": states, "phases": phases}
+    if not (options.offload_states and device.type == "cpu"):
+        return {"device": peak.bytes, "host": host_bytes, "states": states, "phases": peak.phases}
+    # offloaded states share the CPU's allocator with the compute tensors: left out of each phase's
+    # peak, the gradients only from the backward on (before it they do not exist yet)
+    phases = {
+        name: value - (resident if name in ("start", "embedding", "loss") or name.startswith("forward") else states)
+        for name, value in peak.phases.items()
+    }
+    return {"device": max(phases.values()), "host": host_bytes, "states": states, "phases": phases}
 
 
 def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
