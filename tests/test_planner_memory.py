@@ -88,6 +88,13 @@ def test_chunked_loss_changes_the_loss_terms_and_where_the_output_gradient_lives
         # gradients and the fp32 reduce buffer (one rank: it becomes the gradient)
         "root reduce": {"root gradient": output_grad, "root reduce": ((4 + 2) * (64 + 100 * 64), (4 + 2) * 64)},
     }
+    # fp32 compute: the master is read whole (no cast slice, no separate dL/dh sum), nor a copy gathered
+    (fp32, _), (fp32_whole, _) = (
+        memory_phases(replace(W, dtype_bytes=4), Candidate.of(activation_checkpoint="full", loss_chunk=c))
+        for c in (1024, 0)
+    )
+    assert fp32["loss"]["loss fixed"] == 4 * 100 * 64 + 4 * 64 * 100 + 2 * 4 * 64 * 64
+    assert fp32_whole["loss"]["root"] - fp32["loss"]["root"] == 4 * 100 * 64
 
 
 def test_tiled_mlp_changes_only_the_layer_working_set():

@@ -372,7 +372,7 @@ def memory_phases(
         # a vocabulary slice's compute-dtype product with the chunk (dL/dW's; the master's cast
         # slice and its float32 sum of dL/dh)
         vocab_slice = (e if e < 4 else 0.0) * min(VOCAB_SLICE, m.vocab_size) * m.dim
-        if master:
+        if master and e < 4:  # (a float32 master beside float32 compute is used whole)
             vocab_slice = e * min(VOCAB_SLICE, m.vocab_size) * m.dim + 4.0 * chunk * m.dim
         loss["loss fixed"] = 4.0 * p_output + chunk_logits + 2.0 * e * chunk * m.dim + vocab_slice
         if not gpu and shard > 1:  # gloo: the sink's reduce-scatter copies the [V, d] fp32 gradient
