@@ -43,6 +43,20 @@ def test_the_peak_holds_what_is_alive_at_the_largest_moment_byte_for_byte():
     del e
 
 
+def test_a_phase_s_own_peak():
+    x = torch.randn(1024, 256)  # 1 MiB
+    with AllocatorPeak(within="one") as top:
+        _phase("one")
+        a = x * 2
+        b = a + 1  # 2 MiB: phase one's peak
+        del a
+        _phase("two")
+        c = torch.cat([b, b, b])  # 4 MiB: the block's peak, in phase two
+        del b, c
+    assert 2 * MiB <= top.bytes < 2 * MiB + 4096 and top.phase == "one"
+    assert _big(top.held) == [("aten::add", MiB, "one"), ("aten::mul", MiB, "one")]
+
+
 def test_the_allocator_peak_sees_temporaries_inside_ops_and_names_the_line():
     """An op's internal temporary (logsumexp's ``x - max``) is held at the peak and named by
     the op inside the op; an allocation of a loongtrain function is named by its line."""

@@ -97,6 +97,18 @@ def test_chunked_loss_changes_the_loss_terms_and_where_the_output_gradient_lives
     assert fp32_whole["loss"]["root"] - fp32["loss"]["root"] == 4 * 100 * 64
 
 
+def test_fsdp2_keeps_the_output_matrix_all_gather_through_the_chunked_loss():
+    """Sharded (hp=2: two shards), FSDP2 holds its last all-gather's output until the root's
+    forward ends: the output matrix's bf16 buffer beside its gathered copy through the chunked
+    loss (read in torch's FSDPParamGroup.wait_for_unshard; seen by the allocator trace), not
+    with the whole-shard loss (whose peak is its backward) nor on one shard (no gather)."""
+    chunked, _ = phases(hp=2, activation_checkpoint="full", loss_chunk=1024)
+    whole, _ = phases(hp=2, activation_checkpoint="full", loss_chunk=0)
+    one, _ = phases(activation_checkpoint="full", loss_chunk=1024)
+    assert chunked["loss"]["all-gather output"] == 2 * 100 * 64
+    assert "all-gather output" not in whole["loss"] and "all-gather output" not in one["loss"]
+
+
 def test_tiled_mlp_changes_only_the_layer_working_set():
     plain, _ = phases(activation_checkpoint="full")
     tiled, _ = phases(activation_checkpoint="full", mlp_tile=16)

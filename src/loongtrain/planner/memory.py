@@ -270,6 +270,7 @@ _KIND = {
     "root reduce": "gathered",
     "embedding gradient": "states",
     "loss fixed": "gathered",
+    "all-gather output": "gathered",
     "kept": "activations",
     "inputs": "activations",
     "rope": "activations",
@@ -375,8 +376,13 @@ def memory_phases(
         if master and e < 4:  # (a float32 master beside float32 compute is used whole)
             vocab_slice = e * min(VOCAB_SLICE, m.vocab_size) * m.dim + 4.0 * chunk * m.dim
         loss["loss fixed"] = 4.0 * p_output + chunk_logits + 2.0 * e * chunk * m.dim + vocab_slice
-        if not gpu and shard > 1:  # gloo: the sink's reduce-scatter copies the [V, d] fp32 gradient
-            loss["gloo copies"] = 4.0 * p_output
+        if shard > 1 and output_gathered:
+            # FSDP2 keeps its last all-gather's output buffer (the output matrix's, in the compute
+            # dtype) until the next all-gather or the root's forward ends
+            # (FSDPParamGroup.wait_for_unshard, FSDPState._post_forward): through the chunked loss,
+            # which makes its gradients in forward. (gloo's copy of the [V, d] fp32 gradient in the
+            # sink's reduce-scatter comes after it, in the loss's backward.)
+            loss["all-gather output"] = output_gathered
     else:
         # the loss's backward: the saved fp32 log-softmax, the gradient of its output and of its
         # input (fp32), cast to the compute dtype for the output layer's backward when that is not fp32

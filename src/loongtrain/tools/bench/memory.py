@@ -365,7 +365,7 @@ def _trace(device: torch.device, args: argparse.Namespace, rows: list) -> None:
     batch = _batch(seq, mcfg.vocab_size, seed=state.coords.dp).to(device)
     tokens = batch.tokens.numel() // state.sp
     hooks = phase_hooks(model, _mark)
-    with AllocatorPeak(device) as top:
+    with AllocatorPeak(device, within=args.trace_phase) as top:
         _forward_backward(model, batch, state)
     for hook in hooks:
         hook.remove()
@@ -379,7 +379,7 @@ def _trace(device: torch.device, args: argparse.Namespace, rows: list) -> None:
           f"{mcfg.vocab_size}, dim 256, 4 layers, S={seq} on {world} process(es) (hp=1 cp=1), "
           f"{', '.join(f'{k}={v}' for k, v in TRACE_OPTIONS.items())}; every allocation made during the "
           f"step and held then, by the line that made it (bytes per token of the rank's {tokens}); on this CPU "
-          f"the offload's host copies are in the same allocator (lines offload.py)")  # fmt: skip
+          f"the offload's host copies are in the same allocator")  # fmt: skip
     print(f"the allocator's peak during the step: {top.bytes / MiB:.1f} MiB above its start, in '{top.phase}', "
           f"reached by {top.op or '?'} at {top.where or '?'}; the planner's peak phase '{predicted.phase}', "
           "its terms in bytes per token: "
@@ -419,6 +419,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parts", nargs="+", default=["grid", "headline"], choices=["grid", "headline", "trace"],
                         help="grid, headline (the default: both); trace: what is alive at a bf16 peak")  # fmt: skip
     parser.add_argument("--trace-seq", type=int, default=16384, help="the trace's sequence length (16384)")
+    parser.add_argument("--trace-phase", default=None,
+                        help="the trace at one phase's peak: embedding, 'forward N', loss, 'backward N'")  # fmt: skip
     parser.add_argument("--grid-seqs", type=_lengths, default=[2048, 4096], help="grid sequence lengths (2048,4096)")
     parser.add_argument("--grid-vocab", type=int, default=8192, help="grid vocabulary (8192)")
     parser.add_argument("--headline-seqs", type=_lengths, default=[4096, 8192], help="the two lengths (4096,8192)")
@@ -429,6 +431,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> None:
     if len(args.headline_seqs) != 2 or args.headline_seqs[0] >= args.headline_seqs[1]:
         raise SystemExit("loongtrain bench memory: --headline-seqs takes two increasing lengths, e.g. 1024,2048")
+    phases = ["start", "embedding", "loss"] + [f"{kind} {i}" for kind in ("forward", "backward") for i in range(4)]
+    if args.trace_phase is not None and args.trace_phase not in phases:
+        raise SystemExit(f"loongtrain bench memory: --trace-phase {args.trace_phase!r} is no phase of the trace's "
+                         f"step; one of {', '.join(phases)}")  # fmt: skip
     if "trace" in args.parts and (args.trace_seq < 2 or args.trace_seq % 2):
         raise SystemExit(f"loongtrain bench memory: --trace-seq {args.trace_seq} must be a positive even length "
                          "(one sequence of hp=1 x cp=1 cut into two zigzag chunks), e.g. 16384")  # fmt: skip

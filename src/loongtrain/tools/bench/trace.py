@@ -154,12 +154,14 @@ class AllocatorPeak:
     ``top.held``: the :class:`Held` allocations made in the block and alive at that moment
     (their sum is ``bytes``); ``top.op`` and ``top.where``: the op and line of the
     allocation that reached the peak; ``top.phase``: the phase then (the last
-    ``record_function(PHASE + name)`` mark). ``python_frames`` is False where this platform's
+    ``record_function(PHASE + name)`` mark). ``within``: a phase's name, whose own largest
+    moment is taken instead of the block's. ``python_frames`` is False where this platform's
     profiler records no Python calls (torch 2.11 on Python 3.12 here): lines are then "?"
     and backward allocations named by their autograd node."""
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", within: str | None = None) -> None:
         self.device = torch.device(device)
+        self.within = within  # a phase: the largest moment inside it instead of the block's
         self.bytes, self.op, self.where, self.phase = 0, "", "", ""
         self.held: list[Held] = []
         self.python_frames = False
@@ -184,16 +186,18 @@ class AllocatorPeak:
         events = sorted([(n.start_time_ns, 1, n) for n in allocs] + [(n.start_time_ns, 0, n) for n in marks],
                         key=lambda e: (e[0], e[1]))  # fmt: skip
         # first pass: the moment of the peak; second: what is held then
-        running, peak_at, made = 0, -1, set()
+        running, peak_at, made, phase = 0, -1, set(), "start"
         for i, (_, is_alloc, n) in enumerate(events):
-            if is_alloc:
-                size, ptr = n.extra_fields.alloc_size, n.extra_fields.ptr
-                if size < 0 and ptr not in made:  # an older storage's free (not reported on the CPU)
-                    continue
-                made.add(ptr) if size > 0 else made.discard(ptr)
-                running += size
-                if running > self.bytes:
-                    self.bytes, peak_at = running, i
+            if not is_alloc:
+                phase = n.name[len(PHASE) :]
+                continue
+            size, ptr = n.extra_fields.alloc_size, n.extra_fields.ptr
+            if size < 0 and ptr not in made:  # an older storage's free (not reported on the CPU)
+                continue
+            made.add(ptr) if size > 0 else made.discard(ptr)
+            running += size
+            if running > self.bytes and self.within in (None, phase):
+                self.bytes, peak_at = running, i
         if peak_at < 0:
             return
         live: dict[int, tuple[int, object, str]] = {}
