@@ -89,7 +89,6 @@ class _Namer:
     """Names an event-tree node by the loongtrain line and the ATen op it runs under."""
 
     def __init__(self, nodes: list) -> None:
-        self._lines: dict[int, str] = {}
         self.python_frames = any(n.tag == _EventType.PyCall for n in nodes)
         # the ops that made autograd nodes, by sequence number (the outermost of each; a
         # checkpoint's recompute runs inside backward and makes nodes too), to name a backward
