@@ -71,7 +71,7 @@ def test_the_allocator_peak_sees_temporaries_inside_ops_and_names_the_line():
         token_scores(h, w, labels, chunk=64)  # one [64, 4096] float32 chunk of logits: 1 MiB
     assert MiB <= top.bytes < 2 * MiB
     (logits,) = [held for held in top.held if held.nbytes == MiB]
-    if top.python_frames:  # torch 2.11 on Python 3.12 records no Python calls
+    if top.python_frames:  # (a profiler that records no Python calls names no lines)
         assert logits.where.startswith("model/loss.py:") and logits.where.endswith(":_logits")
 
 

@@ -155,8 +155,8 @@ class AllocatorPeak:
     allocation that reached the peak; ``top.phase``: the phase then (the last
     ``record_function(PHASE + name)`` mark). ``within``: a phase's name, whose own largest
     moment is taken instead of the block's. ``python_frames`` is False where this platform's
-    profiler records no Python calls (torch 2.11 on Python 3.12 here): lines are then "?"
-    and backward allocations named by their autograd node."""
+    profiler records no Python calls (torch 2.11 and 2.13 here record them): lines are then
+    "?" and backward allocations named by their autograd node."""
 
     def __init__(self, device: torch.device | str = "cpu", within: str | None = None) -> None:
         self.device = torch.device(device)
