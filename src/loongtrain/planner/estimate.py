@@ -93,9 +93,9 @@ def estimate(c: ClusterSpec, w: Workload, layout: Candidate) -> Estimate:
     ckpt = mem.activation_checkpoint
     n_ckpt = 0 if ckpt == "none" else math.ceil(n_layers / mem.activation_checkpoint_every)
     full = ckpt == "full"
-    recompute = lin + (at.kernels_fwd if full else 0.0) if n_ckpt else 0.0  # per checkpointed layer
-    spans = mem.activation_checkpoint_span > 1  # each layer's forward once more: its span's recompute
-    recompute *= 2 if spans else 1
+    # a checkpointed layer's forwards in backward: its own recompute, and with spans its span's too
+    passes = 2 if mem.activation_checkpoint_span > 1 else 1
+    recompute = passes * (lin + (at.kernels_fwd if full else 0.0)) if n_ckpt else 0.0  # per checkpointed layer
     qkv_fwd = lin * m.qkv_params() / m.layer_matmul_params()
     ring_fwd = at.ring_fwd - at.kernels_fwd
     # head groups (model/head_groups.py): backward recomputes each group's q/k/v projections and,
@@ -105,17 +105,17 @@ def estimate(c: ClusterSpec, w: Workload, layout: Candidate) -> Estimate:
     again = grouped and full
     regroup = (qkv_fwd + (at.kernels_fwd if again else 0.0)) if grouped else 0.0
     compute = n_layers * (3 * lin + at.kernels_fwd + at.kernels_bwd + tile + regroup) + n_ckpt * recompute + 3 * head
-    a2a = n_layers * (at.a2a_fwd + at.a2a_bwd) + (n_ckpt * at.a2a_fwd * (2 if spans else 1) if full else 0.0)
+    a2a = n_layers * (at.a2a_fwd + at.a2a_bwd) + (n_ckpt * at.a2a_fwd * passes if full else 0.0)
     a2a += n_layers * at.a2a_fwd * (2 if again else 1) if grouped else 0.0
     ring = n_layers * (ring_fwd + (at.ring_bwd - at.kernels_bwd))
-    ring += n_ckpt * ring_fwd * (2 if spans else 1) if full else 0.0
+    ring += n_ckpt * ring_fwd * passes if full else 0.0
     ring += n_layers * ring_fwd if again else 0.0
     layer_fwd = lin + at.fwd
     layer_bwd = 2 * lin + at.bwd + tile + regroup
     if grouped:  # the all-to-alls run again and, not kept, the ring's forward
         layer_bwd += at.a2a_fwd * (2 if again else 1) + (ring_fwd if again else 0.0)
-    redo = (lin + at.fwd if full else lin) if n_ckpt else 0.0  # a checkpointed layer's recompute, comms included
-    redo *= 2 if spans else 1
+    # a checkpointed layer's recompute, comms included
+    redo = passes * (lin + at.fwd if full else lin) if n_ckpt else 0.0
     mean_bwd = layer_bwd + redo * n_ckpt / n_layers
     zero = exposed_zero_seconds(z, n_layers, layer_fwd, mean_bwd)
     # the previous layer's kept tensors come back behind this layer's q/k/v projections' backward

@@ -372,9 +372,8 @@ def memory_phases(
         chunk_logits = (4.0 + (e if e < 4 else 0.0)) * chunk * m.vocab_size
         # a vocabulary slice's compute-dtype product with the chunk (dL/dW's; the master's cast
         # slice and its float32 sum of dL/dh)
-        vocab_slice = (e if e < 4 else 0.0) * min(VOCAB_SLICE, m.vocab_size) * m.dim
-        if master and e < 4:  # (a float32 master beside float32 compute is used whole)
-            vocab_slice = e * min(VOCAB_SLICE, m.vocab_size) * m.dim + 4.0 * chunk * m.dim
+        # (none in float32: products in float32 need no slices, a float32 master is used whole)
+        vocab_slice = (e * min(VOCAB_SLICE, m.vocab_size) + (4.0 * chunk if master else 0.0)) * m.dim if e < 4 else 0.0
         loss["loss fixed"] = 4.0 * p_output + chunk_logits + 2.0 * e * chunk * m.dim + vocab_slice
         if shard > 1 and output_gathered:
             # FSDP2 keeps its last all-gather's output buffer (the output matrix's, in the compute

@@ -15,6 +15,7 @@ fits; model-state offload only when nothing else fits.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -143,21 +144,16 @@ def shard_tokens(w: Workload, layout: Candidate) -> float:
 
 
 def _option_sets(c: ClusterSpec, w: Workload, base: Candidate) -> tuple[list[dict], list[dict]]:
-    """The (tile, activation offload) combinations beyond the plain layout, and those with
-    model-state offload, that this cluster and layout allow."""
+    """The (tile, activation offload, head groups, checkpoint span) combinations beyond the
+    plain layout, and those with model-state offload, that this cluster and layout allow."""
     tiles = [0] + ([DEFAULT_MLP_TILE] if shard_tokens(w, base) > DEFAULT_MLP_TILE else [])
     acts = [False]
     if base.checkpoint != "none" and c.offload_gap("activations") is None:
         acts.append(True)
     groups = [1] + head_group_options(w.model, base.parallel.hp)[-1:]
     spans = [1, 2] if base.checkpoint == "full" and base.memory.activation_checkpoint_every == 1 else [1]
-    combos = [
-        dict(mlp_tile=t, offload_activations=a, head_groups=g, activation_checkpoint_span=n)
-        for n in spans
-        for g in groups
-        for t in tiles
-        for a in acts
-    ]
+    keys = ("activation_checkpoint_span", "head_groups", "mlp_tile", "offload_activations")
+    combos = [dict(zip(keys, values)) for values in itertools.product(spans, groups, tiles, acts)]
     more = combos[1:]
     states = [dict(combo, offload_states=True) for combo in combos] if c.offload_gap("states") is None else []
     return more, states
