@@ -39,7 +39,9 @@ _EXPORTS: dict[str, str] = {
     "forward_backward": "loongtrain.train.step",
 }
 # subpackages reachable as attributes
-_SUBPACKAGES = ("apply", "attention", "data", "eval", "hf", "model", "parallel", "planner", "tools", "train")
+_SUBPACKAGES = (
+    "apply", "attention", "data", "eval", "generate", "hf", "model", "parallel", "planner", "tools", "train",
+)  # fmt: skip
 
 __all__ = [
     "MemoryOptions",
