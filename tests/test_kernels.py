@@ -123,6 +123,51 @@ def test_cuda_backend_masked_calls_match_the_op_schemas(dtype):
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("masked", [False, True])
+def test_cuda_backend_calls_obey_the_cuda_kernels_argument_rules(monkeypatch, dtype, masked):
+    """What the CUDA kernels check and neither the CPU nor the meta kernels do (tests/cuda_rules.py):
+    the dense flash backward takes no offsets, the efficient backward an aligned lse and a
+    contiguous ``out``. Query rows (50) and batch (2) make an unpadded lse misaligned; a small
+    per-call limit runs the backward over head groups (the views a call gets are not contiguous)."""
+    import loongtrain.attention.kernels as kernels
+    import loongtrain.attention.workspace as workspace
+    from cuda_rules import CudaArgumentRules
+
+    monkeypatch.setattr(kernels, "backend_for", lambda device, dtype: kernels.CudaSdpaBackend())
+    q = torch.empty(2, 50, 8, 64, device="meta", dtype=dtype)
+    k = torch.empty(2, 70, 2, 64, device="meta", dtype=dtype)
+    band = kernels.Band(offset=20, window=30, causal=True) if masked else None
+    for limit in (workspace.BACKWARD_ROW_HEADS, 2 * 50 * 4, 2 * 50 * 2):
+        per_call = lambda rows, h, g, limit=limit: max(1, min(h, limit // rows))  # noqa: E731
+        monkeypatch.setattr(kernels, "backward_heads_per_call", per_call)
+        with CudaArgumentRules() as rules:
+            out, lse = block_forward(q, k, k, causal=False, scale=0.125, band=band)
+            dq, dk, dv = block_backward(out, q, k, k, out, lse, causal=False, scale=0.125, band=band)
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
+        kernel = "flash" if dtype != torch.float32 and not masked else "efficient"
+        assert any(kernel in call and "backward" in call for call in rules.calls), rules.calls
+
+
+def test_cuda_argument_rules_catch_what_the_first_gpu_run_found():
+    """The rules fail the calls of 844df7e's code (checked against the errors the GPU gave)."""
+    from cuda_rules import check_call
+
+    aten = torch.ops.aten
+    q = torch.empty(2, 8, 50, 64, device="meta")
+    empty = torch.empty(0, dtype=torch.int64, device="meta")
+    flash_args = (q, q, q, q, q, torch.empty(2, 8, 50, device="meta"), empty, empty, 50, 50, 0.0, True, empty, empty)
+    assert "cum_seq" in check_call(aten._scaled_dot_product_flash_attention_backward.default, flash_args, {})
+    lse = torch.empty(2, 8, 50, device="meta")  # [B, H, Sq] contiguous: strideH 50
+    bshd = torch.empty(2, 50, 8, 64, device="meta").transpose(1, 2)
+    args = (bshd, bshd, bshd, bshd, None, bshd, lse, empty, empty, 0.0, [True] * 3 + [False], False)
+    assert "strideH" in check_call(aten._scaled_dot_product_efficient_attention_backward.default, args, {})
+    split = torch.empty(2, 50, 16, 64, device="meta")[:, :, :8].transpose(1, 2)  # a head group's out
+    aligned = torch.empty(2, 8, 64, device="meta")
+    args = (bshd, bshd, bshd, bshd, None, split, aligned, empty, empty, 0.0, [True] * 3 + [False], False)
+    assert "row stride" in check_call(aten._scaled_dot_product_efficient_attention_backward.default, args, {})
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_masked_block_equals_float64_with_the_same_mask(causal):
     q, k, v = _qkv(sq=20, sk=28)

@@ -29,7 +29,8 @@ from loongtrain.local_workers import (
 
 __all__ = [
     "allow_ctrl_c", "check_device", "clear_single_process_env", "elastic_run", "init_distributed", "launch",
-    "local_rank_env", "quiet_agent_logs", "single_process_env", "start_worker_server", "under_torchrun",
+    "local_rank_env", "process_group_backend", "quiet_agent_logs", "single_process_env", "start_worker_server",
+    "under_torchrun",
 ]  # fmt: skip
 
 
@@ -78,8 +79,16 @@ def init_distributed(timeout_s: float = 600.0, device: str = "auto") -> torch.de
             1, (os.cpu_count() or 1) // local_world
         )
         torch.set_num_threads(threads)
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(process_group_backend(backend), timeout=timedelta(seconds=timeout_s))
     return device
+
+
+def process_group_backend(backend: str) -> str:
+    """What ``init_process_group`` is given for ``backend``: NCCL for device tensors with gloo
+    beside it for host tensors (``"cpu:gloo,cuda:nccl"``, as torchtitan does), since with the
+    model states offloaded the gradients are host tensors, and clipping all-reduces their norms
+    over the default group, which NCCL alone cannot do; gloo alone otherwise."""
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
 
 
 def local_rank_env(rank: int, world: int, port: int) -> None:

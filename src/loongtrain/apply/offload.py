@@ -62,8 +62,10 @@ class _Copies:
         """Start copying ``host`` back; returns the device tensor and the copy's event."""
         if not self.accelerated:
             return host.clone(), None
-        dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
         with self.stream:
+            # allocated on the side stream that fills it: a block the compute stream freed may
+            # still be read by kernels queued there, which this stream does not wait for
+            dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
             self.stream.wait_event(done_offload)
             dev.copy_(host, non_blocking=True)
             event = self.stream.record_event()

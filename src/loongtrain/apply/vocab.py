@@ -89,16 +89,26 @@ class ShardGradient:
         return self.param.grad.to_local()
 
     def _add_local(self, local: Tensor) -> None:
-        device = self.param.to_local().device  # the host when the states are offloaded
         if self.param.grad is None:
-            self._set(local.to(device))
+            self._set(local)
         else:
-            self.param.grad.to_local().add_(local.to(device))
+            grad = self.param.grad.to_local()  # on the host when the states are offloaded
+            grad.add_(local.to(grad.device))
 
     def _set(self, local: Tensor) -> None:
-        self.param.grad = DTensor.from_local(
-            local, self.mesh, self.placements, run_check=False, shape=self.param.shape, stride=self.param.stride()
-        )
+        """Make ``local`` (on any device) the gradient, on the device of the parameter's shard."""
+        device = self.param.to_local().device
+        if device.type == self.mesh.device_type:
+            self.param.grad = DTensor.from_local(
+                local.to(device), self.mesh, self.placements, run_check=False, shape=self.param.shape,
+                stride=self.param.stride(),
+            )  # fmt: skip
+            return
+        # states offloaded to the host (FSDP2's CPUOffloadPolicy): DTensor.from_local would move the
+        # gradient to the mesh's device, and a gradient must be on its parameter's device
+        grad = torch.empty_like(self.param, dtype=torch.float32)
+        grad.to_local().copy_(local)
+        self.param.grad = grad
 
 
 def apply_vocab_gradients(model, stats: AttentionStats, compute_dtype: torch.dtype | None = None) -> None:

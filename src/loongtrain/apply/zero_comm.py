@@ -75,7 +75,15 @@ if AllGather is not None:
         output while it still holds the input, and copies the input into it (a copy onto
         itself returns at once). The input is handed back only while FSDP2 still holds it (a
         reference count above ours): an input whose reduce never asked for its output (an
-        error in between) is dropped, never handed out again."""
+        error in between) is dropped, never handed out again.
+
+        Streams: FSDP2 allocates the input on the compute stream and the output on its
+        reduce-scatter stream, where it then reads the output after the event it hands the compute
+        stream (the division, the copy to the host under offload, the accumulation, HSDP's
+        all-reduce on a third stream). The compute stream frees the input once that event has
+        passed, so the input handed back as the output is recorded on the stream asking for it
+        (and on the all-reduce's, :func:`_all_reduce_counter`): the caching allocator then keeps
+        it until every kernel queued there has run, as it does for FSDP2's own output."""
 
         def __init__(self, stats: AttentionStats, single_shard: bool = False) -> None:
             self.stats = stats
@@ -91,6 +99,7 @@ if AllGather is not None:
                 and held.shape == torch.Size(size)
                 and held.dtype == dtype
             ):
+                record_on_current_stream(held)
                 return held
             buffer = _alloc(size, dtype=dtype, device=device)
             if self.single_shard:
@@ -116,8 +125,17 @@ def _add(stats: AttentionStats, kind: str, moved: int) -> None:
     stats.add_received(kind, moved)
 
 
-def _all_reduce_counter(stats: AttentionStats, replicas: int):
+def record_on_current_stream(t: torch.Tensor) -> None:
+    """Tell the caching allocator that ``t`` is used by the current stream of its device (nothing on
+    the CPU): its memory is reused only after the work queued there when it is freed has run."""
+    if t.device.type != "cpu":
+        t.record_stream(torch.accelerator.current_stream(t.device))
+
+
+def _all_reduce_counter(stats: AttentionStats, replicas: int, single_shard: bool):
     def hook(reduce_output: torch.Tensor) -> None:
+        if single_shard:  # the input handed back as the output: the all-reduce stream reads it too
+            record_on_current_stream(reduce_output)
         _add(stats, "zero.all_reduce", 2 * (replicas - 1) * _nbytes(reduce_output) // replicas)
 
     return hook
@@ -133,5 +151,5 @@ def count_zero_comm(module, stats: AttentionStats, replicas: int, shards: int) -
     module.set_custom_all_gather(_CountingAllGather(stats))
     module.set_custom_reduce_scatter(_CountingReduceScatter(stats, single_shard=shards == 1))
     if replicas > 1:
-        module.set_all_reduce_hook(_all_reduce_counter(stats, replicas))
+        module.set_all_reduce_hook(_all_reduce_counter(stats, replicas, shards == 1))
     return True

@@ -33,7 +33,10 @@ class Pending:
 
     def wait(self) -> torch.Tensor:
         if self._works:
-            with torch.profiler.record_function(WAIT_LABEL):  # what `loongtrain bench train` counts as waiting
+            # what `loongtrain bench train` counts as waiting on a CPU run (gloo's wait blocks the host);
+            # NCCL's wait only makes the current stream wait, so on a GPU the step profile reads the
+            # device timeline instead, where NCCL's own kernels are the communication
+            with torch.profiler.record_function(WAIT_LABEL):
                 for work in self._works:
                     work.wait()
             self._works.clear()

@@ -207,39 +207,27 @@ class CudaSdpaBackend:
 
     def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None, window=None):
         sq, sk = q.shape[1], k.shape[1]
-        lse_bhs = lse.transpose(1, 2).contiguous()
         if self._use_flash(q, mask):
-            empty = torch.empty(0, device=q.device, dtype=torch.int64)
+            # dense inputs: cum_seq_q/k None, as the forward returns them for dense inputs and as
+            # PyTorch's own context parallelism hands them back (a defined tensor there selects the
+            # variable-length kernel, which wants int32 offsets)
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                _bhsd(dout),
-                _bhsd(q),
-                _bhsd(k),
-                _bhsd(v),
-                _bhsd(out),
-                lse_bhs,
-                empty,
-                empty,
-                sq,
-                sk,
-                0.0,
-                causal,
-                empty,
-                empty,
-                scale=scale,
-            )
+                _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse.transpose(1, 2).contiguous(),
+                None, None, sq, sk, 0.0, causal, _unused_rng(q.device), _unused_rng(q.device), scale=scale,
+            )  # fmt: skip
             return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
         b, _, heads, _ = q.shape
         groups = k.shape[2]
         bias = None if mask is None else _aligned_bias(mask, b, heads, q.dtype)
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            _bhsd(dout),
+            _bhsd(dout.contiguous()),
             _bhsd(q),
             _bhsd(_expand_kv(k, heads)),
             _bhsd(_expand_kv(v, heads)),
             bias,
-            _bhsd(out),
-            lse_bhs,
+            _bhsd(out.contiguous()),  # the kernel reads out with a fixed row stride (heads x head dim)
+            efficient_lse(lse),
             seed,
             seed,
             0.0,
@@ -252,6 +240,26 @@ class CudaSdpaBackend:
             _sum_kv_grad(dk.transpose(1, 2), groups),
             _sum_kv_grad(dv.transpose(1, 2), groups),
         )
+
+
+#: Rows of the log-sum-exp the memory-efficient kernel's forward returns are padded to a multiple
+#: of this (``kAlignLSE``); its backward checks that the lse's head and batch strides are aligned.
+EFFICIENT_LSE_ALIGN = 32
+
+
+def efficient_lse(lse: Tensor) -> Tensor:
+    """``lse`` [B, Sq, H] as the memory-efficient backward takes it: ``[B, H, Sq']`` with ``Sq'`` the
+    next multiple of :data:`EFFICIENT_LSE_ALIGN` (the padding is never read), as its forward
+    returns it."""
+    b, sq, heads = lse.shape
+    padded = lse.new_zeros((b, heads, -(-sq // EFFICIENT_LSE_ALIGN) * EFFICIENT_LSE_ALIGN))
+    padded[..., :sq] = lse.transpose(1, 2)
+    return padded
+
+
+def _unused_rng(device: torch.device) -> Tensor:
+    """A philox seed / offset for the flash backward: read only with dropout, which is 0 here."""
+    return torch.empty(0, dtype=torch.int64, device=device)
 
 
 class FlashAttnBackend:

@@ -30,6 +30,18 @@ from loongtrain.parallel import ParallelState
 
 def make_attention(state: ParallelState):
     """The transformers attention function running :func:`head_context_attention` on ``state``."""
+    last: list = [None, None]  # (the boundaries tensor, its version, the length) of the last call, its layout
+
+    def layout_of(cu, seq_len: int):
+        """Every layer of a forward gets the same boundaries tensor (on the GPU, where reading it
+        waits for the device): its layout is found once per tensor (and in-place change), not
+        once per layer."""
+        if cu is None:
+            return None
+        key = (getattr(cu, "_version", None), seq_len)
+        if last[0] is None or last[0][0] is not cu or last[0][1:] != key:
+            last[:] = (cu, *key), layout_of_op(state.config, seq_len, torch.as_tensor(cu).cpu())
+        return last[1]
 
     def loongtrain_attention(
         module: torch.nn.Module,
@@ -52,8 +64,7 @@ def make_attention(state: ParallelState):
             raise ValueError(f"loongtrain attention: softcap={kwargs['softcap']} is not supported")
         sliding_window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
         cu = kwargs.get("cu_seq_lens_q")
-        # every layer of a forward gets the same boundaries: validated on the first, found again after
-        layout = None if cu is None else layout_of_op(state.config, query.shape[2] * state.sp, torch.as_tensor(cu))
+        layout = layout_of(cu, query.shape[2] * state.sp)
         out = head_context_attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), state,
             causal=getattr(module, "is_causal", True), softmax_scale=scaling,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import os
 import types
 import weakref
 from collections.abc import Iterable, Mapping
@@ -121,6 +122,11 @@ def default_device() -> torch.device:
     """The device the default process group communicates on (cuda for NCCL, else cpu)."""
     backend = str(dist.get_backend()).lower()
     if "nccl" in backend and torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if torch.cuda.current_device() == 0 and 0 < local_rank < torch.cuda.device_count():
+            # torchrun's local rank r > 0 still on cuda:0: the caller never chose a device, and
+            # every rank of the node would compute on the first GPU
+            torch.cuda.set_device(local_rank)
         return torch.device("cuda", torch.cuda.current_device())
     if "xccl" in backend and hasattr(torch, "xpu") and torch.xpu.is_available():
         return torch.device("xpu", torch.xpu.current_device())

@@ -1,0 +1,110 @@
+"""What a GPU run (or a reading of the CUDA and NCCL paths) found that the CPU path hides,
+checked here where a CPU test can see it at all (the kernels' argument rules are in
+``test_kernels.py``; the rules themselves in ``docs/gpu_check.md``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from loongtrain.apply.vocab import ShardGradient
+from loongtrain.parallel.stats import AttentionStats
+
+
+@pytest.fixture
+def one_fake_rank():
+    dist.init_process_group("fake", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _offloaded_parameter(mesh: DeviceMesh, local: torch.Tensor) -> torch.nn.Parameter:
+    """A sharded parameter whose shard lives on another device than its mesh's, as FSDP2 makes
+    one whose states it offloaded to the host (it builds the DTensor from the host shard; the
+    public ``from_local`` would move the shard to the mesh's device)."""
+    spec = DTensorSpec(mesh, (Shard(0),), TensorMeta(local.shape, local.stride(), local.dtype))
+    return torch.nn.Parameter(DTensor(local, spec, requires_grad=True))
+
+
+def test_a_host_offloaded_vocabulary_matrix_gets_its_gradient_on_the_host(one_fake_rank):
+    """With the states offloaded the matrix's shard is on the host and its mesh on the device;
+    the gradient must be on the host (844df7e made it with ``DTensor.from_local``, which moved it:
+    "attempting to assign a gradient with device type 'cuda' to a tensor with device type 'cpu'").
+    Here the mesh's device is ``meta``, the host the CPU: the same mismatch, and the same error
+    on that code."""
+    mesh = DeviceMesh("meta", [0])
+    weight = _offloaded_parameter(mesh, torch.zeros(6, 4))
+    sink = ShardGradient(weight, AttentionStats())
+    assert sink.master() is None  # the model does not read a host master
+    g = torch.Generator().manual_seed(0)
+    first, second = torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g)
+    sink.add(first)
+    sink.add(second)
+    assert isinstance(weight.grad, DTensor) and weight.grad.to_local().device.type == "cpu"
+    torch.testing.assert_close(weight.grad.to_local(), first + second, rtol=0, atol=0)
+    ids = torch.tensor([1, 1, 5])
+    rows = torch.randn(3, 4, generator=g)
+    sink.add_rows(ids, rows)
+    expected = first + second
+    expected.index_add_(0, ids, rows)
+    torch.testing.assert_close(weight.grad.to_local(), expected, rtol=0, atol=0)
+    weight.grad = None
+    sink.add_rows(ids, rows)  # the first contribution a scatter of rows
+    torch.testing.assert_close(weight.grad.to_local(), torch.zeros(6, 4).index_add_(0, ids, rows), rtol=0, atol=0)
+
+
+def test_the_one_shard_reduce_records_the_input_it_hands_back_on_the_asking_stream(monkeypatch):
+    """FSDP2 reads a reduce's output on its reduce-scatter stream (and the all-reduce's) after the
+    event the compute stream waits for before freeing the input: the input handed back as the
+    output is recorded on the stream asking for it, and only that one (a new buffer is FSDP2's own)."""
+    import loongtrain.apply.zero_comm as zero_comm
+
+    recorded: list[torch.Tensor] = []
+    monkeypatch.setattr(zero_comm, "record_on_current_stream", recorded.append)
+    one = zero_comm._CountingReduceScatter(AttentionStats(), single_shard=True)
+    cpu = torch.device("cpu")
+    reduce_input = one.allocate((12,), dtype=torch.float32, device=cpu)
+    assert recorded == []
+    assert one.allocate((12,), dtype=torch.float32, device=cpu) is reduce_input
+    assert len(recorded) == 1 and recorded[0] is reduce_input
+    hook = zero_comm._all_reduce_counter(AttentionStats(), replicas=2, single_shard=True)
+    hook(reduce_input)
+    assert len(recorded) == 2 and recorded[1] is reduce_input
+    zero_comm._all_reduce_counter(AttentionStats(), replicas=2, single_shard=False)(reduce_input)
+    assert len(recorded) == 2
+
+
+def test_nccl_runs_with_gloo_beside_it_for_host_tensors():
+    """Clipping all-reduces the norms of host gradients when the states are offloaded: under
+    NCCL the default group needs a host backend too."""
+    from loongtrain.launch import process_group_backend
+
+    assert process_group_backend("nccl") == "cpu:gloo,cuda:nccl"
+    assert process_group_backend("gloo") == "gloo"
+
+
+def test_a_torchrun_rank_left_on_the_first_gpu_is_moved_to_its_own(monkeypatch):
+    """A library user who calls ``init_process_group("nccl")`` under torchrun without
+    ``torch.cuda.set_device`` gets local rank r on cuda:r, not every rank on cuda:0; a device the
+    user chose is kept."""
+    from loongtrain.parallel import state as state_module
+
+    current = {"device": 0}
+    monkeypatch.setattr(state_module.dist, "get_backend", lambda: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current["device"])
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: current.update(device=d))
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert state_module.default_device() == torch.device("cuda", 3)
+    current["device"] = 5  # chosen by the user
+    assert state_module.default_device() == torch.device("cuda", 5)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    current["device"] = 0
+    assert state_module.default_device() == torch.device("cuda", 0)
