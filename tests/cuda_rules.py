@@ -6,7 +6,8 @@ do, and a call that breaks one fails only on a GPU (found by the first GPU run, 
 - ``_scaled_dot_product_flash_attention_backward``: ``cum_seq_q`` / ``cum_seq_k`` are None for
   dense inputs (a defined tensor selects the variable-length kernel, which wants int32
   offsets: "cu_seqlens_q must have dtype int32"); where given they are int32.
-- ``_flash_attention_backward`` / ``_flash_attention_forward`` with offsets: int32 offsets.
+- ``_flash_attention_forward`` / ``_backward``: no offsets for dense ``[B, S, H, d]`` inputs; for
+  packed ``[T, H, d]`` ones int32 offsets, and the backward's lse ``[H, T]``.
 - ``_scaled_dot_product_efficient_attention_backward``: the log-sum-exp's head and batch strides
   are multiples of 16 elements ("LSE is not correctly aligned (strideH)"; the forward returns it
   padded to 32), and ``out`` is laid out ``[B, S, H, d]`` contiguously (the kernel reads it with
@@ -45,10 +46,18 @@ def check_call(func, args, kwargs) -> str | None:
                 "dense flash backward given cum_seq_q/cum_seq_k tensors (selects the variable-length "
                 f"kernel): {cum_q!r}, {cum_k!r}; pass None"
             )
-    if func in (aten._flash_attention_forward.default,):
-        return _offsets_ok(("cum_seq_q", args[3]), ("cum_seq_k", args[4]))
-    if func in (aten._flash_attention_backward.default,):
-        return _offsets_ok(("cum_seq_q", args[7]), ("cum_seq_k", args[8]))
+    if func in (aten._flash_attention_forward.default, aten._flash_attention_backward.default):
+        forward = func is aten._flash_attention_forward.default
+        q = args[0] if forward else args[1]
+        cum_q, cum_k = (args[3], args[4]) if forward else (args[6], args[7])
+        if q.dim() == 4 and (cum_q is not None or cum_k is not None):
+            return "dense (4-D) inputs given cum_seq_q/cum_seq_k: pass None"
+        if q.dim() == 3:
+            if cum_q is None or cum_k is None:
+                return "packed (3-D) inputs need cum_seq_q and cum_seq_k"
+            if not forward and tuple(args[5].shape) != (q.shape[1], q.shape[0]):
+                return f"packed lse must be [H, total_q] = {(q.shape[1], q.shape[0])}, got {tuple(args[5].shape)}"
+        return _offsets_ok(("cum_seq_q", cum_q), ("cum_seq_k", cum_k))
     if func is aten._scaled_dot_product_efficient_attention_backward.default:
         q, out, lse = args[1], args[5], args[6]
         batch, heads = q.shape[0], q.shape[1]

@@ -108,3 +108,43 @@ def test_a_torchrun_rank_left_on_the_first_gpu_is_moved_to_its_own(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     current["device"] = 0
     assert state_module.default_device() == torch.device("cuda", 0)
+
+
+def test_auto_chooses_the_kernel_by_the_device(monkeypatch):
+    """cuDNN on Hopper/Blackwell with cuDNN >= 9.15 (measured faster on an H200), FlashAttention-2
+    on Ampere and newer otherwise, SDPA before; the CPU kernel on CPU; fp32 always on SDPA."""
+    import loongtrain.attention.backends as backends
+
+    if backends.flash_attn_unavailable() is None:
+        pytest.skip("flash_attn is installed here (auto takes it)")
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    for capability, cudnn, expected in [((9, 0), 91900, "cudnn"), ((10, 0), 91600, "cudnn"), ((9, 0), 91400, "flash"),
+                                        ((8, 0), 91900, "flash"), ((7, 5), 91900, "sdpa")]:  # fmt: skip
+        monkeypatch.setattr(backends, "_capability", lambda device, c=capability: c)
+        monkeypatch.setattr(torch.backends.cudnn, "version", lambda v=cudnn: v)
+        assert backends.auto_kernel(cuda) == expected, (capability, cudnn)
+    assert backends.auto_kernel(torch.device("cpu")) == "cpu"
+    assert isinstance(backends._backend("cudnn", "cuda", torch.float32), backends.CudaSdpaBackend)
+    assert isinstance(backends._backend("cudnn", "cuda", torch.bfloat16), backends.CudnnBackend)
+    assert isinstance(backends._backend("flash", "cuda", torch.float16), backends.Fa2Backend)
+
+
+def test_a_kernel_that_cannot_run_is_refused_in_one_line(monkeypatch):
+    import loongtrain.attention.backends as backends
+    from loongtrain.config import ConfigError, load_config
+    from loongtrain.options import check_kernel_device
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert "runs on CUDA, not on the CPU; use auto or cpu" in backends.kernel_unavailable("cudnn", cpu)
+    monkeypatch.setattr(backends, "_capability", lambda device: (7, 5))
+    assert "compute capability 8.0 or newer, this GPU has 7.5; use sdpa" in backends.kernel_unavailable("flash", cuda)
+    assert backends.kernel_unavailable("sdpa", cuda) is None and backends.kernel_unavailable("auto", cuda) is None
+    with pytest.raises(ValueError, match="unknown; choose one of"):
+        backends.set_attention_kernel("fa9")
+    with pytest.raises(ValueError, match="run.device=cpu; use attention.kernel=auto"):
+        check_kernel_device("cudnn", "cpu")
+    with pytest.raises(ValueError, match="run.device=cuda; use attention.kernel=auto"):
+        check_kernel_device("cpu", "cuda")
+    with pytest.raises(ConfigError, match="attention.kernel='fa9'; choose one of"):
+        load_config(overrides=["attention.kernel=fa9"])

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cuda_rules import CudaArgumentRules
 from loongtrain.attention.kernels import CudaSdpaBackend
 from loongtrain.parallel.layout import check_head_split, check_sequence_length
 from loongtrain.planner import cluster_spec
@@ -77,10 +78,11 @@ def test_cpu_run_has_every_section_and_no_failure(cpu_run):
     stdout, report = cpu_run
     assert report["failures"] == 0 and "0 failed, 0 skipped" in stdout
     assert {r["status"] for r in report["rows"]} <= {"pass", "measured"}
-    counts = {s: len(_rows(report, s)) for s in ("kernels", "replay", "training", "distributed")}
+    counts = {s: len(_rows(report, s)) for s in ("kernels", "replay", "training", "memory", "speed", "distributed")}
     # 3 dtypes x causal/full x MHA/GQA x mask/none; 2 lengths x cp 4, 8 x windows 1, 2;
-    # 2 lengths x sc++/full + 1 compiled; 2 layouts x 2 dtypes x 2 masks + training
-    assert counts == {"kernels": 24, "replay": 8, "training": 5, "distributed": 9}
+    # 2 lengths x sc++/full + 1 compiled; offload and packed documents; dense and documents;
+    # 2 layouts x 2 dtypes x 2 masks + training
+    assert counts == {"kernels": 24, "replay": 8, "training": 5, "memory": 2, "speed": 2, "distributed": 9}
     for row in report["rows"]:  # the printed table holds every row
         assert any(row["case"] in line and row["status"] in line for line in stdout.splitlines()), row["case"]
 
@@ -132,6 +134,40 @@ def test_cpu_run_mfu_is_computed_against_the_stated_peak(cpu_run):
 
 
 @pytest.mark.e2e
+def test_cpu_run_offload_and_packed_documents_rows(cpu_run):
+    """Every memory option on beside the same run without offload, step by step; packed documents
+    under a window beside the same documents as separate sequences (at the same weights)."""
+    _, report = cpu_run
+    offload, packed = _rows(report, "memory")
+    v, p = offload["values"], PROFILES["cpu"]
+    assert v["memory"]["offload_activations"] and v["memory"]["offload_states"]
+    assert len(v["losses"]) == len(v["baseline"]["losses"]) == p.offload_steps
+    assert all(math.isfinite(x) for x in v["losses"]) and v["losses"][-1] < v["losses"][0]  # it trains
+    worst = max(abs(a - b) / b for a, b in zip(v["losses"], v["baseline"]["losses"]))
+    assert v["max_rel_diff"] == pytest.approx(worst, abs=1e-12) and worst <= 1e-6  # fp32 compute here
+    v = packed["values"]
+    assert v["window"] == p.packed_window and v["documents"] >= 3
+    assert abs(v["packed_loss"] - v["separate_loss"]) <= 1e-5 * v["separate_loss"]
+    assert v["finite"] and len(v["losses"]) == p.train_steps + p.train_warmup
+
+
+@pytest.mark.e2e
+def test_cpu_run_speed_rows(cpu_run):
+    """The chosen kernel beside SDPA's backends (those that run on CPU), packed documents beside one
+    sequence: times, ratios computed from them, the documents drawn as the profile says."""
+    _, report = cpu_run
+    dense, documents = _rows(report, "speed")
+    v = dense["values"]
+    ours = v["times_s"]["loongtrain cpu"]
+    assert ours > 0 and v["fastest_sdpa"] in v["times_s"]
+    assert v["ratio_to_fastest"] == pytest.approx(ours / v["times_s"][v["fastest_sdpa"]])
+    v = documents["values"]
+    assert v["documents"] >= 3 and v["fewer_keys"] > 1
+    assert v["speedup"] == pytest.approx(v["one_sequence_s"] / v["packed_s"])
+    assert v["kernel_calls"] == v["plan_calls"] == v["documents"]  # the CPU kernel: one call per document
+
+
+@pytest.mark.e2e
 def test_cpu_run_distributed_checks(cpu_run):
     _, report = cpu_run
     rows = _rows(report, "distributed")
@@ -151,7 +187,8 @@ def test_cuda_profile_kernel_calls_fit_the_op_schemas(dtype):
     p = PROFILES["cuda"]
     cases = kernel_grid((dtype,), p.kernel_batch, p.kernel_seq, p.kernel_heads, p.kernel_kv_heads, p.kernel_head_dim)
     for case in cases:
-        got = run_case(CudaSdpaBackend(), case, case_inputs(case, torch.device("meta")))
+        with CudaArgumentRules():  # and by the rules the CUDA kernels check beyond the meta kernels
+            got = run_case(CudaSdpaBackend(), case, case_inputs(case, torch.device("meta")))
         sq, sk = case.shape
         assert got["out"].shape == (p.kernel_batch, sq, p.kernel_heads, p.kernel_head_dim)
         assert got["lse"].shape == (p.kernel_batch, sq, p.kernel_heads) and got["lse"].dtype == torch.float32
@@ -166,11 +203,14 @@ def test_cuda_profile_fits_one_h200_by_the_planner():
     assert 1.0e9 < p.train_model.num_params() < 1.3e9  # "a ~1B-parameter Llama"
     h200 = cluster_spec("h200")
     predicted_s = 0.0
-    for case in p.train_cases + p.compiled_cases:
+    for case in p.train_cases + p.compiled_cases + (p.packed_case,):
         pred = predict_step(h200, p.train_model, case, torch.bfloat16)
         assert pred["fits"] and pred["memory_gib"] < 0.9 * 139, (case, pred)
         predicted_s += (p.train_steps + p.train_warmup) * pred["step_s"]
-    assert predicted_s < 120  # the training rows' share of the 8 minutes, by the planner
+    pred = predict_step(h200, p.train_model, p.offload_case, torch.bfloat16)
+    assert pred["fits"] and pred["memory_gib"] < 0.9 * 139
+    predicted_s += 2 * p.offload_steps * pred["step_s"]
+    assert predicted_s < 150  # the training rows' share of the 8 minutes, by the planner
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -221,7 +261,17 @@ def test_what_cannot_run_is_a_skipped_row_with_the_reason():
     assert [r.status for r in rows] == ["skipped"] and "--dist-world < 2" in rows[0].result
     rows = kernel_rows(p, cpu, Budget(1e-9))  # spent before the first kernel
     assert len(rows) == 24 and all(r.status == "skipped" and "time budget" in r.result for r in rows)
-    if importlib.util.find_spec("flash_attn") is None:  # no GPU needed: choosing a backend runs no kernel
-        backends, missing = installed_backends(torch.device("cuda"))
-        assert [name for name, _ in backends] == ["cuda-sdpa"]
-        assert missing == [("flash-attn", "flash_attn>=2.7 is not installed (pip install flash-attn to use it)")]
+
+
+def test_the_cuda_backends_checked_on_a_hopper_gpu(monkeypatch):
+    """No GPU needed: choosing the backends runs no kernel (the device's capability stubbed)."""
+    import loongtrain.attention.backends as backends_module
+
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash_attn is installed here")
+    monkeypatch.setattr(backends_module, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    backends, missing = installed_backends(torch.device("cuda"))
+    assert [name for name, _ in backends] == ["sdpa", "flash", "cudnn"]
+    assert missing == [("flash-attn", "attention kernel 'flash-attn': flash_attn>=2.7 is not installed (pip install "
+                                      "flash-attn to use it)")]  # fmt: skip

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from loongtrain.model.config import ROPE_SCALINGS, RopeScaling
 from loongtrain.options import (
+    ATTENTION_KERNELS,
     LAYOUT_MODES,
     LONG_DOCUMENTS,
     ZERO_SCOPES,
@@ -356,10 +357,22 @@ def parse_lengths(text: str) -> tuple[int, ...]:
 
 
 @dataclass
+class AttentionSection:
+    kernel: str = option(
+        "auto",
+        "block-attention kernel: auto (by device: cuDNN for dense blocks on Hopper/Blackwell with FlashAttention-2's "
+        "variable-length calls for documents, FlashAttention-2 on other GPUs, the CPU kernel on CPU), cudnn, flash, "
+        "sdpa, flash-attn (the package, where installed) or cpu; fp32 on CUDA always runs sdpa's kernels",
+        choices=ATTENTION_KERNELS,
+    )
+
+
+@dataclass
 class TrainConfig:
     run: RunSection = field(default_factory=RunSection)
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
+    attention: AttentionSection = field(default_factory=AttentionSection)
     memory: MemorySection = field(default_factory=MemorySection)
     data: DataSection = field(default_factory=DataSection)
     optim: OptimSection = field(default_factory=OptimSection)

@@ -30,6 +30,21 @@ LONG_DOCUMENTS: tuple[str, ...] = ("split", "drop")
 #: ``fixed``: every microbatch on the configured hp x cp; ``per_batch``: each microbatch on the
 #: hp x cp split of the same ranks that ``loongtrain.attention.choose`` prices fastest.
 LAYOUT_MODES: tuple[str, ...] = ("fixed", "per_batch")
+#: block-attention kernels (``[attention] kernel``; ``loongtrain.attention.backends``)
+ATTENTION_KERNELS: tuple[str, ...] = ("auto", "cudnn", "flash", "sdpa", "flash-attn", "cpu")
+#: the kernels that run on CUDA only
+CUDA_KERNELS: tuple[str, ...] = ("cudnn", "flash", "sdpa", "flash-attn")
+
+
+def check_kernel_device(kernel: str, device: str) -> None:
+    """Raise ValueError if attention ``kernel`` cannot run on ``device`` (``cpu``, ``cuda`` or
+    ``auto``: cuda when one is visible, decided by the caller)."""
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"attention.kernel={kernel!r}; choose one of {list(ATTENTION_KERNELS)}")
+    if device == "cpu" and kernel in CUDA_KERNELS:
+        raise ValueError(f"attention.kernel={kernel!r} runs on CUDA, but run.device=cpu; use attention.kernel=auto")
+    if device == "cuda" and kernel == "cpu":
+        raise ValueError("attention.kernel='cpu' runs on the CPU, but run.device=cuda; use attention.kernel=auto")
 
 
 #: the bounds an option may declare (``bound=`` of :func:`option`)

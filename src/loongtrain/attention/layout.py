@@ -25,7 +25,7 @@ import torch
 
 from loongtrain.attention.comm import all_gather_flat
 from loongtrain.attention.documents import Boundaries, as_boundaries
-from loongtrain.attention.mask_plan import MaskPlan
+from loongtrain.attention.mask_plan import MAX_BAND_TILE, MaskPlan
 from loongtrain.attention.sharding import SequenceSharding, restore_order, sequence_sharding, take_ranges
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.layout import check_sequence_length
@@ -59,14 +59,15 @@ class SequenceLayout:
         """Global ``(start, length)`` token ranges of rank ``(head, context)``, in local order."""
         return self.sharding.ranges(head, context)
 
-    def mask_plan(self, causal: bool, sliding_window: int | None) -> MaskPlan:
+    def mask_plan(self, causal: bool, sliding_window: int | None, band_tile: int = MAX_BAND_TILE) -> MaskPlan:
         """The ring's kernel calls under this layout's documents and ``sliding_window`` (cached;
-        a window as long as the sequence is none). For one zigzag document they are the plain
+        a window as long as the sequence is none), band calls in row tiles of ``band_tile`` (0:
+        untiled, for kernels that take a window). For one zigzag document they are the plain
         causal (or full) ring's: one kernel per block."""
         sliding = sliding_window if sliding_window and sliding_window < self.seq_len else None
-        key = (causal, sliding)
+        key = (causal, sliding, band_tile if sliding else MAX_BAND_TILE)
         if key not in self._plans:
-            self._plans[key] = MaskPlan(self.sharding, self.boundaries or (0, self.seq_len), causal, sliding)
+            self._plans[key] = MaskPlan(self.sharding, self.boundaries or (0, self.seq_len), causal, sliding, key[2])
         return self._plans[key]
 
     def check_matches(self, config: ParallelConfig, seq_len: int, where: str) -> None:

@@ -13,7 +13,8 @@ pair, and the block becomes a list of :class:`Call` s:
 - ``causal``: a square whose rows see the columns up to their own (top-left aligned
   causal kernel);
 - ``band``: anything else (sliding-window edges): a masked kernel on a row tile trimmed
-  to the columns its rows see, so no row is fully masked and masks stay small.
+  to the columns its rows see, so no row is fully masked and masks stay small; for a kernel
+  that takes the band as its window (no mask: ``band_tile`` 0) one call per segment pair.
 
 Pairs with no visible token run nothing. Full calls on adjacent rows/columns are merged,
 and in a rank's own block each document's segments form one causal call when the sliding window
@@ -140,17 +141,20 @@ def _tile_call(pair: _Pair, t0: int, t1: int, row_base: int, col_base: int) -> C
     return Call(row0, row1, col0, col1, BAND, t0, lo0)
 
 
-def pair_calls(a: Segment, b: Segment, causal: bool, sliding_window: int | None) -> list[Call]:
-    """Calls for query segment ``a`` against key segment ``b`` of the same document."""
+def pair_calls(
+    a: Segment, b: Segment, causal: bool, sliding_window: int | None, band_tile: int = MAX_BAND_TILE
+) -> list[Call]:
+    """Calls for query segment ``a`` against key segment ``b`` of the same document; a band in
+    row tiles of at most ``band_tile`` rows (0: untiled, for kernels that take it as a window)."""
     pair = _Pair(a.start, a.start + a.length, b.start, b.start + b.length, causal, sliding_window)
     rows = pair.rows()
     if rows is None:
         return []
     first, last = rows
     whole = _tile_call(pair, first, last, a.local, b.local)
-    if whole.kind != BAND:
+    if whole.kind != BAND or band_tile == 0:
         return [whole]
-    tile = max(MIN_BAND_TILE, min(MAX_BAND_TILE, sliding_window or MAX_BAND_TILE))
+    tile = max(MIN_BAND_TILE, min(band_tile, sliding_window or band_tile))
     return [_tile_call(pair, t, min(t + tile, last + 1) - 1, a.local, b.local) for t in range(first, last + 1, tile)]
 
 
@@ -175,8 +179,9 @@ def _merge_full(calls: list[Call]) -> list[Call]:
 
 
 def block_calls(
-    q_segs: list[Segment], k_segs: list[Segment], same_block: bool, causal: bool, sliding_window: int | None
-) -> tuple[Call, ...]:
+    q_segs: list[Segment], k_segs: list[Segment], same_block: bool, causal: bool, sliding_window: int | None,
+    band_tile: int = MAX_BAND_TILE,
+) -> tuple[Call, ...]:  # fmt: skip
     """The calls of one (query block, key/value block) pair, sorted by rows."""
     by_doc: dict[int, list[Segment]] = {}
     for s in k_segs:
@@ -198,7 +203,7 @@ def block_calls(
                 continue
         for a in qs:
             for b in ks:
-                calls += pair_calls(a, b, causal, sliding_window)
+                calls += pair_calls(a, b, causal, sliding_window, band_tile)
     return tuple(_merge_full(calls))
 
 
@@ -210,6 +215,7 @@ class MaskPlan:
     boundaries: Boundaries
     causal: bool
     sliding_window: int | None
+    band_tile: int = MAX_BAND_TILE  # rows of a band call at most (0: untiled, a kernel's window)
 
     @functools.cached_property
     def _segments(self) -> list[list[Segment]]:
@@ -232,6 +238,7 @@ class MaskPlan:
                 context == source,
                 self.causal,
                 self.sliding_window,
+                self.band_tile,
             )
         return found
 

@@ -22,6 +22,7 @@ import torch
 from loongtrain.attention.blocks import accum_dtype
 from loongtrain.attention.comm import all_gather_flat, head_to_seq, seq_to_head
 from loongtrain.attention.double_ring import RingSetup, ring_backward, ring_forward
+from loongtrain.attention.kernels import band_tile
 from loongtrain.attention.layout import layout_of_op
 from loongtrain.parallel.state import ParallelState, state_by_key
 
@@ -164,7 +165,8 @@ def _setup(
     boundaries) under its documents and the sliding window (:meth:`SequenceLayout.mask_plan`;
     one zigzag document: the plain ring's calls)."""
     seq_len = q_h.shape[1] * state.cp
-    masks = layout_of_op(state.config, seq_len, cu_seqlens).mask_plan(causal, sliding_window)
+    layout = layout_of_op(state.config, seq_len, cu_seqlens)
+    masks = layout.mask_plan(causal, sliding_window, band_tile(q_h.device, q_h.dtype))
     return RingSetup.from_state(state, causal=causal, scale=scale, masks=masks, sliding_window=masks.sliding_window)
 
 

@@ -27,6 +27,7 @@ from loongtrain.data import (
 from loongtrain.data.loader import rows_per_microbatch
 from loongtrain.launch import check_device, under_torchrun
 from loongtrain.model import ModelConfig
+from loongtrain.options import check_kernel_device
 from loongtrain.train.checkpoint import CheckpointManager, check_model_shape
 from loongtrain.train.model_setup import check_pretrained_context
 from loongtrain.train.spec import RunSpec, build_optimizer, make_source, model_shape, model_spec
@@ -109,6 +110,8 @@ def preflight(cfg: TrainConfig, world_size: int, local_world_size: int | None = 
         check_sequence_length(cfg.data.seq_len, layout.hp, layout.cp)
         rows_per_microbatch(cfg.data.global_batch, dp, cfg.data.micro_batches)
         check_device(cfg.run.device, local_world_size or world_size)
+        auto = "cuda" if torch.cuda.is_available() else "cpu"
+        check_kernel_device(cfg.attention.kernel, auto if cfg.run.device == "auto" else cfg.run.device)
         notices = [check_pretrained_context(cfg.model, mcfg, cfg.data.seq_len)]
         source = make_source(cfg)
     except TokenFileError:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from loongtrain.apply import parallelize
+from loongtrain.attention.backends import set_attention_kernel
 from loongtrain.config import ConfigError, TrainConfig, to_toml
 from loongtrain.data import BatchLoader
 from loongtrain.model import build_model
@@ -113,6 +114,10 @@ def build_run(device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat 
         raise ConfigError(folder)
 
     beat(0, "build")
+    try:
+        set_attention_kernel(cfg.attention.kernel, device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     state = init_parallel(
         spec.parallel, device=device, verify_inputs=cfg.parallel.verify_inputs, zero_scopes=(cfg.parallel.zero,)
     )  # only the mesh this run shards over

@@ -9,7 +9,10 @@ device path of loongtrain and prints one table (also written as JSON).
    call (the decomposition overhead), for cp 4 and 8, ring windows 1 and 2;
 3. training: timed steps of a Llama with Selective Checkpoint++ and full checkpointing:
    tokens/s, model TFLOP/s, MFU against a stated peak, peak memory, and the planner's
-   prediction for the same step;
+   prediction for the same step; every memory option on (activations and states offloaded)
+   beside the same run without offload, step by step; packed documents under a sliding window,
+   their loss beside that of the same documents run as separate sequences; the longest
+   sequence the planner says fits;
 4. distributed (2+ GPUs, or gloo processes on CPU): the 2D attention under the standard
    layouts against float64, and parallel training against the unsharded model.
 
@@ -35,30 +38,47 @@ from pathlib import Path
 
 import torch
 
+from loongtrain.apply import MemoryOptions
 from loongtrain.launch import launch, under_torchrun
 from loongtrain.model import ModelConfig, model_config
 from loongtrain.planner.report import format_length
 from loongtrain.planner.specs import PlanError
 from loongtrain.tools.bench.attention import decomposition_overhead
 from loongtrain.tools.gpucheck.dist import DistSizes, run_dist_checks
-from loongtrain.tools.gpucheck.kernels import check_case, installed_backends, kernel_grid, kernel_name, tolerance
+from loongtrain.tools.gpucheck.kernels import (
+    check_case,
+    check_documents_case,
+    documents_grid,
+    installed_backends,
+    kernel_grid,
+    kernel_name,
+    tolerance,
+)
+from loongtrain.tools.gpucheck.speed import dense_speed, documents_speed
 from loongtrain.tools.gpucheck.train import (
+    SAME_LOSS_RTOL,
     Peak,
     TrainCase,
     longest_case,
     measure_training_step,
+    offload_pair,
     one_rank_state,
+    packed_window_row,
     planner_cluster,
     predict_step,
     stated_peak,
 )
 from loongtrain.tools.harness import release_memory
 
+GiB = 2**30
 PASS, FAIL, SKIP, MEASURED, MET, MISSED = "pass", "FAIL", "skipped", "measured", "goal met", "below goal"
 # goals of the issue, judged on CUDA only
 REPLAY_GOAL = 1.10  # replayed / fused time at S >= 32K
+DENSE_GOAL = 1.10  # the chosen kernel / the fastest SDPA backend, dense causal, S >= 32K
+DOCUMENTS_GOAL = {32768: 3.0, 131072: 11.0}  # one sequence / packed documents (lognormal, median 2K)
 MFU_GOAL = 0.50  # single-GPU MFU at 32K with sc++
 PLANNER_GOAL = 0.20  # |predicted / measured - 1|
+LONGEST_SHARE_S = 100.0  # the longest row's part of a time budget, at most
 
 
 @dataclass(frozen=True)
@@ -78,6 +98,9 @@ class Profile:
     replay_heads: tuple[int, int, int]  # query heads, key/value heads, head dim
     replay_dtype: str
     replay_reps: int
+    speed_seqs: tuple[int, ...]  # dense causal sequences: the chosen kernel vs each SDPA backend
+    speed_documents: tuple[tuple[int, int], ...]  # (sequence, median document length): packed vs one sequence
+    speed_reps: int
     train_model: ModelConfig
     train_model_name: str
     train_cases: tuple[TrainCase, ...]
@@ -85,6 +108,11 @@ class Profile:
     train_dtype: str
     train_steps: int
     train_warmup: int
+    offload_case: TrainCase  # every memory option on; run again without offload
+    offload_steps: int
+    packed_case: TrainCase  # packed documents under a sliding window
+    packed_window: int
+    packed_median: int  # median document length (lognormal)
     matmul_n: int  # size of the measured matmul when the device's peak is not known
     dist: DistSizes
     goals: bool  # judge the performance goals (meaningful on a GPU only)
@@ -106,12 +134,15 @@ PROFILES: dict[str, Profile] = {
         kernel_kv_heads=(16, 4),
         kernel_head_dim=128,
         kernel_dtypes=("bfloat16", "float16", "float32"),
-        replay_seqs=(32768, 131072),
+        replay_seqs=(32768,),  # the goal's length (PLATFORM.md has 128K's from the first run)
         replay_cps=(4, 8),
         replay_ring_windows=(1, 2),
         replay_heads=(16, 4, 128),
         replay_dtype="bfloat16",
         replay_reps=3,
+        speed_seqs=(32768, 131072),
+        speed_documents=((32768, 2048), (131072, 2048)),
+        speed_reps=3,
         train_model=GPU_MODEL,
         train_model_name=f"{GPU_MODEL.num_params() / 1e9:.1f}B llama",
         train_cases=tuple(TrainCase(s, m) for s in (32768, 131072) for m in ("sc++", "full")),
@@ -119,6 +150,22 @@ PROFILES: dict[str, Profile] = {
         train_dtype="bfloat16",
         train_steps=2,
         train_warmup=1,
+        offload_case=TrainCase(
+            32768,
+            "sc++",
+            memory=MemoryOptions(
+                activation_checkpoint="sc++",
+                loss_chunk=4096,
+                mlp_tile=8192,
+                head_groups=2,
+                offload_activations=True,
+                offload_states=True,
+            ),
+        ),  # fmt: skip
+        offload_steps=4,
+        packed_case=TrainCase(32768, "sc++"),
+        packed_window=4096,
+        packed_median=2048,
         matmul_n=8192,
         dist=DistSizes(
             tokens_per_rank=1024,
@@ -130,7 +177,7 @@ PROFILES: dict[str, Profile] = {
             train_tokens_per_rank=64,
         ),
         goals=True,
-        budget_s=360.0,
+        budget_s=300.0,
         compile_reserve_s=90.0,
         longest_cap=0,
     ),
@@ -148,6 +195,9 @@ PROFILES: dict[str, Profile] = {
         replay_heads=(4, 2, 16),
         replay_dtype="bfloat16",
         replay_reps=1,
+        speed_seqs=(256,),
+        speed_documents=((512, 40),),
+        speed_reps=1,
         train_model=TINY_MODEL,
         train_model_name="debug llama",
         train_cases=tuple(TrainCase(s, m) for s in (64, 128) for m in ("sc++", "full")),
@@ -155,6 +205,22 @@ PROFILES: dict[str, Profile] = {
         train_dtype="bfloat16",
         train_steps=1,
         train_warmup=1,
+        offload_case=TrainCase(
+            128,
+            "sc++",
+            memory=MemoryOptions(
+                activation_checkpoint="sc++",
+                loss_chunk=32,
+                mlp_tile=48,
+                head_groups=2,
+                offload_activations=True,
+                offload_states=True,
+            ),
+        ),  # fmt: skip
+        offload_steps=3,
+        packed_case=TrainCase(256, "sc++"),
+        packed_window=48,
+        packed_median=40,
         matmul_n=512,
         dist=DistSizes(
             tokens_per_rank=16,
@@ -245,6 +311,22 @@ def kernel_rows(profile: Profile, device: torch.device, budget: Budget) -> list[
                 continue
             target = f"<= {r['tolerance']:.0e}, lse <= {r['lse_tolerance']:.0e}"
             rows.append(Row("kernels", label, _fmt_errors(r["errors"]), target, PASS if r["ok"] else FAIL, r))
+    documents = documents_grid(p.kernel_dtypes, p.kernel_seq, p.kernel_heads, p.kernel_kv_heads, p.kernel_head_dim)
+    for name, backend in backends:
+        if backend.varlen is None:
+            continue
+        for case in documents:
+            label = f"{name}: {case.label()}"
+            if budget.exhausted():
+                rows.append(_budget_row("kernels", label, budget))
+                continue
+            try:
+                r = check_documents_case(name, backend, case, device)
+            except Exception as exc:  # noqa: BLE001 - reported as a failed row
+                rows.append(_error_row("kernels", label, exc))
+                continue
+            target = f"<= {r['tolerance']:.0e}, lse <= {r['lse_tolerance']:.0e}"
+            rows.append(Row("kernels", label, _fmt_errors(r["errors"]), target, PASS if r["ok"] else FAIL, r))
     _progress(f"kernels: {len(rows)} rows, {budget.elapsed():.0f} s")
     return rows
 
@@ -277,6 +359,58 @@ def replay_rows(profile: Profile, device: torch.device, budget: Budget) -> list[
                 target, status = replay_status(r, tol, profile.goals)
                 rows.append(Row("replay", case, result, target, status, r))
     _progress(f"replay: {len(rows)} rows, {budget.elapsed():.0f} s")
+    return rows
+
+
+def speed_rows(profile: Profile, device: torch.device, budget: Budget) -> list[Row]:
+    """The kernel speed section: dense against SDPA's backends, packed documents against one sequence."""
+    heads, kv_heads, head_dim = profile.replay_heads
+    dtype = getattr(torch, profile.replay_dtype)
+    rows: list[Row] = []
+    for seq in profile.speed_seqs:
+        case = f"dense causal S={format_length(seq)} H{heads}/G{kv_heads} {profile.replay_dtype}"
+        if budget.exhausted():
+            rows.append(_budget_row("speed", case, budget))
+            continue
+        try:
+            r = dense_speed(seq, heads, kv_heads, head_dim, dtype, device, profile.speed_reps)
+        except Exception as exc:  # noqa: BLE001 - reported as a failed row
+            rows.append(_error_row("speed", case, exc))
+            continue
+        finally:
+            release_memory(device)
+        times = ", ".join(f"{n} {t * 1e3:.1f} ms" if t is not None else f"{n} does not run" for n, t in
+                          r["times_s"].items())  # fmt: skip
+        ratio = r["ratio_to_fastest"]
+        result = f"{times}; {ratio:.2f}x the fastest ({r['fastest_sdpa']})" if ratio else times
+        goal = profile.goals and seq >= 32768
+        target = f"<= {DENSE_GOAL:.2f}x the fastest SDPA backend" if goal else "-"
+        status = MEASURED if not goal else (MET if ratio is not None and ratio <= DENSE_GOAL else MISSED)
+        rows.append(Row("speed", case, result, target, status, r))
+    for seq, median in profile.speed_documents:
+        case = f"packed documents S={format_length(seq)} median {median} H{heads}/G{kv_heads} {profile.replay_dtype}"
+        if budget.exhausted():
+            rows.append(_budget_row("speed", case, budget))
+            continue
+        try:
+            r = documents_speed(seq, median, heads, kv_heads, head_dim, dtype, device, profile.speed_reps)
+        except Exception as exc:  # noqa: BLE001 - reported as a failed row
+            rows.append(_error_row("speed", case, exc))
+            continue
+        finally:
+            release_memory(device)
+        result = (
+            f"{r['documents']} documents ({r['fewer_keys']:.1f}x fewer keys): {r['packed_s'] * 1e3:.1f} ms vs one "
+            f"sequence {r['one_sequence_s'] * 1e3:.1f} ms = {r['speedup']:.2f}x; {r['kernel_calls']} kernel call(s) "
+            f"for {r['plan_calls']} plan calls; peak {r['packed_peak_bytes'] / GiB:.3g} vs "
+            f"{r['one_sequence_peak_bytes'] / GiB:.3g} GiB"
+        )
+        goal = DOCUMENTS_GOAL.get(seq) if profile.goals else None
+        memory_ok = r["packed_peak_bytes"] <= r["one_sequence_peak_bytes"]
+        target = f">= {goal:.1f}x, peak <= one sequence's" if goal else "-"
+        status = MEASURED if not goal else (MET if r["speedup"] >= goal and memory_ok else MISSED)
+        rows.append(Row("speed", case, result, target, status, r))
+    _progress(f"speed: {len(rows)} rows, {budget.elapsed():.0f} s")
     return rows
 
 
@@ -371,7 +505,7 @@ def _longest_on_one_rank(device: torch.device, profile: Profile, peak: Peak, arg
     if cluster is None:
         rows.append(_skip_row("longest", profile.train_model_name, planner_note))
         return
-    left = max(0.0, budget.seconds - budget.elapsed()) if budget.seconds else 0.0
+    left = min(LONGEST_SHARE_S, max(1.0, budget.seconds - budget.elapsed())) if budget.seconds else 0.0
     try:
         case, planned, why = longest_case(cluster, profile.train_model, dtype, left, profile.longest_cap)
     except PlanError as exc:
@@ -401,6 +535,71 @@ def _longest_on_one_rank(device: torch.device, profile: Profile, peak: Peak, arg
         return
     rows.append(Row("longest", profile.train_model_name, f"out of memory three times (last {case.seq})", "trains",
                     FAIL, {"why": why}))  # fmt: skip
+
+
+def _memory_options_on_one_rank(device: torch.device, profile: Profile, peak: Peak, budget: Budget, rows: list) -> None:
+    """The offload row (every memory option, beside the same run without offload) and the packed
+    documents row (a sliding window, beside the documents run as separate sequences)."""
+    state = one_rank_state()
+    dtype = getattr(torch, profile.train_dtype)
+    name, case = profile.train_model_name, profile.offload_case
+    label = f"{name} {case.label()}"
+    if budget.exhausted():
+        rows.append(_budget_row("memory", label, budget))
+    else:
+        _progress(f"memory: {label} ...")
+        try:
+            r = offload_pair(state, profile.train_model, case, dtype, device, profile.offload_steps, peak,
+                             lambda: release_memory(device))  # fmt: skip
+            base = r["baseline"]
+            result = (
+                f"losses {_losses(r['losses'])} vs without offload {_losses(base['losses'])} (max rel diff "
+                f"{r['max_rel_diff']:.1e}); {r['step_s']:.3f} vs {base['step_s']:.3f} s/step, peak mem "
+                f"{r['peak_memory_gib']:.3g} vs {base['peak_memory_gib']:.3g} GiB"
+            )
+            for name in ("activations only", "states only"):  # present when the pair differs
+                if name in r:
+                    result += f"; {name}: {r[name]}"
+            target = f"every loss finite, within {SAME_LOSS_RTOL:.0e} of the run without offload"
+            rows.append(Row("memory", label, result, target, PASS if r["same"] else FAIL, {**r, **asdict(case)}))
+        except Exception as exc:  # noqa: BLE001 - reported as a failed row (out of memory included)
+            rows.append(_error_row("memory", label, exc))
+        finally:
+            release_memory(device)
+    case, window = profile.packed_case, profile.packed_window
+    label = f"{name} {case.label()} packed documents (median {profile.packed_median}), window {window}"
+    if budget.exhausted():
+        rows.append(_budget_row("memory", label, budget))
+        return
+    _progress(f"memory: {label} ...")
+    try:
+        r = packed_window_row(state, profile.train_model, case, window, profile.packed_median, dtype, device,
+                              profile.train_steps, profile.train_warmup, peak)  # fmt: skip
+        result = (
+            f"{r['documents']} documents: loss {r['packed_loss']:.4f} packed vs {r['separate_loss']:.4f} as separate "
+            f"sequences (rel diff {r['rel_diff']:.1e}); training losses {_losses(r['losses'])}; "
+            f"{r['step_s']:.3f} s/step, {r['tokens_per_s']:.0f} tok/s, MFU {r['mfu']:.1%} (keys seen), "
+            f"peak mem {r['peak_memory_gib']:.3g} GiB"
+        )
+        target = f"loss within {SAME_LOSS_RTOL:.0e} of separate sequences, training losses finite"
+        status = PASS if r["same"] and r["finite"] else FAIL
+        rows.append(Row("memory", label, result, target, status, {**r, **asdict(case)}))
+    except Exception as exc:  # noqa: BLE001 - reported as a failed row
+        rows.append(_error_row("memory", label, exc))
+    finally:
+        release_memory(device)
+
+
+def _losses(values: list[float]) -> str:
+    return "[" + ", ".join(f"{x:.4f}" for x in values) + "]"
+
+
+def memory_rows(profile: Profile, device: torch.device, peak: Peak, budget: Budget) -> list[Row]:
+    """The offload and packed-documents rows, in a one-rank process group."""
+    rows: list[Row] = []
+    launch(_memory_options_on_one_rank, 1, profile, peak, budget, rows, device=device.type)
+    _progress(f"memory: {len(rows)} rows, {budget.elapsed():.0f} s")
+    return rows
 
 
 def longest_rows(profile: Profile, device: torch.device, peak: Peak, args, budget: Budget) -> list[Row]:
@@ -520,9 +719,11 @@ def main(args: argparse.Namespace) -> None:
     env = environment(device, peak, profile.train_dtype)
     _progress(f"{env}")
     rows = kernel_rows(profile, device, budget)
-    rows += replay_rows(profile, device, budget)
     rows += training_rows(profile, device, peak, args, budget, compiled=False)
+    rows += memory_rows(profile, device, peak, budget)
     rows += longest_rows(profile, device, peak, args, budget)
+    rows += speed_rows(profile, device, budget)
+    rows += replay_rows(profile, device, budget)
     rows += dist_rows(profile, device, world, budget)
     if args.compile == "extra":
         rows += training_rows(profile, device, peak, args, budget, compiled=True)

@@ -12,21 +12,23 @@ call's output and lse.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from loongtrain.attention.blocks import call_band
-from loongtrain.attention.kernels import (
-    BlockBackend,
+from loongtrain.attention.backends import (
     CpuFlashBackend,
     CudaSdpaBackend,
+    CudnnBackend,
+    Fa2Backend,
     FlashAttnBackend,
-    backend_for,
-    band_inputs,
-    flash_attn_unavailable,
+    kernel_unavailable,
+    load_flash_attn,
 )
+from loongtrain.attention.backends.base import BlockBackend
+from loongtrain.attention.backends.cudnn import cudnn_takes
+from loongtrain.attention.blocks import call_band
+from loongtrain.attention.kernels import band_inputs
 from loongtrain.attention.mask_plan import BAND, Call
 from loongtrain.attention.merge import merge_into
 from loongtrain.tools.harness import make_inputs
@@ -110,29 +112,38 @@ def kernel_grid(
     ]
 
 
+#: The CUDA backends the check runs, in order (``loongtrain.attention.backends``).
+CUDA_BACKENDS = ("sdpa", "flash", "cudnn", "flash-attn")
+
+
 def installed_backends(device: torch.device) -> tuple[list[tuple[str, BlockBackend]], list[tuple[str, str]]]:
     """``(backends to check, [(backend, why it is not checked)])`` on ``device``'s type."""
     if device.type == "cpu":
-        return [("cpu-flash", CpuFlashBackend())], []
+        return [("cpu", CpuFlashBackend())], []
     if device.type != "cuda":
         raise ValueError(f"the GPU check runs on cpu or cuda, not {device.type!r}")
-    backends: list[tuple[str, BlockBackend]] = [("cuda-sdpa", CudaSdpaBackend())]
-    chosen = backend_for(device, torch.bfloat16)
-    if isinstance(chosen, FlashAttnBackend):
-        return [*backends, ("flash-attn", chosen)], []
-    choice = os.environ.get("LOONGTRAIN_ATTENTION_BACKEND", "auto")
-    if choice not in ("auto", "flash-attn"):
-        why = f"LOONGTRAIN_ATTENTION_BACKEND={choice} selects another backend; unset it to check flash_attn"
-    else:
-        why = flash_attn_unavailable() or "flash_attn is not selected"
-    return backends, [("flash-attn", why)]
+    made = {"sdpa": CudaSdpaBackend, "flash": Fa2Backend, "cudnn": CudnnBackend}
+    backends, missing = [], []
+    for name in CUDA_BACKENDS:
+        why = kernel_unavailable(name, device)
+        if why is not None:
+            missing.append((name, why))
+        elif name == "flash-attn":
+            backends.append((name, FlashAttnBackend(load_flash_attn())))
+        else:
+            backends.append((name, made[name]()))
+    return backends, missing
 
 
 def kernel_name(backend: str, case: KernelCase) -> str:
-    """The kernel ``backend`` runs for ``case`` (the selection rule of ``attention/kernels.py``)."""
+    """The kernel ``backend`` runs for ``case`` (the selection rules of ``attention/backends``)."""
     half = case.dtype in ("bfloat16", "float16")
-    if backend == "cuda-sdpa":
+    if backend == "sdpa" or not half:
         return "flash" if half and not case.masked else "efficient"
+    if backend == "flash":
+        return "fa2 window" if case.masked else "fa2"
+    if backend == "cudnn":
+        return "cudnn" if not case.masked and cudnn_takes(getattr(torch, case.dtype), case.head_dim) else "fa2 window"
     if backend == "flash-attn":
         if not case.masked:
             return "flash_attn"
@@ -238,3 +249,63 @@ def check_case(backend_name: str, backend: BlockBackend, case: KernelCase, devic
         "lse_tolerance": lse_tol,
         "ok": ok,
     }
+
+
+@dataclass(frozen=True)
+class DocumentsCase:
+    """Packed documents ``cu`` of one ``seq``-token row in one variable-length call (causal, under a
+    sliding ``window`` or none), ``heads`` query heads over ``kv_heads``."""
+
+    dtype: str
+    kv_heads: int
+    window: int | None
+    seq: int
+    heads: int
+    head_dim: int
+
+    @property
+    def cu(self) -> tuple[int, ...]:
+        """Documents of 13%, 1 token, 27%, 38% and the rest of the row (ragged lengths)."""
+        s = self.seq
+        return (0, s * 13 // 100, s * 13 // 100 + 1, s * 40 // 100, s * 78 // 100, s)
+
+    def label(self) -> str:
+        attn = "MHA" if self.kv_heads == self.heads else "GQA"
+        window = f" window {self.window}" if self.window else ""
+        return f"{self.dtype} varlen {len(self.cu) - 1} documents causal{window} {attn} H{self.heads}/G{self.kv_heads}"
+
+
+def documents_grid(dtypes: tuple[str, ...], seq: int, heads: int, kv_heads: tuple[int, ...], head_dim: int) -> list:
+    """Every (half dtype, key/value heads, window) combination of the variable-length rows."""
+    return [
+        DocumentsCase(dtype, kv, window, seq, heads, head_dim)
+        for dtype in dtypes
+        if dtype in ("bfloat16", "float16")
+        for kv in kv_heads
+        for window in (None, seq // 3)
+    ]
+
+
+def check_documents_case(backend_name: str, backend: BlockBackend, case: DocumentsCase, device: torch.device) -> dict:
+    """One variable-length row: the packed call's out, lse and gradients against float64 attention
+    within each document (and the window)."""
+    dtype = getattr(torch, case.dtype)
+    q, k, v, dout = make_inputs(1, case.seq, case.heads, case.kv_heads, case.head_dim, dtype, 0, device)
+    cu = torch.tensor(case.cu, dtype=torch.int32, device=device)
+    longest = max(b - a for a, b in zip(case.cu, case.cu[1:]))
+    causal, window = (False, (case.window - 1, 0)) if case.window else (True, None)
+    scale = case.head_dim**-0.5
+    args = (cu, cu, longest, longest, causal, scale, window)
+    out, lse = backend.varlen.forward(q[0], k[0], v[0], *args)
+    dq, dk, dv = backend.varlen.backward(dout[0], q[0], k[0], v[0], out, lse, *args)
+    keep = visibility(case.seq, case.seq, True, case.window, cu_seqlens=list(case.cu), device=device)
+    ref = float64_attention(q, k, v, dout, keep, scale)
+    got = {"out": out[None], "dq": dq[None], "dk": dk[None], "dv": dv[None]}
+    errors = {name: relative_error(got[name], ref[name]) for name in got}
+    errors["lse"] = (lse.t()[None].double() - ref["lse"]).abs().max().item()
+    tol, lse_tol = tolerance(device.type, case.dtype)
+    ok = all(err <= (lse_tol if name == "lse" else tol) for name, err in errors.items())
+    return {
+        "backend": backend_name, "kernel": "varlen", "case": case.label(), "dtype": case.dtype,
+        "documents": list(case.cu), "errors": errors, "tolerance": tol, "lse_tolerance": lse_tol, "ok": ok,
+    }  # fmt: skip
