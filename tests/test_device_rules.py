@@ -123,7 +123,14 @@ def test_auto_chooses_the_kernel_by_the_device(monkeypatch):
                                         ((8, 0), 91900, "flash"), ((7, 5), 91900, "sdpa")]:  # fmt: skip
         monkeypatch.setattr(backends, "_capability", lambda device, c=capability: c)
         monkeypatch.setattr(torch.backends.cudnn, "version", lambda v=cudnn: v)
+        monkeypatch.setattr(backends, "_runs", lambda name, device: True)
         assert backends.auto_kernel(cuda) == expected, (capability, cudnn)
+    monkeypatch.setattr(backends, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
+    monkeypatch.setattr(backends, "_runs", lambda name, device: name != "cudnn")  # cuDNN refuses here
+    assert backends.auto_kernel(cuda) == "flash"
+    monkeypatch.setattr(backends, "_runs", lambda name, device: False)
+    assert backends.auto_kernel(cuda) == "sdpa"
     assert backends.auto_kernel(torch.device("cpu")) == "cpu"
     assert isinstance(backends._backend("cudnn", "cuda", torch.float32), backends.CudaSdpaBackend)
     assert isinstance(backends._backend("cudnn", "cuda", torch.bfloat16), backends.CudnnBackend)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 
@@ -79,16 +80,37 @@ def kernel_unavailable(name: str, device: torch.device) -> str | None:
 
 
 def auto_kernel(device: torch.device) -> str:
-    """What ``auto`` takes on ``device`` (see the module docstring)."""
+    """What ``auto`` takes on ``device`` (see the module docstring): by the device's capability, the
+    first choice confirmed by one small forward and backward on it (a kernel that refuses falls
+    back, with a warning, to the next)."""
     if device.type != "cuda":
         return "cpu"
     if flash_attn_unavailable() is None:
         return "flash-attn"
     major, _ = _capability(device)
     cudnn = torch.backends.cudnn.is_available() and (torch.backends.cudnn.version() or 0) >= CUDNN_PREFERRED
-    if major in (9, 10) and cudnn:
+    if major in (9, 10) and cudnn and _runs("cudnn", device):
         return "cudnn"
-    return "flash" if major >= 8 else "sdpa"
+    return "flash" if major >= 8 and _runs("flash", device) else "sdpa"
+
+
+def _runs(name: str, device: torch.device) -> bool:
+    """Whether kernel ``name`` runs one small causal GQA block forward and backward on ``device``."""
+    backend = {"cudnn": CudnnBackend, "flash": Fa2Backend}[name]()
+    try:
+        gen = torch.Generator(device).manual_seed(0)
+        q = torch.randn(1, 256, 4, 128, generator=gen, device=device, dtype=torch.bfloat16)
+        kv = torch.randn(2, 1, 256, 2, 128, generator=gen, device=device, dtype=torch.bfloat16)
+        out, lse = backend.forward(q, kv[0], kv[1], True, 0.1)
+        grads = backend.backward(out, q, kv[0], kv[1], out, lse, True, 0.1)
+        torch.cuda.synchronize(device)
+        if not all(bool(torch.isfinite(g).all()) for g in (out, *grads)):
+            raise RuntimeError("non-finite result")
+        return True
+    except RuntimeError as exc:
+        warnings.warn(f"loongtrain: attention kernel {name!r} does not run here ({exc}); auto takes the next one",
+                      stacklevel=2)  # fmt: skip
+        return False
 
 
 _CHOICE: list[str] = []  # set_attention_kernel's name; else the environment's; else auto
