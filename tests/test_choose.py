@@ -26,6 +26,35 @@ def test_candidates_are_the_splits_the_heads_allow():
     assert all(c.balance == "locality" and c.sp == 8 for c in candidate_configs(base, 8, 2))
     # 6 heads over 3 KV heads: hp must divide 3 or be a multiple of it
     assert [c.hp for c in candidate_configs(ParallelConfig(cp=6), 6, 3)] == [1, 3, 6]
+    # two head groups of 4 query heads over 1 KV head: no split over 8 head ranks
+    assert [c.hp for c in candidate_configs(base, 8, 2, head_groups=2)] == [2, 1, 4]
+
+
+def test_a_refused_microbatch_is_named_under_a_layout_per_batch():
+    """The chooser's refusal (or the chosen split's) names the microbatch, its documents and the
+    layout, as under the fixed layout."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from loongtrain.data.batch import Microbatch
+    from loongtrain.train.step import _shard
+
+    mb = Microbatch(
+        torch.zeros(1, 12, dtype=torch.long), torch.zeros(1, 12, dtype=torch.long), torch.tensor([0, 5, 12])
+    )
+
+    def refuse(batch):
+        raise ValueError("no split fits")
+
+    with pytest.raises(ValueError, match=r"microbatch 3 \(tokens \(1, 12\), documents of \[5, 7\] tokens\) cannot "
+                                         r"run under parallel.layout=per_batch: no split fits"):  # fmt: skip
+        _shard(3, mb, SimpleNamespace(hp=2, cp=2), refuse)
+    odd = SimpleNamespace(hp=1, cp=5, config=ParallelConfig(cp=5))  # 12 tokens do not split over 2 x 5
+    with pytest.raises(
+        ValueError, match=r"microbatch 0 .* on hp=1 x cp=5 \(chosen for it by parallel.layout=per_batch\)"
+    ):
+        _shard(0, mb, None, lambda batch: odd)
 
 
 @pytest.mark.parametrize("speeds", [CPU_GLOO, GPU_NODE])

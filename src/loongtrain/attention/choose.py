@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from loongtrain.attention.documents import Boundaries
 from loongtrain.attention.layout import sequence_layout
 from loongtrain.parallel.config import ParallelConfig
-from loongtrain.parallel.layout import check_head_split
+from loongtrain.parallel.layout import check_head_groups, check_head_split
 
 #: FLOPs of one (query, key) pair per head dimension: two matmuls forward (2 x 2), the
 #: backward 2.5x the forward.
@@ -65,18 +65,20 @@ class AttentionShape:
 
 
 def candidate_configs(
-    config: ParallelConfig, heads: int, kv_heads: int, balances: Sequence[str] = ()
+    config: ParallelConfig, heads: int, kv_heads: int, balances: Sequence[str] = (), head_groups: int = 1
 ) -> list[ParallelConfig]:
-    """Every hp x cp split of ``config.sp`` the model's heads allow, each under ``config``'s
-    balance and then each of ``balances``; ``config`` first. Each keeps ``config``'s ring
-    window where it divides the candidate's ``cp`` (else the plain ring), its placement,
-    context order and ``dp``."""
+    """Every hp x cp split of ``config.sp`` the model's heads allow (and, with ``head_groups`` > 1,
+    each group's heads: ``memory.head_groups``), each under ``config``'s balance and then each of
+    ``balances``; ``config`` first. Each keeps ``config``'s ring window where it divides the
+    candidate's ``cp`` (else the plain ring), its placement, context order and ``dp``."""
     splits = [config]
     for hp in range(1, config.sp + 1):
         if config.sp % hp or hp == config.hp:
             continue
         try:
             check_head_split(heads, kv_heads, hp)
+            if head_groups > 1:
+                check_head_groups(heads, kv_heads, head_groups, hp)
         except ValueError:
             continue
         cp = config.sp // hp

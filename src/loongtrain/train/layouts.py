@@ -29,11 +29,13 @@ class PerBatchLayouts:
 
     @classmethod
     def build(
-        cls, state: ParallelState, model: ModelConfig, param_dtype: torch.dtype, verify_inputs: bool
-    ) -> PerBatchLayouts:
-        """Collective: a state for every other split of ``state``'s ranks the model's heads allow
-        (groups made once per split; the other balance is a view of the split's state)."""
-        configs = candidate_configs(state.config, model.n_heads, model.n_kv_heads, ("locality",))
+        cls, state: ParallelState, model: ModelConfig, param_dtype: torch.dtype, verify_inputs: bool,
+        head_groups: int = 1,
+    ) -> PerBatchLayouts:  # fmt: skip
+        """Collective: a state for every other split of ``state``'s ranks the model's heads (and its
+        ``head_groups``) allow (groups made once per split; the other balance is a view of the
+        split's state)."""
+        configs = candidate_configs(state.config, model.n_heads, model.n_kv_heads, ("locality",), head_groups)
         splits = {(state.hp, state.cp): state}
         states = [state]
         for c in configs[1:]:

@@ -43,16 +43,20 @@ def shard_microbatch(batch: Microbatch, state: ParallelState) -> ShardedBatch:
     return ShardedBatch(shard(batch.tokens), shard(batch.labels), shard(batch.positions()), layout)
 
 
-def _shard(index: int, batch: Microbatch, state: ParallelState) -> ShardedBatch:
-    """:func:`shard_microbatch`, its refusal naming the microbatch, its documents and the layout."""
+def _shard(index: int, batch: Microbatch, state: ParallelState, choose: Callable | None = None) -> ShardedBatch:
+    """:func:`shard_microbatch` on ``state`` (or the state ``choose`` picks for the batch), a refusal
+    naming the microbatch, its documents and the layout."""
+    where = "under parallel.layout=per_batch" if choose is not None else f"on hp={state.hp} x cp={state.cp}"
     try:
+        if choose is not None:
+            state = choose(batch)
+            where = f"on hp={state.hp} x cp={state.cp} (chosen for it by parallel.layout=per_batch)"
         return shard_microbatch(batch, state)
     except ValueError as e:
         documents = batch.attention_documents
         lengths = "one sequence" if documents is None else f"documents of {documents.diff().tolist()} tokens"
         raise ValueError(
-            f"microbatch {index} (tokens {tuple(batch.tokens.shape)}, {lengths}) cannot run on hp={state.hp} x "
-            f"cp={state.cp}: {e}"
+            f"microbatch {index} (tokens {tuple(batch.tokens.shape)}, {lengths}) cannot run {where}: {e}"
         ) from None
 
 
@@ -129,7 +133,7 @@ def forward_backward(
     is sharded and attended on; None: ``state`` for all.
     """
     batches = [as_microbatch(mb) for mb in microbatches]
-    shards = [_shard(i, mb, state if choose is None else choose(mb)) for i, mb in enumerate(batches)]
+    shards = [_shard(i, mb, state, choose) for i, mb in enumerate(batches)]
     device = shards[0].tokens.device
     # every sp rank sees its own shard, so this sums each replica's targets exactly once
     total_targets = agree_and_count(batches, shards, state)

@@ -123,7 +123,9 @@ def build_run(device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat 
     )  # only the mesh this run shards over
     choose = None
     if cfg.parallel.layout == "per_batch":
-        choose = PerBatchLayouts.build(state, spec.model, spec.param_dtype, cfg.parallel.verify_inputs)
+        choose = PerBatchLayouts.build(
+            state, spec.model, spec.param_dtype, cfg.parallel.verify_inputs, spec.memory.head_groups
+        )
     alternatives = choose.alternatives if choose is not None else ()
     model = build_model(spec.model)
     parallelize(
