@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import MISSING, dataclass, fields, replace
 
 from loongtrain.options import option
@@ -104,7 +105,7 @@ class ModelConfig:
         if self.head_dim % 2 != 0:
             raise ValueError(f"ModelConfig: head_dim={self.head_dim} must be even for RoPE")
 
-    @property
+    @functools.cached_property  # the fields are frozen; the planner reads it hundreds of thousands of times
     def head_dim(self) -> int:
         return self.head_dim_override or self.dim // self.n_heads
 
@@ -114,15 +115,21 @@ class ModelConfig:
 
     def layer_matmul_params(self) -> int:
         """Weights of one layer's matmuls: the q, k, v, o projections and the SwiGLU MLP."""
-        d, q = self.dim, self.n_heads * self.head_dim
-        return self.qkv_params() + q * d + 3 * d * self.ffn_dim
+        return self._counts[0]
 
     def layer_params(self) -> int:
         """All parameters of one layer: its matmuls, its two RMSNorm weights, and the q/k/v
         biases (``qkv_bias``) and per-head q/k norms (``qk_norm``) when the model has them."""
-        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return self._counts[1]
+
+    @functools.cached_property
+    def _counts(self) -> tuple[int, int]:
+        """``(layer_matmul_params, layer_params)``, counted once (the fields are frozen)."""
+        d, q = self.dim, self.n_heads * self.head_dim
+        kv = self.n_kv_heads * self.head_dim
+        matmuls = self.qkv_params() + q * d + 3 * d * self.ffn_dim
         extras = (q + 2 * kv) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
-        return self.layer_matmul_params() + 2 * self.dim + extras
+        return matmuls, matmuls + 2 * self.dim + extras
 
     def num_params(self) -> int:
         """Parameter count (embeddings included; the output matrix once if tied)."""

@@ -62,6 +62,7 @@ parameters, gradients and optimizer states to the host.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -108,6 +109,7 @@ def group_model(m: ModelConfig, groups: int) -> ModelConfig:
     )
 
 
+@functools.lru_cache(maxsize=65536)  # pure; a search asks for the same few layers thousands of times
 def layer_bytes(
     m: ModelConfig, hp: int, cp: int, e: int, mode: str, tiled: bool, a: int = 4, groups: int = 1
 ) -> LayerBytes:
