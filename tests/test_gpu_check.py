@@ -78,11 +78,13 @@ def test_cpu_run_has_every_section_and_no_failure(cpu_run):
     stdout, report = cpu_run
     assert report["failures"] == 0 and "0 failed, 0 skipped" in stdout
     assert {r["status"] for r in report["rows"]} <= {"pass", "measured"}
-    counts = {s: len(_rows(report, s)) for s in ("kernels", "replay", "training", "memory", "speed", "distributed")}
+    sections = ("kernels", "calibrate", "replay", "training", "memory", "speed", "distributed")
+    counts = {s: len(_rows(report, s)) for s in sections}
     # 3 dtypes x causal/full x MHA/GQA x mask/none; 2 lengths x cp 4, 8 x windows 1, 2;
     # 2 lengths x sc++/full + 1 compiled; offload and packed documents; dense and documents;
     # 2 layouts x 2 dtypes x 2 masks + training
-    assert counts == {"kernels": 24, "replay": 8, "training": 5, "memory": 2, "speed": 2, "distributed": 9}
+    assert counts == {"kernels": 24, "calibrate": 1, "replay": 8, "training": 5, "memory": 2, "speed": 2,
+                      "distributed": 9}  # fmt: skip
     for row in report["rows"]:  # the printed table holds every row
         assert any(row["case"] in line and row["status"] in line for line in stdout.splitlines()), row["case"]
 
@@ -165,6 +167,24 @@ def test_cpu_run_speed_rows(cpu_run):
     assert v["documents"] >= 3 and v["fewer_keys"] > 1
     assert v["speedup"] == pytest.approx(v["one_sequence_s"] / v["packed_s"])
     assert v["kernel_calls"] == v["plan_calls"] == v["documents"]  # the CPU kernel: one call per document
+
+
+@pytest.mark.e2e
+def test_cpu_run_calibrates_the_planner(cpu_run, tmp_path):
+    """The report holds what ``loongtrain plan --calibrate-gpu`` reads, and it makes a cluster from it
+    that predicts every one-device training row (the rates here are a CPU's at tiny sizes)."""
+    from loongtrain.planner import calibrate_gpu
+
+    _, report = cpu_run
+    (row,) = _rows(report, "calibrate")
+    v = row["values"]
+    assert v["matmul"]["tflops"] == pytest.approx(v["matmul"]["flops"] / v["matmul"]["seconds"] / 1e12)
+    assert [a["seq"] for a in v["attention"]] == list(PROFILES["cpu"].calibration_seqs)
+    assert all(0 < a["fwd_s"] < a["fwd_bwd_s"] for a in v["attention"])
+    cluster, checks, _ = calibrate_gpu.calibrate(cluster_spec("local"), report)
+    assert cluster.matmul_tflops == v["matmul"]["tflops"] and cluster.host_mem_bw_gbs > 0
+    # 4 plain training rows, the offload row and the longest (packed documents and compiled rows left out)
+    assert len(checks) == 6 and all(c.predicted_s > 0 for c in checks)
 
 
 @pytest.mark.e2e

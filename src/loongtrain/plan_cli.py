@@ -6,6 +6,7 @@ with its measuring side (``loongtrain.tools.calibrate``: ``--calibrate``, ``--va
     loongtrain plan --cluster h100 --model llama3-8b --seq-len 128K --devices 64 --documents docs.tok
     loongtrain plan --calibrate            # writes clusters/local.toml
     loongtrain plan --validate             # measured vs predicted on local processes
+    loongtrain plan --calibrate-gpu runs/gpu_check.json   # a GPU's cluster file from the GPU check
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode = parser.add_argument_group("measure this machine")
     mode.add_argument("--calibrate", action="store_true", help="measure gloo and CPU kernels, write the local cluster")
     mode.add_argument("--validate", action="store_true", help="time the attention over layouts vs the prediction")
+    mode.add_argument(
+        "--calibrate-gpu", default=None, metavar="REPORT",
+        help="fit a GPU's cluster file to a GPU check report (runs/gpu_check.json of scripts/gpu_check.sh); "
+        "--cluster: the preset to start from (default: by the report's GPU), --out: where (clusters/NAME.toml)",
+    )  # fmt: skip
     mode.add_argument("--nproc", type=int, default=4, help="processes to spawn for --calibrate/--validate (4)")
     mode.add_argument("--out", default=None, help="cluster file to write with --calibrate (clusters/local.toml)")
     mode.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement")
@@ -59,7 +65,23 @@ def _per_batch(args: argparse.Namespace, cluster, workload, candidate) -> dict:
     }
 
 
+def _calibrate_gpu(args: argparse.Namespace) -> None:
+    from loongtrain.planner import calibrate_gpu
+    from loongtrain.planner.specs import CLUSTER_PRESETS, cluster_spec
+
+    name = args.cluster
+    if name is None:
+        gpu = calibrate_gpu.read_report(args.calibrate_gpu)["environment"].get("gpu", "")
+        name = next((preset for preset in CLUSTER_PRESETS if preset.upper() in gpu), None)
+        if name is None:
+            raise PlanError(f"--calibrate-gpu: no preset for the report's GPU {gpu!r}; pass --cluster PRESET_OR_FILE")
+    print(calibrate_gpu.run(args.calibrate_gpu, cluster_spec(name), args.out))
+
+
 def _run(args: argparse.Namespace) -> None:
+    if args.calibrate_gpu:
+        _calibrate_gpu(args)
+        return
     if args.calibrate and args.validate:
         raise PlanError("--calibrate and --validate are separate runs; calibrate first, then validate")
     if args.calibrate or args.validate:

@@ -11,8 +11,9 @@ Offload: a layer's host transfers (activations out in forward and back in backwa
 with offloaded states its parameters in and gradients out) overlap that layer's compute
 (activations coming back: its q/k/v projections' backward only) and only the excess is
 exposed; the CPU optimizer step (offloaded states) is exposed.
-Elementwise work (norms, RoPE, SwiGLU activation, loss) and the device optimizer step are
-not counted.
+Elementwise work (norms, RoPE, SwiGLU activation, casts) and launches cost the cluster's
+``layer_token_ns`` per token and layer forward (2x in backward, 1x per recompute), fitted from
+measured steps (0 in the datasheet presets: not counted); the device optimizer step is not.
 """
 
 from __future__ import annotations
@@ -104,18 +105,22 @@ def estimate(c: ClusterSpec, w: Workload, layout: Candidate) -> Estimate:
     grouped = mem.head_groups > 1
     again = grouped and full
     regroup = (qkv_fwd + (at.kernels_fwd if again else 0.0)) if grouped else 0.0
-    compute = n_layers * (3 * lin + at.kernels_fwd + at.kernels_bwd + tile + regroup) + n_ckpt * recompute + 3 * head
+    # elementwise work and launches (calibrated): 3 passes a layer, one more per recompute
+    other = c.layer_token_ns * 1e-9 * w.micro_batch * w.seq_len / p.sp
+    recompute += passes * other if n_ckpt else 0.0
+    compute = n_layers * (3 * lin + 3 * other + at.kernels_fwd + at.kernels_bwd + tile + regroup)
+    compute += n_ckpt * recompute + 3 * head
     a2a = n_layers * (at.a2a_fwd + at.a2a_bwd) + (n_ckpt * at.a2a_fwd * passes if full else 0.0)
     a2a += n_layers * at.a2a_fwd * (2 if again else 1) if grouped else 0.0
     ring = n_layers * (ring_fwd + (at.ring_bwd - at.kernels_bwd))
     ring += n_ckpt * ring_fwd * passes if full else 0.0
     ring += n_layers * ring_fwd if again else 0.0
-    layer_fwd = lin + at.fwd
-    layer_bwd = 2 * lin + at.bwd + tile + regroup
+    layer_fwd = lin + other + at.fwd
+    layer_bwd = 2 * (lin + other) + at.bwd + tile + regroup
     if grouped:  # the all-to-alls run again and, not kept, the ring's forward
         layer_bwd += at.a2a_fwd * (2 if again else 1) + (ring_fwd if again else 0.0)
     # a checkpointed layer's recompute, comms included
-    redo = passes * (lin + at.fwd if full else lin) if n_ckpt else 0.0
+    redo = passes * (lin + other + (at.fwd if full else 0.0)) if n_ckpt else 0.0
     mean_bwd = layer_bwd + redo * n_ckpt / n_layers
     zero = exposed_zero_seconds(z, n_layers, layer_fwd, mean_bwd)
     # the previous layer's kept tensors come back behind this layer's q/k/v projections' backward

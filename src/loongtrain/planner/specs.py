@@ -60,6 +60,10 @@ class ClusterSpec:
     host_link_gbs: float = 0.0  # device <-> host per device and direction, every device at once (0: no offload)
     host_memory_gib: float = 0.0  # host memory per node usable for offload (pinned buffers; 0: none to spare)
     host_mem_bw_gbs: float = 0.0  # host memory bandwidth per node (the CPU optimizer step; 0: not known)
+    # device time per token of a rank's shard per layer forward outside its matmuls and attention
+    # kernels (norms, RoPE, SwiGLU, casts, launches; backward 2x, a recompute 1x), fitted from
+    # measured steps (`loongtrain plan --calibrate-gpu`; 0: not modelled)
+    layer_token_ns: float = 0.0
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -123,7 +127,8 @@ class ClusterSpec:
 
 
 _MAY_BE_NONE = ("kernel_bwd_overhead_us",)
-_MAY_BE_ZERO = ("attn_wave_rows", "hbm_bw_gbs", "hop_sync_us", "host_link_gbs", "host_memory_gib", "host_mem_bw_gbs")
+_MAY_BE_ZERO = ("attn_wave_rows", "hbm_bw_gbs", "hop_sync_us", "host_link_gbs", "host_memory_gib", "host_mem_bw_gbs",
+                "layer_token_ns")  # fmt: skip
 CLUSTER_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(ClusterSpec))
 _OPTIONAL = ("name", "causal_tile", "overlap", "description", *_MAY_BE_NONE, *_MAY_BE_ZERO)
 _REQUIRED = tuple(name for name in CLUSTER_FIELDS if name not in _OPTIONAL)

@@ -44,6 +44,7 @@ from loongtrain.model import ModelConfig, model_config
 from loongtrain.planner.report import format_length
 from loongtrain.planner.specs import PlanError
 from loongtrain.tools.bench.attention import decomposition_overhead
+from loongtrain.tools.gpucheck.calibration import calibration
 from loongtrain.tools.gpucheck.dist import DistSizes, run_dist_checks
 from loongtrain.tools.gpucheck.kernels import (
     check_case,
@@ -101,6 +102,8 @@ class Profile:
     speed_seqs: tuple[int, ...]  # dense causal sequences: the chosen kernel vs each SDPA backend
     speed_documents: tuple[tuple[int, int], ...]  # (sequence, median document length): packed vs one sequence
     speed_reps: int
+    calibration_seqs: tuple[int, ...]  # the chosen kernel's causal lengths for the planner's rates
+    calibration_sizes: dict  # hbm_bytes, host_bytes, adamw_params, reps
     train_model: ModelConfig
     train_model_name: str
     train_cases: tuple[TrainCase, ...]
@@ -143,6 +146,8 @@ PROFILES: dict[str, Profile] = {
         speed_seqs=(32768, 131072),
         speed_documents=((32768, 2048), (131072, 2048)),
         speed_reps=3,
+        calibration_seqs=(8192, 32768),
+        calibration_sizes={"hbm_bytes": 2**32, "host_bytes": 2**30, "adamw_params": 2**28, "reps": 3},
         train_model=GPU_MODEL,
         train_model_name=f"{GPU_MODEL.num_params() / 1e9:.1f}B llama",
         train_cases=tuple(TrainCase(s, m) for s in (32768, 131072) for m in ("sc++", "full")),
@@ -198,6 +203,8 @@ PROFILES: dict[str, Profile] = {
         speed_seqs=(256,),
         speed_documents=((512, 40),),
         speed_reps=1,
+        calibration_seqs=(128, 256),
+        calibration_sizes={"hbm_bytes": 2**23, "host_bytes": 2**20, "adamw_params": 2**20, "reps": 1},
         train_model=TINY_MODEL,
         train_model_name="debug llama",
         train_cases=tuple(TrainCase(s, m) for s in (64, 128) for m in ("sc++", "full")),
@@ -360,6 +367,30 @@ def replay_rows(profile: Profile, device: torch.device, budget: Budget) -> list[
                 rows.append(Row("replay", case, result, target, status, r))
     _progress(f"replay: {len(rows)} rows, {budget.elapsed():.0f} s")
     return rows
+
+
+def calibration_rows(profile: Profile, device: torch.device, budget: Budget) -> list[Row]:
+    """The rates ``loongtrain plan --calibrate-gpu`` fits the planner's cluster with, measured here."""
+    label = f"{profile.train_model_name} S={format_length(profile.train_cases[0].seq)} {profile.train_dtype}"
+    if budget.exhausted():
+        return [_budget_row("calibrate", label, budget)]
+    try:
+        dtype = getattr(torch, profile.train_dtype)
+        r = calibration(profile.train_model, profile.train_cases[0].seq, profile.calibration_seqs, dtype, device,
+                        profile.calibration_sizes)  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - reported as a failed row
+        return [_error_row("calibrate", label, exc)]
+    finally:
+        release_memory(device)
+    parts = [f"matmul {r['matmul']['tflops']:.4g} TFLOP/s"]
+    parts += [f"{a['kernel']} S={format_length(a['seq'])} fwd {a['fwd_s'] * 1e3:.2f} ms, fwd+bwd "
+              f"{a['fwd_bwd_s'] * 1e3:.2f} ms" for a in r["attention"]]  # fmt: skip
+    parts.append(f"copy {r['hbm']['gbs']:.4g} GB/s")
+    if "host_link" in r:
+        parts.append(f"host link {r['host_link']['h2d_gbs']:.3g} / {r['host_link']['d2h_gbs']:.3g} GB/s in / out")
+    parts.append(f"CPU AdamW {r['cpu_adamw']['params'] / r['cpu_adamw']['seconds'] / 1e6:.4g} M params/s")
+    _progress(f"calibrate: {budget.elapsed():.0f} s")
+    return [Row("calibrate", label, "; ".join(parts), "loongtrain plan --calibrate-gpu", MEASURED, r)]
 
 
 def speed_rows(profile: Profile, device: torch.device, budget: Budget) -> list[Row]:
@@ -717,8 +748,10 @@ def main(args: argparse.Namespace) -> None:
     dtype = getattr(torch, profile.train_dtype)
     peak = stated_peak(device, dtype, args.peak_tflops, profile.matmul_n)
     env = environment(device, peak, profile.train_dtype)
+    env["train_model"] = asdict(profile.train_model)
     _progress(f"{env}")
     rows = kernel_rows(profile, device, budget)
+    rows += calibration_rows(profile, device, budget)
     rows += training_rows(profile, device, peak, args, budget, compiled=False)
     rows += memory_rows(profile, device, peak, budget)
     rows += longest_rows(profile, device, peak, args, budget)
