@@ -13,17 +13,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from cuda_rules import CudaArgumentRules
 from loongtrain.attention.local import masked_attention
 from loongtrain.attention.mask_plan import MAX_BAND_TILE, MaskPlan
-from loongtrain.attention.replay import RingReplay
 from loongtrain.attention.sharding import sequence_sharding
 from loongtrain.attention.varlen_plan import varlen_calls
-from loongtrain.tools.gpucheck.kernels import visibility as window_visibility
+from replay_check import check_masked_replay
 from varlen_emulation import flash_visible, use_emulated_flash
 
-from reference import attention_with_grads, rel_errors
-
-
-def visibility(seq, cu, causal, window):
-    return window_visibility(seq, seq, causal, window, cu_seqlens=list(cu), device=torch.device("cpu"))
+from reference import attention_with_grads, rel_errors, visibility
 
 
 def _random_documents(rng: random.Random, seq: int) -> tuple[int, ...]:
@@ -34,18 +29,7 @@ def _random_documents(rng: random.Random, seq: int) -> tuple[int, ...]:
 def _check_replay(monkeypatch, cp, ring_window, seq, cu, sliding, causal, balance, band_tile, seed=0):
     backend = use_emulated_flash(monkeypatch)
     plan = MaskPlan(sequence_sharding(seq, 1, cp, cu, balance), cu, causal, sliding, band_tile)
-    gen = torch.Generator().manual_seed(seed)
-    q, k, v = torch.randn(1, seq, 4, 8, generator=gen), *torch.randn(2, 1, seq, 2, 8, generator=gen)
-    dout = torch.randn_like(q)
-    replay = RingReplay(cp, ring_window, causal, plan)
-    qs = replay.shard(q)
-    kvs = [torch.stack(kv) for kv in zip(replay.shard(k), replay.shard(v))]
-    outs, lses = replay.forward(qs, kvs, 0.3)
-    dqs, dkvs = replay.backward(replay.shard(dout), qs, kvs, outs, lses, 0.3)
-    ref = attention_with_grads(q, k, v, dout, causal, 0.3, visibility(seq, cu, causal, sliding))
-    dkv = replay.unshard([d.permute(1, 2, 0, 3, 4) for d in dkvs])
-    for got, want in zip((replay.unshard(outs), replay.unshard(dqs), dkv[:, :, 0], dkv[:, :, 1]), ref):
-        assert rel_errors(got, want)[0] < 1e-5
+    check_masked_replay(plan, ring_window, batch=1, seed=seed)
     if len(cu) > 3 or sliding:
         assert backend.varlen.calls, "packed documents ran no variable-length call"
 
