@@ -29,8 +29,8 @@ from loongtrain.local_workers import (
 
 __all__ = [
     "allow_ctrl_c", "check_device", "clear_single_process_env", "elastic_run", "init_distributed", "launch",
-    "local_rank_env", "process_group_backend", "quiet_agent_logs", "single_process_env", "start_worker_server",
-    "under_torchrun",
+    "local_rank_env", "process_group_backend", "quiet_agent_logs", "resolve_device", "single_process_env",
+    "start_worker_server", "under_torchrun",
 ]  # fmt: skip
 
 
@@ -52,12 +52,19 @@ def check_device(device: str, local_world: int) -> None:
 
 
 def _pick_backend(local_world: int, device: str) -> str:
+    return "nccl" if resolve_device(device, local_world) == "cuda" else "gloo"
+
+
+def resolve_device(device: str, local_world: int) -> str:
+    """``cuda`` or ``cpu``: what ``run.device`` (``auto``, ``cpu``, ``cuda``) means for ``local_world``
+    ranks on this node (``auto``: one GPU each when there are enough, else the CPU); ``cuda``
+    without enough GPUs raises (:func:`check_device`)."""
     if device == "cuda":
         check_device(device, local_world)
-        return "nccl"
+        return "cuda"
     if device == "auto" and torch.cuda.is_available() and torch.cuda.device_count() >= local_world:
-        return "nccl"
-    return "gloo"
+        return "cuda"
+    return "cpu"
 
 
 def init_distributed(timeout_s: float = 600.0, device: str = "auto") -> torch.device:

@@ -37,8 +37,8 @@ CUDA_KERNELS: tuple[str, ...] = ("cudnn", "flash", "sdpa", "flash-attn")
 
 
 def check_kernel_device(kernel: str, device: str) -> None:
-    """Raise ValueError if attention ``kernel`` cannot run on ``device`` (``cpu``, ``cuda`` or
-    ``auto``: cuda when one is visible, decided by the caller)."""
+    """Raise ValueError if attention ``kernel`` cannot run on ``device`` (``cpu`` or ``cuda``: what
+    ``run.device`` resolves to, ``loongtrain.launch.resolve_device``)."""
     if kernel not in ATTENTION_KERNELS:
         raise ValueError(f"attention.kernel={kernel!r}; choose one of {list(ATTENTION_KERNELS)}")
     if device == "cpu" and kernel in CUDA_KERNELS:

@@ -30,18 +30,20 @@ from loongtrain.parallel import ParallelState
 
 def make_attention(state: ParallelState):
     """The transformers attention function running :func:`head_context_attention` on ``state``."""
-    last: list = [None, None]  # (the boundaries tensor, its version, the length) of the last call, its layout
+    seen, seen_key, seen_layout = None, None, None  # the last boundaries tensor, (its version, length), layout
 
     def layout_of(cu, seq_len: int):
         """Every layer of a forward gets the same boundaries tensor (on the GPU, where reading it
         waits for the device): its layout is found once per tensor (and in-place change), not
         once per layer."""
+        nonlocal seen, seen_key, seen_layout
         if cu is None:
             return None
         key = (getattr(cu, "_version", None), seq_len)
-        if last[0] is None or last[0][0] is not cu or last[0][1:] != key:
-            last[:] = (cu, *key), layout_of_op(state.config, seq_len, torch.as_tensor(cu).cpu())
-        return last[1]
+        if cu is not seen or key != seen_key:
+            seen, seen_key = cu, key
+            seen_layout = layout_of_op(state.config, seq_len, torch.as_tensor(cu).cpu())
+        return seen_layout
 
     def loongtrain_attention(
         module: torch.nn.Module,

@@ -25,7 +25,7 @@ from loongtrain.data import (
     check_same_tokenizer,
 )
 from loongtrain.data.loader import rows_per_microbatch
-from loongtrain.launch import check_device, under_torchrun
+from loongtrain.launch import resolve_device, under_torchrun
 from loongtrain.model import ModelConfig
 from loongtrain.options import check_kernel_device
 from loongtrain.train.checkpoint import CheckpointManager, check_model_shape
@@ -109,9 +109,7 @@ def preflight(cfg: TrainConfig, world_size: int, local_world_size: int | None = 
         check_head_groups(mcfg, cfg.memory.head_groups, [layout.hp])
         check_sequence_length(cfg.data.seq_len, layout.hp, layout.cp)
         rows_per_microbatch(cfg.data.global_batch, dp, cfg.data.micro_batches)
-        check_device(cfg.run.device, local_world_size or world_size)
-        auto = "cuda" if torch.cuda.is_available() else "cpu"
-        check_kernel_device(cfg.attention.kernel, auto if cfg.run.device == "auto" else cfg.run.device)
+        check_kernel_device(cfg.attention.kernel, resolve_device(cfg.run.device, local_world_size or world_size))
         notices = [check_pretrained_context(cfg.model, mcfg, cfg.data.seq_len)]
         source = make_source(cfg)
     except TokenFileError:

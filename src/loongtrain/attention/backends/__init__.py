@@ -54,12 +54,14 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+def _unknown(name: str) -> str | None:
+    return None if name in KERNELS else f"attention kernel {name!r} is unknown; choose one of {list(KERNELS)}"
+
+
 def kernel_unavailable(name: str, device: torch.device) -> str | None:
     """Why kernel ``name`` cannot run on ``device`` (a sentence naming the fix), or None."""
-    if name not in KERNELS:
-        return f"attention kernel {name!r} is unknown; choose one of {list(KERNELS)}"
-    if name == "auto":
-        return None
+    if name not in KERNELS or name == "auto":
+        return _unknown(name)
     if device.type == "cpu":
         return None if name == "cpu" else f"attention kernel {name!r} runs on CUDA, not on the CPU; use auto or cpu"
     if device.type != "cuda":
@@ -119,9 +121,7 @@ _CHOICE: list[str] = []  # set_attention_kernel's name; else the environment's; 
 def set_attention_kernel(name: str, device: torch.device | None = None) -> None:
     """Use kernel ``name`` in this process from now on; with ``device``, refuse one that cannot run
     there (ValueError naming the fix)."""
-    if name not in KERNELS:
-        raise ValueError(f"attention kernel {name!r} is unknown; choose one of {list(KERNELS)}")
-    why = kernel_unavailable(name, device) if device is not None else None
+    why = kernel_unavailable(name, device) if device is not None else _unknown(name)
     if why is not None:
         raise ValueError(why)
     _CHOICE[:] = [name]

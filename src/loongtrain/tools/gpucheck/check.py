@@ -25,6 +25,7 @@ status 1 if any correctness check fails; performance goals are reported, not enf
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import json
 import os
@@ -291,6 +292,27 @@ def _budget_row(section: str, case: str, budget: Budget) -> Row:
     return _skip_row(section, case, f"time budget of {budget.seconds:.0f} s spent (--budget-s)")
 
 
+def _measure(rows: list[Row], section: str, label: str, budget: Budget, fn, *args, release: torch.device | None = None):
+    """``fn(*args)``'s result, or None with a row appended to ``rows``: skipped past the budget,
+    failed on an exception; ``release``: free that device's memory afterwards."""
+    if budget.exhausted():
+        rows.append(_budget_row(section, label, budget))
+        return None
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - reported as a failed row (out of memory included)
+        rows.append(_error_row(section, label, exc))
+        return None
+    finally:
+        if release is not None:
+            release_memory(release)
+
+
+def _kernel_row(label: str, r: dict) -> Row:
+    target = f"<= {r['tolerance']:.0e}, lse <= {r['lse_tolerance']:.0e}"
+    return Row("kernels", label, _fmt_errors(r["errors"]), target, PASS if r["ok"] else FAIL, r)
+
+
 def _fmt_errors(errors: dict[str, float]) -> str:
     return " ".join(f"{name} {value:.1e}" for name, value in errors.items())
 
@@ -303,37 +325,16 @@ def kernel_rows(profile: Profile, device: torch.device, budget: Budget) -> list[
     )
     backends, missing = installed_backends(device)
     rows = [_skip_row("kernels", name, why) for name, why in missing]
-    for name, backend in backends:
-        for case in cases:
-            label = f"{name}: {kernel_name(name, case)} {case.label()}"
-            if case.dtype not in [str(d).removeprefix("torch.") for d in backend.dtypes]:
-                continue  # e.g. flash_attn has no fp32
-            if budget.exhausted():
-                rows.append(_budget_row("kernels", label, budget))
-                continue
-            try:
-                r = check_case(name, backend, case, device)
-            except Exception as exc:  # noqa: BLE001 - reported as a failed row
-                rows.append(_error_row("kernels", label, exc))
-                continue
-            target = f"<= {r['tolerance']:.0e}, lse <= {r['lse_tolerance']:.0e}"
-            rows.append(Row("kernels", label, _fmt_errors(r["errors"]), target, PASS if r["ok"] else FAIL, r))
     documents = documents_grid(p.kernel_dtypes, p.kernel_seq, p.kernel_heads, p.kernel_kv_heads, p.kernel_head_dim)
     for name, backend in backends:
-        if backend.varlen is None:
-            continue
-        for case in documents:
-            label = f"{name}: {case.label()}"
-            if budget.exhausted():
-                rows.append(_budget_row("kernels", label, budget))
-                continue
-            try:
-                r = check_documents_case(name, backend, case, device)
-            except Exception as exc:  # noqa: BLE001 - reported as a failed row
-                rows.append(_error_row("kernels", label, exc))
-                continue
-            target = f"<= {r['tolerance']:.0e}, lse <= {r['lse_tolerance']:.0e}"
-            rows.append(Row("kernels", label, _fmt_errors(r["errors"]), target, PASS if r["ok"] else FAIL, r))
+        dtypes = [str(d).removeprefix("torch.") for d in backend.dtypes]
+        work = [(f"{name}: {kernel_name(name, c)} {c.label()}", check_case, c) for c in cases if c.dtype in dtypes]
+        if backend.varlen is not None:  # packed documents in one variable-length call
+            work += [(f"{name}: {c.label()}", check_documents_case, c) for c in documents]
+        for label, check, case in work:
+            r = _measure(rows, "kernels", label, budget, check, name, backend, case, device)
+            if r is not None:
+                rows.append(_kernel_row(label, r))
     _progress(f"kernels: {len(rows)} rows, {budget.elapsed():.0f} s")
     return rows
 
@@ -372,16 +373,12 @@ def replay_rows(profile: Profile, device: torch.device, budget: Budget) -> list[
 def calibration_rows(profile: Profile, device: torch.device, budget: Budget) -> list[Row]:
     """The rates ``loongtrain plan --calibrate-gpu`` fits the planner's cluster with, measured here."""
     label = f"{profile.train_model_name} S={format_length(profile.train_cases[0].seq)} {profile.train_dtype}"
-    if budget.exhausted():
-        return [_budget_row("calibrate", label, budget)]
-    try:
-        dtype = getattr(torch, profile.train_dtype)
-        r = calibration(profile.train_model, profile.train_cases[0].seq, profile.calibration_seqs, dtype, device,
-                        profile.calibration_sizes)  # fmt: skip
-    except Exception as exc:  # noqa: BLE001 - reported as a failed row
-        return [_error_row("calibrate", label, exc)]
-    finally:
-        release_memory(device)
+    dtype = getattr(torch, profile.train_dtype)
+    rows: list[Row] = []
+    r = _measure(rows, "calibrate", label, budget, calibration, profile.train_model, profile.train_cases[0].seq,
+                 profile.calibration_seqs, dtype, device, profile.calibration_sizes, release=device)  # fmt: skip
+    if r is None:
+        return rows
     parts = [f"matmul {r['matmul']['tflops']:.4g} TFLOP/s"]
     parts += [f"{a['kernel']} S={format_length(a['seq'])} fwd {a['fwd_s'] * 1e3:.2f} ms, fwd+bwd "
               f"{a['fwd_bwd_s'] * 1e3:.2f} ms" for a in r["attention"]]  # fmt: skip
@@ -400,16 +397,10 @@ def speed_rows(profile: Profile, device: torch.device, budget: Budget) -> list[R
     rows: list[Row] = []
     for seq in profile.speed_seqs:
         case = f"dense causal S={format_length(seq)} H{heads}/G{kv_heads} {profile.replay_dtype}"
-        if budget.exhausted():
-            rows.append(_budget_row("speed", case, budget))
+        r = _measure(rows, "speed", case, budget, dense_speed, seq, heads, kv_heads, head_dim, dtype, device,
+                     profile.speed_reps, release=device)  # fmt: skip
+        if r is None:
             continue
-        try:
-            r = dense_speed(seq, heads, kv_heads, head_dim, dtype, device, profile.speed_reps)
-        except Exception as exc:  # noqa: BLE001 - reported as a failed row
-            rows.append(_error_row("speed", case, exc))
-            continue
-        finally:
-            release_memory(device)
         times = ", ".join(f"{n} {t * 1e3:.1f} ms" if t is not None else f"{n} does not run" for n, t in
                           r["times_s"].items())  # fmt: skip
         ratio = r["ratio_to_fastest"]
@@ -420,16 +411,10 @@ def speed_rows(profile: Profile, device: torch.device, budget: Budget) -> list[R
         rows.append(Row("speed", case, result, target, status, r))
     for seq, median in profile.speed_documents:
         case = f"packed documents S={format_length(seq)} median {median} H{heads}/G{kv_heads} {profile.replay_dtype}"
-        if budget.exhausted():
-            rows.append(_budget_row("speed", case, budget))
+        r = _measure(rows, "speed", case, budget, documents_speed, seq, median, heads, kv_heads, head_dim, dtype,
+                     device, profile.speed_reps, release=device)  # fmt: skip
+        if r is None:
             continue
-        try:
-            r = documents_speed(seq, median, heads, kv_heads, head_dim, dtype, device, profile.speed_reps)
-        except Exception as exc:  # noqa: BLE001 - reported as a failed row
-            rows.append(_error_row("speed", case, exc))
-            continue
-        finally:
-            release_memory(device)
         result = (
             f"{r['documents']} documents ({r['fewer_keys']:.1f}x fewer keys): {r['packed_s'] * 1e3:.1f} ms vs one "
             f"sequence {r['one_sequence_s'] * 1e3:.1f} ms = {r['speedup']:.2f}x; {r['kernel_calls']} kernel call(s) "
@@ -575,37 +560,26 @@ def _memory_options_on_one_rank(device: torch.device, profile: Profile, peak: Pe
     dtype = getattr(torch, profile.train_dtype)
     name, case = profile.train_model_name, profile.offload_case
     label = f"{name} {case.label()}"
-    if budget.exhausted():
-        rows.append(_budget_row("memory", label, budget))
-    else:
-        _progress(f"memory: {label} ...")
-        try:
-            r = offload_pair(state, profile.train_model, case, dtype, device, profile.offload_steps, peak,
-                             lambda: release_memory(device))  # fmt: skip
-            base = r["baseline"]
-            result = (
-                f"losses {_losses(r['losses'])} vs without offload {_losses(base['losses'])} (max rel diff "
-                f"{r['max_rel_diff']:.1e}); {r['step_s']:.3f} vs {base['step_s']:.3f} s/step, peak mem "
-                f"{r['peak_memory_gib']:.3g} vs {base['peak_memory_gib']:.3g} GiB"
-            )
-            for name in ("activations only", "states only"):  # present when the pair differs
-                if name in r:
-                    result += f"; {name}: {r[name]}"
-            target = f"every loss finite, within {SAME_LOSS_RTOL:.0e} of the run without offload"
-            rows.append(Row("memory", label, result, target, PASS if r["same"] else FAIL, {**r, **asdict(case)}))
-        except Exception as exc:  # noqa: BLE001 - reported as a failed row (out of memory included)
-            rows.append(_error_row("memory", label, exc))
-        finally:
-            release_memory(device)
+    _progress(f"memory: {label} ...")
+    r = _measure(rows, "memory", label, budget, offload_pair, state, profile.train_model, case, dtype, device,
+                 profile.offload_steps, peak, functools.partial(release_memory, device), release=device)  # fmt: skip
+    if r is not None:
+        base = r["baseline"]
+        result = (
+            f"losses {_losses(r['losses'])} vs without offload {_losses(base['losses'])} (max rel diff "
+            f"{r['max_rel_diff']:.1e}); {r['step_s']:.3f} vs {base['step_s']:.3f} s/step, peak mem "
+            f"{r['peak_memory_gib']:.3g} vs {base['peak_memory_gib']:.3g} GiB"
+        )
+        result += "".join(f"; {alone}: {r[alone]}" for alone in ("activations only", "states only") if alone in r)
+        target = f"every loss finite, within {SAME_LOSS_RTOL:.0e} of the run without offload"
+        rows.append(Row("memory", label, result, target, PASS if r["same"] else FAIL, {**r, **asdict(case)}))
     case, window = profile.packed_case, profile.packed_window
     label = f"{name} {case.label()} packed documents (median {profile.packed_median}), window {window}"
-    if budget.exhausted():
-        rows.append(_budget_row("memory", label, budget))
-        return
     _progress(f"memory: {label} ...")
-    try:
-        r = packed_window_row(state, profile.train_model, case, window, profile.packed_median, dtype, device,
-                              profile.train_steps, profile.train_warmup, peak)  # fmt: skip
+    r = _measure(rows, "memory", label, budget, packed_window_row, state, profile.train_model, case, window,
+                 profile.packed_median, dtype, device, profile.train_steps, profile.train_warmup, peak,
+                 release=device)  # fmt: skip
+    if r is not None:
         result = (
             f"{r['documents']} documents: loss {r['packed_loss']:.4f} packed vs {r['separate_loss']:.4f} as separate "
             f"sequences (rel diff {r['rel_diff']:.1e}); training losses {_losses(r['losses'])}; "
@@ -615,10 +589,6 @@ def _memory_options_on_one_rank(device: torch.device, profile: Profile, peak: Pe
         target = f"loss within {SAME_LOSS_RTOL:.0e} of separate sequences, training losses finite"
         status = PASS if r["same"] and r["finite"] else FAIL
         rows.append(Row("memory", label, result, target, status, {**r, **asdict(case)}))
-    except Exception as exc:  # noqa: BLE001 - reported as a failed row
-        rows.append(_error_row("memory", label, exc))
-    finally:
-        release_memory(device)
 
 
 def _losses(values: list[float]) -> str:
