@@ -20,6 +20,7 @@ else.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 
@@ -214,10 +215,7 @@ def _index(ranges: list[tuple[int, int]], device: torch.device) -> Tensor:
 
 
 def _offsets(lengths: list[int], device: torch.device) -> Tensor:
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    return torch.tensor(cu, dtype=torch.int32).to(device)
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).to(device)
 
 
 def _take(x: Tensor, span: tuple[int, int] | None, index: Tensor | None) -> Tensor:

@@ -18,6 +18,7 @@ from loongtrain.attention.local import masked_attention
 from loongtrain.attention.mask_plan import MAX_BAND_TILE, MaskPlan
 from loongtrain.attention.sharding import sequence_sharding
 from loongtrain.attention.varlen_plan import varlen_calls
+from loongtrain.tools.bench.documents import document_lengths
 from loongtrain.tools.harness import make_inputs, median_time, release_memory
 
 Tensor = torch.Tensor
@@ -87,20 +88,13 @@ def dense_speed(seq: int, heads: int, kv_heads: int, head_dim: int, dtype: torch
             "ratio_to_fastest": times[mine] / ran[fastest] if fastest else None}  # fmt: skip
 
 
-def lognormal_documents(seq: int, median: int, seed: int = 0) -> tuple[int, ...]:
-    """Boundaries of one packed row of lognormal documents (``loongtrain bench documents``' draw)."""
-    from loongtrain.tools.bench.documents import document_lengths
-
-    return tuple(document_lengths("lognormal", seq, median, seed))
-
-
 def documents_speed(seq: int, median: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                     device: torch.device, reps: int) -> dict:  # fmt: skip
     """Packed lognormal documents through loongtrain's one-device masked attention (the trainer's
     blocks: one variable-length call where the kernel has one) against the same length as one
     causal sequence on the chosen dense kernel: forward + backward seconds, peak memory, and the
     calls the block makes."""
-    cu = lognormal_documents(seq, median)
+    cu = tuple(document_lengths("lognormal", seq, median))
     layout = sequence_layout(seq, None, cu)
     q, k, v, dout = make_inputs(1, seq, heads, kv_heads, head_dim, dtype, device=device)
     scale = head_dim**-0.5

@@ -28,6 +28,7 @@ from loongtrain.parallel import ParallelConfig, ParallelState, init_parallel
 from loongtrain.planner import Candidate, ClusterSpec, PlanError, Workload, cluster_spec, estimate
 from loongtrain.planner.report import format_length
 from loongtrain.planner.specs import CLUSTER_PRESETS
+from loongtrain.tools.bench.documents import document_lengths
 from loongtrain.tools.harness import median_time, sync
 from loongtrain.train.metrics import device_peak_tflops, mfu, reset_peak_memory
 from loongtrain.train.spec import build_optimizer
@@ -268,8 +269,6 @@ def _same_losses(a: dict, b: dict) -> tuple[bool, float]:
 def packed_documents(cfg: ModelConfig, seq: int, median: int, device: torch.device, seed: int = 0) -> Microbatch:
     """One packed row of ``seq`` random tokens cut into lognormal documents (median ``median``),
     labels the next token of the same document (a document's last token predicts nothing)."""
-    from loongtrain.tools.bench.documents import document_lengths
-
     cu = document_lengths("lognormal", seq, median, seed)
     data = random_tokens(cfg, seq, device)
     labels = data[:, 1:].clone()
