@@ -55,3 +55,28 @@ def test_a_report_without_calibration_is_refused_with_the_fix(tmp_path):
         calibrate_gpu.read_report(path)
     with pytest.raises(PlanError, match="cannot read a GPU check report"):
         calibrate_gpu.read_report(tmp_path / "missing.json")
+
+
+def test_the_command_refuses_what_it_cannot_calibrate_in_one_line(tmp_path, capsys):
+    """A report of no known GPU without --cluster, and a cluster file that cannot be written."""
+    import argparse
+
+    from loongtrain import plan_cli
+
+    report = json.loads(REPORT.read_text())
+    report["environment"].pop("gpu")
+    report["environment"]["device"] = "cpu"
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps(report))
+    parser = argparse.ArgumentParser()
+    plan_cli.add_arguments(parser)
+    with pytest.raises(SystemExit) as stop:
+        plan_cli.main(parser.parse_args(["--calibrate-gpu", str(path)]))
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["loongtrain plan: error: --calibrate-gpu: the report was made on cpu (no GPU), which no preset "
+                   "matches; pass --cluster PRESET_OR_FILE"]  # fmt: skip
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    with pytest.raises(PlanError, match="cannot write the cluster file .* choose another path"):
+        calibrate_gpu.run(str(REPORT), cluster_spec("h200"), str(blocked / "h200.toml"))

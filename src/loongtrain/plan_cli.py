@@ -71,10 +71,13 @@ def _calibrate_gpu(args: argparse.Namespace) -> None:
 
     name = args.cluster
     if name is None:
-        gpu = calibrate_gpu.read_report(args.calibrate_gpu)["environment"].get("gpu", "")
-        name = next((preset for preset in CLUSTER_PRESETS if preset.upper() in gpu), None)
+        env = calibrate_gpu.read_report(args.calibrate_gpu)["environment"]
+        gpu = env.get("gpu", "")
+        name = next((preset for preset in CLUSTER_PRESETS if gpu and preset.upper() in gpu), None)
         if name is None:
-            raise PlanError(f"--calibrate-gpu: no preset for the report's GPU {gpu!r}; pass --cluster PRESET_OR_FILE")
+            made_on = f"GPU {gpu!r}" if gpu else f"{env.get('device', '?')} (no GPU)"
+            raise PlanError(f"--calibrate-gpu: the report was made on {made_on}, which no preset matches; pass "
+                            "--cluster PRESET_OR_FILE")  # fmt: skip
     print(calibrate_gpu.run(args.calibrate_gpu, cluster_spec(name), args.out))
 
 

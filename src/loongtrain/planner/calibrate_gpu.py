@@ -223,7 +223,10 @@ def run(report_path: str, base: ClusterSpec, out: str | None) -> str:
         *check_table(checks).splitlines(),
     ])  # fmt: skip
     path = Path(out) if out else Path("clusters") / f"{base.name}.toml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(cluster_to_toml(cluster, comments, header))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(cluster_to_toml(cluster, comments, header))
+    except OSError as exc:
+        raise PlanError(f"--out {str(path)!r}: cannot write the cluster file ({exc}); choose another path") from None
     worst = max((abs(r.time_error) for r in checks), default=float("nan"))
     return f"{check_table(checks)}\nworst step-time error {worst:.1%}; written to {path} (use --cluster {path})"

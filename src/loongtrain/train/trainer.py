@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from loongtrain.apply import parallelize
-from loongtrain.attention.backends import set_attention_kernel
+from loongtrain.attention.backends import backend_for, set_attention_kernel
 from loongtrain.config import ConfigError, TrainConfig, to_toml
 from loongtrain.data import BatchLoader
 from loongtrain.model import build_model
@@ -162,7 +162,8 @@ def describe(run: Run) -> str:
         f"loongtrain train: {dist.get_world_size()} process(es) on {run.device.type} ({dist.get_backend()}), "
         f"layout dp={state.dp} hp={state.hp} cp={state.cp} ring_window={spec.parallel.ring_window} "
         f"{spec.parallel.placement}, zero={cfg.parallel.zero}, "
-        f"activation checkpoint {cfg.memory.activation_checkpoint}, compute {cfg.parallel.param_dtype}"
+        f"activation checkpoint {cfg.memory.activation_checkpoint}, compute {cfg.parallel.param_dtype}, "
+        f"attention kernel {backend_for(run.device, spec.param_dtype).name}"
         f"{', compiled blocks' if cfg.run.compile else ''}\n"
         f"model {cfg.model.init_from or cfg.model.preset} ({spec.model.num_params() / 1e6:.2f}M parameters), "
         f"data {cfg.data.source}: "
