@@ -22,13 +22,15 @@ from dist_pool import cached_state
 from reference import lm_loss_sum
 
 
-def _backward_counts(cfg: dict, mode: str, every: int) -> dict:
+def _backward_counts(cfg: dict, mode: str, every: int, first: int = 0) -> dict:
     state = cached_state(**cfg)
     mcfg = model_config("debug", n_layers=4)
     model = parallelize(
         build_model(mcfg),
         state,
-        memory=MemoryOptions(activation_checkpoint=mode, activation_checkpoint_every=every),
+        memory=MemoryOptions(
+            activation_checkpoint=mode, activation_checkpoint_every=every, activation_checkpoint_layers=first
+        ),
         zero="dp_sp",
     )
     materialize(model, torch.device("cpu"), 0)
@@ -56,12 +58,12 @@ def _backward_counts(cfg: dict, mode: str, every: int) -> dict:
 
 @pytest.mark.dist
 @pytest.mark.parametrize(
-    "mode, every, recomputed_layers",
-    [("none", 1, 0), ("full", 1, 4), ("full", 2, 2), ("sc++", 1, 0), ("sc++", 2, 0)],
+    "mode, every, first, recomputed_layers",
+    [("none", 1, 0, 0), ("full", 1, 0, 4), ("full", 2, 0, 2), ("full", 1, 3, 3), ("sc++", 1, 0, 0), ("sc++", 2, 0, 0)],
 )
-def test_backward_reruns_attention_only_under_full(dist_pool, mode, every, recomputed_layers):
+def test_backward_reruns_attention_only_under_full(dist_pool, mode, every, first, recomputed_layers):
     layers, cp = 4, 2
-    for result in dist_pool(4).run(_backward_counts, {"hp": 2, "cp": 2}, mode, every):
+    for result in dist_pool(4).run(_backward_counts, {"hp": 2, "cp": 2}, mode, every, first):
         counts = result["counts"]
         # the attention backward itself: 3 all-to-alls, cp-1 KV hops, cp-1 dKV partials, cp blocks per layer
         assert counts["bwd.all_to_all"] == 3 * layers

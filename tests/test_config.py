@@ -127,7 +127,7 @@ def _config_keys_of(option_cls: type) -> dict[str, list[str]]:
                 value = getattr(getattr(cfg, sec), key)
                 if isinstance(value, bool):
                     changed = not value
-                elif isinstance(value, int):
+                elif isinstance(value, int | float):
                     changed = value + 2
                 else:
                     choices = next(f for f in fields(SECTIONS[sec]) if f.name == key).metadata["choices"]
@@ -137,6 +137,10 @@ def _config_keys_of(option_cls: type) -> dict[str, list[str]]:
                     cfg.parallel.cp = changed * 2
                 if name == "activation_checkpoint_span":  # spans need full checkpointing
                     cfg.memory.activation_checkpoint = "full"
+                if name == "activation_checkpoint_layers":  # a layer count needs one mode on every layer
+                    cfg.memory.activation_checkpoint = "full"
+                if name == "device_memory_gib":  # the budget of auto
+                    cfg.memory.activation_checkpoint = "auto"
                 built = build[option_cls](cfg)
                 moved = [f.name for f in fields(option_cls) if getattr(built, f.name) != getattr(base, f.name)]
                 assert name in moved, (dotted, moved)

@@ -446,10 +446,10 @@ def _options_on_vs_off(cfg: dict, run_dir: str, on_options: dict = ALL_ON) -> di
     "cfg, on_options",
     [
         ({"hp": 2, "cp": 2, "ring_window": 2, "balance": "documents"}, ALL_ON),
-        ({"cp": 4, "ring_window": 2}, ALL_ON),
+        ({"cp": 4, "ring_window": 2}, {**ALL_ON, "activation_checkpoint_layers": 1}),
         ({"hp": 2, "cp": 2, "ring_window": 2, "balance": "documents"}, SPANS_ON),
     ],
-    ids=["2d-hp2-cp2", "double-ring-cp4-w2", "2d-spans-head-groups"],
+    ids=["2d-hp2-cp2", "double-ring-cp4-w2-first-layer", "2d-spans-head-groups"],
 )
 def test_every_option_on_trains_like_every_option_off(dist_pool, tmp_path, cfg, on_options):
     for report in dist_pool(4).run(_options_on_vs_off, cfg, str(tmp_path / "ckpt"), on_options):
@@ -609,9 +609,14 @@ def test_offload_holds_the_kept_tensors_on_the_host_until_backward(dist_pool):
 
 # The memory model against the real code, measured live (the static table of
 # tests/test_planner_memory.py records one day's peaks; this follows the code as it changes).
-# (hp, cp, activation checkpoint, ZeRO scope) on 4 ranks, fp32, one 4096-token sequence, the
-# whole-shard loss: the debug model scaled as in that table.
-LIVE_ROWS = [(2, 2, "sc++", "dp_sp"), (2, 2, "none", "dp_sp"), (1, 4, "full", "none")]
+# (hp, cp, activation checkpoint, ZeRO scope, checkpointed layers: 0 every one) on 4 ranks, fp32,
+# one 4096-token sequence, the whole-shard loss: the debug model scaled as in that table.
+LIVE_ROWS = [
+    (2, 2, "sc++", "dp_sp", 0),
+    (2, 2, "none", "dp_sp", 0),
+    (1, 4, "full", "none", 0),
+    (2, 2, "sc++", "dp_sp", 2),
+]
 LIVE_SEQ = 4096
 
 
@@ -625,9 +630,9 @@ def _live_peaks(rows: list) -> list[int]:
     from loongtrain.tools.bench.memory import measure
 
     peaks = []
-    for hp, cp, checkpoint, zero in rows:
+    for hp, cp, checkpoint, zero, layers in rows:
         state = cached_state(hp=hp, cp=cp)
-        options = MemoryOptions(activation_checkpoint=checkpoint, loss_chunk=0)
+        options = MemoryOptions(activation_checkpoint=checkpoint, loss_chunk=0, activation_checkpoint_layers=layers)
         peaks.append(measure(_live_model(), state, options, LIVE_SEQ, torch.device("cpu"), False, zero)["device"])
     return peaks
 
@@ -642,10 +647,13 @@ def test_memory_model_follows_the_peaks_of_the_real_code(dist_pool):
     predicted = [
         predict_peak_memory(
             _live_model(), LIVE_SEQ, 1, 4,
-            Candidate.of(dp=1, hp=hp, cp=cp, zero=zero, activation_checkpoint=checkpoint, loss_chunk=0),
+            Candidate.of(
+                dp=1, hp=hp, cp=cp, zero=zero, activation_checkpoint=checkpoint, loss_chunk=0,
+                activation_checkpoint_layers=layers,
+            ),
             optimizer=False, gpu=False,
         ).total
-        for hp, cp, checkpoint, zero in LIVE_ROWS
+        for hp, cp, checkpoint, zero, layers in LIVE_ROWS
     ]  # fmt: skip
     ratios = [p / m for p, m in zip(predicted, measured)]
     print("live peaks MiB", [round(m / 2**20, 1) for m in measured], "predicted / measured", ratios)
@@ -655,3 +663,7 @@ def test_memory_model_follows_the_peaks_of_the_real_code(dist_pool):
     # the model counts per layer, the part that changes when the real code changes what it keeps
     saved_measured, saved_predicted = measured[1] - measured[0], predicted[1] - predicted[0]
     assert 0.80 <= saved_predicted / saved_measured <= 1.20, (saved_measured, saved_predicted)
+    # sc++ on the first 2 of 4 layers: between none and sc++ on all, and what it saves as predicted
+    assert measured[0] < measured[3] < measured[1], measured
+    half_measured, half_predicted = measured[1] - measured[3], predicted[1] - predicted[3]
+    assert 0.80 <= half_predicted / half_measured <= 1.20, (half_measured, half_predicted)

@@ -3,6 +3,7 @@ and the same losses under different layouts."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -83,6 +84,34 @@ def test_resume_on_other_layouts_and_world_sizes(dist_pool, tmp_path):
         np.testing.assert_allclose(resumed, ref_losses[2:], rtol=2e-5, err_msg=name)
 
 
+def _train_recording_memory(overrides: list[str]) -> dict:
+    """:func:`_train`, with the memory options and checkpoint policy the run was built with."""
+    cfg = load_config(None, BASE + overrides)
+    seen: dict = {}
+
+    def after_step(run, done, reporter, beat) -> None:
+        seen.setdefault("memory", dataclasses.asdict(run.spec.memory))
+        seen.setdefault("policy", run.policy.describe() if run.policy is not None else None)
+
+    world = torch.distributed.get_world_size()
+    result = train(torch.device("cpu"), cfg, preflight(cfg, world), after_step=after_step)
+    return {"losses": result.losses, **seen}
+
+
+def _budget_between(first: dict, second: dict, layout: dict) -> float:
+    """GiB halfway between the planner's peaks of two checkpointings of BASE's run on ``layout``."""
+    from loongtrain.planner import Candidate, Workload
+    from loongtrain.planner.memory import memory_bytes
+    from loongtrain.train.spec import model_spec
+
+    cfg = load_config(None, BASE)
+    w = Workload(
+        model_spec(cfg).model, cfg.data.seq_len, batch=8, micro_batch=8 // cfg.data.micro_batches, dtype_bytes=4
+    )
+    peaks = [memory_bytes(w, Candidate.of(dp=1, zero="dp_sp", **layout, **x), gpu=False).total for x in (first, second)]
+    return sum(peaks) / 2 / 2**30
+
+
 @pytest.mark.dist
 def test_same_losses_unsharded_and_2d(dist_pool, tmp_path):
     common = ["run.steps=4", "memory.activation_checkpoint=none"]
@@ -90,6 +119,21 @@ def test_same_losses_unsharded_and_2d(dist_pool, tmp_path):
     twod = dist_pool(4).run(_train, common + _layout(hp=2, cp=2, window=2) + [f"run.output_dir={tmp_path / 'q'}"])[0]
     np.testing.assert_allclose(twod["losses"], plain["losses"], rtol=1e-5)
     assert twod["losses"][-1] < twod["losses"][0]  # it trains
+    # auto, with a budget between the planner's peaks of no checkpointing and sc++ on the first
+    # layer: it checkpoints that layer alone, and trains as without checkpointing
+    budget = _budget_between(
+        {"activation_checkpoint": "none"},
+        {"activation_checkpoint": "sc++", "activation_checkpoint_layers": 1},
+        {"hp": 2, "cp": 2, "ring_window": 2},
+    )
+    auto = ["run.steps=4", "memory.activation_checkpoint=auto", f"memory.device_memory_gib={budget!r}"]
+    chosen = dist_pool(4).run(
+        _train_recording_memory, auto + _layout(hp=2, cp=2, window=2) + [f"run.output_dir={tmp_path / 'a'}"]
+    )
+    for rank in chosen:
+        assert (rank["memory"]["activation_checkpoint"], rank["memory"]["activation_checkpoint_layers"]) == ("sc++", 1)
+        assert rank["policy"].startswith("sc++ on the first 1 of 2 layers (predicted peak"), rank["policy"]
+        np.testing.assert_allclose(rank["losses"], plain["losses"], rtol=1e-5)
 
 
 def test_checkpoint_manager_ignores_incomplete(tmp_path):

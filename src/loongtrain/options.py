@@ -21,6 +21,11 @@ PLACEMENTS: tuple[str, ...] = get_args(Placement)
 CONTEXT_ORDERS: tuple[str, ...] = get_args(ContextOrder)
 #: activation checkpointing per block: nothing, the whole block, or the block minus the attention.
 ACTIVATION_CHECKPOINT_MODES: tuple[str, ...] = get_args(ActivationCheckpoint)
+#: ``auto``: the planner's memory model picks the mode and how many layers it covers
+#: (:func:`loongtrain.planner.policy.choose_checkpoint_policy`); resolved before ``parallelize``
+AUTO_CHECKPOINT = "auto"
+#: what a training config's ``memory.activation_checkpoint`` takes
+ACTIVATION_CHECKPOINT_CHOICES: tuple[str, ...] = (*ACTIVATION_CHECKPOINT_MODES, AUTO_CHECKPOINT)
 #: where model states are sharded: nowhere, across dp, within the sp group, over every rank.
 ZERO_SCOPES: tuple[str, ...] = get_args(ZeroScope)
 #: how sequence chunks are assigned to context ranks (see ``loongtrain.attention.balance``).
@@ -105,12 +110,13 @@ def check_bounds(obj: object) -> None:
                 raise ValueError(f"{type(obj).__name__}: {error}")
 
 
-def check_activation_checkpoint(mode: str, every: int = 1, span: int = 1) -> None:
-    """Raise ValueError unless ``mode`` is an activation checkpoint mode, ``every`` and ``span``
-    positive integers, and ``span > 1`` only with ``full`` on every layer."""
-    if mode not in ACTIVATION_CHECKPOINT_MODES:
+def check_activation_checkpoint(mode: str, every: int = 1, span: int = 1, layers: int = 0) -> None:
+    """Raise ValueError unless ``mode`` is an activation checkpoint mode (or ``auto``), ``every``
+    and ``span`` positive integers, ``span > 1`` only with ``full`` on every layer, and ``layers``
+    (the first this many layers; 0: all that ``every`` selects) a count beside ``every = 1``."""
+    if mode not in ACTIVATION_CHECKPOINT_CHOICES:
         raise ValueError(
-            f"unknown activation checkpoint mode {mode!r}; choose one of {list(ACTIVATION_CHECKPOINT_MODES)}"
+            f"unknown activation checkpoint mode {mode!r}; choose one of {list(ACTIVATION_CHECKPOINT_CHOICES)}"
         )
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"activation checkpoint every={every!r} must be a positive integer (1 = every layer)")
@@ -122,6 +128,56 @@ def check_activation_checkpoint(mode: str, every: int = 1, span: int = 1) -> Non
             f"layer again checkpointed: it needs activation_checkpoint='full' with activation_checkpoint_every=1 "
             f"(got {mode!r}, every={every})"
         )
+    if mode == AUTO_CHECKPOINT and every != 1:
+        raise ValueError(
+            f"activation_checkpoint='auto' chooses which layers to checkpoint itself; set "
+            f"activation_checkpoint_every=1 (got {every}) or choose full or sc++"
+        )
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0:
+        raise ValueError(
+            f"activation_checkpoint_layers={layers!r} must be 0 (every layer) or a positive number of layers"
+        )
+    if layers and (mode in ("none", AUTO_CHECKPOINT) or every != 1 or span != 1):
+        raise ValueError(
+            f"activation_checkpoint_layers={layers} checkpoints the first {layers} layers with one mode: it needs "
+            f"activation_checkpoint 'full' or 'sc++' with activation_checkpoint_every=1 and "
+            f"activation_checkpoint_span=1 (got {mode!r}, every={every}, span={span}); "
+            f"set activation_checkpoint_layers=0 or change the others"
+        )
+
+
+def checkpoint_label(memory: MemoryOptions, n_layers: int) -> str:
+    """The checkpointing in words: ``sc++``, ``sc++ on the first 6 of 16 layers``, ``full on every 2nd layer``."""
+    mode, layers, every = (
+        memory.activation_checkpoint,
+        memory.activation_checkpoint_layers,
+        memory.activation_checkpoint_every,
+    )
+    if layers and mode != "none":
+        return f"{mode} on the first {layers} of {n_layers} layers"
+    if every > 1 and mode != "none":
+        return f"{mode} on every {every}th layer"
+    return mode
+
+
+def checkpointed_count(memory: MemoryOptions, n_layers: int) -> int:
+    """How many of ``n_layers`` layers ``memory`` checkpoints: the first
+    ``activation_checkpoint_layers``, else every ``activation_checkpoint_every``-th (0 without
+    checkpointing). ValueError for ``auto`` (resolve it first) or more layers than the model has."""
+    mode, layers = memory.activation_checkpoint, memory.activation_checkpoint_layers
+    if mode == AUTO_CHECKPOINT:
+        raise ValueError(
+            "activation_checkpoint='auto' is chosen per run by loongtrain.planner.choose_checkpoint_policy; "
+            "resolve it before pricing or applying the memory options"
+        )
+    if layers > n_layers:
+        raise ValueError(
+            f"activation_checkpoint_layers={layers} but the model has {n_layers} layers; use at most {n_layers} "
+            f"(or 0: every layer)"
+        )
+    if mode == "none":
+        return 0
+    return layers or math.ceil(n_layers / memory.activation_checkpoint_every)
 
 
 def check_zero_scope(scope: str) -> None:
@@ -136,13 +192,27 @@ class MemoryOptions:
     keys of a training config (made from these fields) and what the planner prices. Each
     field's help says what it does; ``offload_activations`` needs ``full`` or ``sc++``."""
 
-    activation_checkpoint: ActivationCheckpoint = option(
+    activation_checkpoint: str = option(
         "none",
-        "activation checkpointing per block: none, full (recompute the block, attention included) or sc++ "
-        "(Selective Checkpoint++: recompute the block but keep the distributed attention's results)",
-        choices=ACTIVATION_CHECKPOINT_MODES,
+        "activation checkpointing per block: none, full (recompute the block, attention included), sc++ "
+        "(Selective Checkpoint++: recompute the block but keep the distributed attention's results) or auto "
+        "(the planner's memory model picks the mode and how many layers, the least recompute that fits the "
+        "device: memory.device_memory_gib)",
+        choices=ACTIVATION_CHECKPOINT_CHOICES,
     )
     activation_checkpoint_every: int = option(1, "activation-checkpoint every k-th layer", bound="positive")
+    activation_checkpoint_layers: int = option(
+        0,
+        "checkpoint only the first this many layers (the rest keep their activations, no recompute); "
+        "0: every layer activation_checkpoint_every selects",
+        bound="non_negative",
+    )
+    device_memory_gib: float = option(
+        0.0,
+        "activation_checkpoint=auto: the device memory (GiB) the plan may fill; 0: 90% of the device's own "
+        "(a GPU's total; on CPU set it)",
+        bound="non_negative",
+    )
     activation_checkpoint_span: int = option(
         1,
         "under full checkpointing, keep one input per span of this many layers and recompute the span in "
@@ -172,7 +242,10 @@ class MemoryOptions:
 
     def __post_init__(self) -> None:
         check_activation_checkpoint(
-            self.activation_checkpoint, self.activation_checkpoint_every, self.activation_checkpoint_span
+            self.activation_checkpoint,
+            self.activation_checkpoint_every,
+            self.activation_checkpoint_span,
+            self.activation_checkpoint_layers,
         )
         for name in ("loss_chunk", "mlp_tile"):
             value = getattr(self, name)
@@ -183,6 +256,12 @@ class MemoryOptions:
         for name in ("offload_activations", "offload_states"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MemoryOptions: {name}={getattr(self, name)!r} must be true or false")
+        if self.device_memory_gib and self.activation_checkpoint != AUTO_CHECKPOINT:
+            raise ValueError(
+                f"MemoryOptions: device_memory_gib={self.device_memory_gib} is the budget of "
+                f"activation_checkpoint='auto', but activation_checkpoint={self.activation_checkpoint!r}; set "
+                f"activation_checkpoint='auto' or device_memory_gib=0"
+            )
         if self.offload_activations and self.activation_checkpoint == "none":
             raise ValueError(
                 "MemoryOptions: offload_activations moves what activation checkpointing keeps, and "

@@ -29,7 +29,7 @@ from loongtrain.apply.zero import apply_zero, zero_mesh
 from loongtrain.model.lean import lean_normed_projections, tiled_rope
 from loongtrain.model.llama import Transformer, normed_mlp
 from loongtrain.model.tiled_mlp import tiled_normed_mlp
-from loongtrain.options import MemoryOptions, check_compile, check_zero_scope
+from loongtrain.options import MemoryOptions, check_compile, check_zero_scope, checkpointed_count
 from loongtrain.parallel import ParallelState
 
 __all__ = [
@@ -73,12 +73,17 @@ def parallelize(
         check_compile(memory, per_batch=bool(alternatives))
     apply_attention(model, state, alternatives)  # checks that the heads split over hp, before anything else
     apply_memory_options(model, memory)
-    mode, every = memory.activation_checkpoint, memory.activation_checkpoint_every
-    recomputed = checkpointed_layers(len(model.layers), mode, every) if mode == "full" else ()
+    checkpointed_count(memory, len(model.layers))  # refuses 'auto' unresolved and more layers than the model's
+    mode, every, layers = (
+        memory.activation_checkpoint,
+        memory.activation_checkpoint_every,
+        memory.activation_checkpoint_layers,
+    )
+    recomputed = checkpointed_layers(len(model.layers), mode, every, layers) if mode == "full" else ()
     apply_head_groups(model, memory.head_groups, state, alternatives, recomputed=recomputed)
     offload = ActivationOffload(state.device) if memory.offload_activations else None
     model.activation_offload = offload  # what it holds on the host: model.activation_offload.host_bytes()
-    apply_activation_checkpoint(model, mode, every, offload, span=memory.activation_checkpoint_span)
+    apply_activation_checkpoint(model, mode, every, offload, span=memory.activation_checkpoint_span, layers=layers)
     if compile:
         apply_compile(model)
     apply_zero(

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from loongtrain.apply.offload import ActivationOffload, LayerStash
 from loongtrain.attention.ops import ATTENTION_OPS
 from loongtrain.model.llama import Transformer
-from loongtrain.options import check_activation_checkpoint
+from loongtrain.options import MemoryOptions, check_activation_checkpoint, checkpointed_count
 
 __all__ = ["apply_activation_checkpoint", "checkpointed_layers"]
 
@@ -91,9 +91,15 @@ def _entered_together(*managers):
 
 
 def apply_activation_checkpoint(
-    model: Transformer, mode: str, every: int = 1, offload: ActivationOffload | None = None, span: int = 1
+    model: Transformer,
+    mode: str,
+    every: int = 1,
+    offload: ActivationOffload | None = None,
+    span: int = 1,
+    layers: int = 0,
 ) -> None:
-    """Checkpoint layers ``0, every, 2*every, ...`` with ``mode``; with ``offload``, what each
+    """Checkpoint layers ``0, every, 2*every, ...`` (``layers > 0``: the first ``layers``; the
+    others keep their activations and recompute nothing) with ``mode``; with ``offload``, what each
     checkpointed layer keeps (its input; under sc++ also the attention results) lives in
     host memory between its forward and its backward (:mod:`loongtrain.apply.offload`).
     ``span > 1`` (``full`` only): spans of ``span`` layers run in one checkpoint that keeps
@@ -103,7 +109,8 @@ def apply_activation_checkpoint(
     The block's ``forward`` is wrapped in place (parameter names do not change, so
     checkpoints load across modes).
     """
-    check_activation_checkpoint(mode, every, span)
+    check_activation_checkpoint(mode, every, span, layers)
+    checkpointed = checkpointed_layers(len(model.layers), mode, every, layers)
     if span > 1:
         _checkpoint_spans(model, span, offload)
         offload = None  # the spans' inputs are what is offloaded; a layer's input inside a span is not kept
@@ -114,7 +121,6 @@ def apply_activation_checkpoint(
                 "there is nothing to move: use 'full' or 'sc++'"
             )
         return
-    checkpointed = checkpointed_layers(len(model.layers), mode, every)
     for index, layer in enumerate(model.layers):
         if index not in checkpointed:
             continue
@@ -136,9 +142,15 @@ def apply_activation_checkpoint(
             layer.attention.attention_fn = offload.mark_attention(layer.attention.attention_fn)
 
 
-def checkpointed_layers(n_layers: int, mode: str, every: int = 1) -> range:
-    """The layers ``mode`` checkpoints: ``0, every, 2*every, ...`` (none under ``"none"``)."""
-    return range(0) if mode == "none" else range(0, n_layers, every)
+def checkpointed_layers(n_layers: int, mode: str, every: int = 1, layers: int = 0) -> range:
+    """The layers ``mode`` checkpoints: ``0, every, 2*every, ...``, or with ``layers > 0`` the first
+    ``layers`` (none under ``"none"``). The first ones, because backward reaches them last: the
+    layers without recompute have freed their activations by then, so a checkpointed layer's
+    recompute never adds to the peak at the start of backward."""
+    memory = MemoryOptions(activation_checkpoint=mode, activation_checkpoint_every=every,
+                           activation_checkpoint_layers=layers)  # fmt: skip
+    count = checkpointed_count(memory, n_layers)
+    return range(count) if layers else range(0, count * every, every)
 
 
 def _checkpoint_spans(model: Transformer, span: int, offload: ActivationOffload | None) -> None:

@@ -7,7 +7,8 @@ itself (only ``loongtrain.options``, ``parallel.config``/``layout``/``zero_grid`
 folders), ``topology`` (which hops leave a node), ``cost`` (``Candidate``, FLOPs, bytes,
 link and ring times), ``zero``, ``memory`` (peak device and host memory, named terms),
 ``estimate`` (one candidate), ``search`` (all candidates, their memory options,
-baselines), ``maxlen`` (the longest sequence that fits), ``explain``, ``report``,
+baselines), ``policy`` (the checkpointing that fills a device), ``ceiling`` (a step from
+measured kernel rates alone), ``maxlen`` (the longest sequence that fits), ``explain``, ``report``,
 ``simulate`` (event-driven schedule on modelled links), ``timeline`` (PNG, matplotlib),
 ``fit`` (calibration fits) and ``validation`` (what ``--validate`` compares); the published
 measurements the model is checked against are in ``tests/planner_anchors.py``. CLI: ``cli``; the measuring side

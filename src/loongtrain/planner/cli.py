@@ -75,11 +75,12 @@ _LAYOUT_KEYS = {
     "mlp_tile": "mlp_tile",
     "head_groups": "head_groups",
     "span": "activation_checkpoint_span",
+    "layers": "activation_checkpoint_layers",
     "offload": "offload",
 }
 _INT_KEYS = (
     "dp", "hp", "cp", "ring_window", "activation_checkpoint_every", "loss_chunk", "mlp_tile", "head_groups",
-    "activation_checkpoint_span",
+    "activation_checkpoint_span", "activation_checkpoint_layers",
 )  # fmt: skip
 _OFFLOADS = {
     "none": (False, False),
@@ -185,8 +186,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument(
         "--layout",
         default=None,
-        help="also price this layout: keys hp, cp, ring_window (w), placement, dp, zero, ckpt, every, loss_chunk, "
-        "mlp_tile, head_groups, span, offload=none|activations|states|both; e.g. hp=8,cp=8,ring_window=4,ckpt=sc++",
+        help="also price this layout: keys hp, cp, ring_window (w), placement, dp, zero, ckpt, every, layers (only "
+        "the first this many layers checkpointed), loss_chunk, mlp_tile, head_groups, span, "
+        "offload=none|activations|states|both; e.g. hp=8,cp=8,ring_window=4,ckpt=sc++",
     )
     out.add_argument("--timeline", default=None, metavar="PNG", help="simulate one layer of the winner (or --layout)")
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
 from loongtrain.model.config import ModelConfig
-from loongtrain.options import MemoryOptions
+from loongtrain.options import AUTO_CHECKPOINT, MemoryOptions
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.planner.specs import ClusterSpec, PlanError
 from loongtrain.planner.topology import HeadTraffic, RingTraffic, Topology, analyze
@@ -49,6 +49,11 @@ class Candidate:
             raise PlanError(f"Candidate: parallel must be a ParallelConfig with dp set, got {self.parallel!r}")
         if not isinstance(self.memory, MemoryOptions):
             raise PlanError(f"Candidate: memory must be a MemoryOptions, got {self.memory!r}")
+        if self.memory.activation_checkpoint == AUTO_CHECKPOINT:
+            raise PlanError(
+                "Candidate: activation_checkpoint='auto' is what the planner chooses "
+                "(loongtrain.planner.choose_checkpoint_policy), not a layout to price; give full, sc++ or none"
+            )
 
     @classmethod
     def of(cls, *, zero: str = "dp_sp", dp: int = 1, **options) -> Candidate:
@@ -95,6 +100,8 @@ class Candidate:
             parts.append("off:" + "+".join(offload))
         if m.activation_checkpoint_every > 1:
             parts.append(f"every{m.activation_checkpoint_every}")
+        if m.activation_checkpoint_layers:
+            parts.append(f"first{m.activation_checkpoint_layers}")
         if m.head_groups > 1:
             parts.append(f"heads/{m.head_groups}")
         if m.activation_checkpoint_span > 1:

@@ -19,9 +19,9 @@ measured steps (0 in the datasheet presets: not counted); the device optimizer s
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
+from loongtrain.options import checkpointed_count
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.planner.cost import (
     AttentionTimes,
@@ -92,7 +92,7 @@ def estimate(c: ClusterSpec, w: Workload, layout: Candidate) -> Estimate:
     tile = mlp_flops_fwd(w, p.sp) / mm if mem.mlp_tile else 0.0
     n_layers = m.n_layers
     ckpt = mem.activation_checkpoint
-    n_ckpt = 0 if ckpt == "none" else math.ceil(n_layers / mem.activation_checkpoint_every)
+    n_ckpt = checkpointed_count(mem, n_layers)
     full = ckpt == "full"
     # a checkpointed layer's forwards in backward: its own recompute, and with spans its span's too
     passes = 2 if mem.activation_checkpoint_span > 1 else 1

@@ -124,6 +124,11 @@ def memory_options_line(best: Estimate) -> str:
     if mem.offload_states:
         used.append("model states on the host (CPU AdamW)")
     loss = f"loss in chunks of {mem.loss_chunk} tokens" if mem.loss_chunk else "the whole shard's logits at once"
+    if mem.activation_checkpoint_layers:
+        loss += (
+            f"; {mem.activation_checkpoint} on the first {mem.activation_checkpoint_layers} layers only, the fewest "
+            f"that fit (the others keep their activations and recompute nothing)"
+        )
     if not used:
         return f"memory: {loss}; no tiling or offload needed (peak in the {best.memory.phase} phase)"
     host = (

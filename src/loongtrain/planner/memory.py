@@ -50,7 +50,10 @@ accumulation dtype's (4: fp32). Where each term comes from:
 The peak is the largest of five phases: the loss (every layer's kept tensors plus the
 loss's), the backward of the first layer it reaches (every layer's kept tensors, plus one
 layer's recompute working set), of the last (one layer's kept tensors, the other layers'
-sharded gradients), the root's reduce and the optimizer step. ``MemoryOptions`` change
+sharded gradients), the root's reduce and the optimizer step; with
+``activation_checkpoint_layers`` (the first k layers checkpointed, the rest plain) a sixth, the
+backward of the last checkpointed layer (the k layers' kept tensors, the plain layers'
+gradients, one recompute), while the first layer's backward is a plain layer's. ``MemoryOptions`` change
 exactly their terms: ``mlp_tile`` replaces the per-token MLP intermediates by one tile's, ``loss_chunk`` the
 logits by one chunk's, ``offload_activations`` keeps two layers of kept tensors on the
 device in forward (the layer in use and the one being copied out) and one through a layer's
@@ -68,6 +71,7 @@ from dataclasses import dataclass, replace
 
 from loongtrain.attention.workspace import backward_heads_per_call, backward_workspace_bytes
 from loongtrain.model.config import VOCAB_SLICE, ModelConfig
+from loongtrain.options import checkpointed_count
 from loongtrain.planner.cost import Candidate, Workload, replicated_kv_heads
 from loongtrain.planner.zero import shard_degree
 
@@ -313,8 +317,7 @@ def memory_phases(
     p_output = m.vocab_size * m.dim  # the output weight (the embedding when tied)
     tile = min(mem.mlp_tile, tokens) if mem.mlp_tile else 0
     ckpt = mem.activation_checkpoint
-    every = mem.activation_checkpoint_every
-    n_ckpt = 0 if ckpt == "none" else math.ceil(m.n_layers / every)
+    n_ckpt = checkpointed_count(mem, m.n_layers)
     n_plain = m.n_layers - n_ckpt
     groups = mem.head_groups
     mine = layer_bytes(m, p.hp, p.cp, e, ckpt, tile > 0, a, groups) if n_ckpt else None
@@ -408,11 +411,15 @@ def memory_phases(
     projections = (e * m.dim + q_bytes + kv_bytes + max(q_bytes, e * m.dim)) * tokens + prefetched
     if groups > 1:  # the projections' backward is inside the grouped function (its working set);
         projections = 0.0  # the previous layer's kept tensors come back when its backward reads them
-    work = projections
-    if mine:
-        work = max(work, working(mine))
-    if n_plain:  # a layer without checkpointing: its saved set is in kept already
-        work = max(work, working(plain))
+    ckpt_work = max(projections, working(mine)) if mine else projections
+    # a layer without checkpointing: its saved set is in kept already
+    plain_work = max(projections, working(plain)) if n_plain else projections
+    first_work = last_work = max(ckpt_work, plain_work)  # every k-th layer: either kind comes first and last
+    # the first activation_checkpoint_layers layers checkpointed: backward reaches the others first
+    # and has freed their activations before the first recompute
+    counted = bool(mem.activation_checkpoint_layers and n_plain)
+    if counted:
+        first_work, last_work = plain_work, ckpt_work
     layer_grads = p_layer * e + (4.0 * p_layer / shard if mem.offload_states else 0.0)
     gathered_layers = GATHERED_LAYERS * p_layer * e + (
         GATHERED_LAYERS * 4.0 * p_layer / shard if mem.offload_states else 0.0
@@ -434,10 +441,15 @@ def memory_phases(
         backward_common["gloo copies"] = max(4.0, e) * p_layer
     if span > 1:
         backward_common["span inputs"] = span_inputs
-    first = {**backward_common, "kept": kept_backward, "layer backward": work}
+    first = {**backward_common, "kept": kept_backward, "layer backward": first_work}
     last_kept = kept_ckpt_layer if n_ckpt else plain.kept * tokens
     sharded_grads = 0.0 if mem.offload_states else 4.0 * p_layer / shard * (m.n_layers - 1)
-    last = {**backward_common, "grads": sharded_grads, "kept": last_kept, "layer backward": work}
+    last = {**backward_common, "grads": sharded_grads, "kept": last_kept, "layer backward": last_work}
+    recompute_first = None
+    if counted:  # the last checkpointed layer's backward: the layers after it done, their gradients sharded
+        plain_grads = 0.0 if mem.offload_states else 4.0 * p_layer / shard * n_plain
+        kept_ckpt = backward_ckpt * kept_ckpt_layer
+        recompute_first = {**backward_common, "grads": plain_grads, "kept": kept_ckpt, "layer backward": ckpt_work}
 
     # the embedding's backward and the root's reduce after it: the embedding's fp32 gradient
     # (apply/vocab.py: on one rank its rows added into the gradient itself, on several a dense
@@ -460,6 +472,8 @@ def memory_phases(
         "root reduce": max(embedding_dense, fsdp_reduce) * (2 if not gpu and shard > 1 else 1),  # gloo: copied
     }
     phases = {"loss": loss, "backward, first layer": first, "backward, last layer": last, "root reduce": root_reduce}
+    if recompute_first is not None:
+        phases["backward, first recompute"] = recompute_first
     if optimizer and not mem.offload_states:  # AdamW: params, grads, moments and a foreach temporary
         phases["optimizer step"] = {
             "params": fixed["params"],

@@ -110,6 +110,7 @@ def train_config(e: Estimate, w: Workload, model: str) -> str:
         },
         "memory": {
             "activation_checkpoint": m.activation_checkpoint,
+            "activation_checkpoint_layers": m.activation_checkpoint_layers,
             "loss_chunk": m.loss_chunk,
             "mlp_tile": m.mlp_tile,
             "head_groups": m.head_groups,
@@ -226,6 +227,7 @@ def short_label(x: Candidate) -> str:
     extra += " offS" if m.offload_states else ""
     extra += f" heads/{m.head_groups}" if m.head_groups > 1 else ""
     extra += f" span{m.activation_checkpoint_span}" if m.activation_checkpoint_span > 1 else ""
+    extra += f" first{m.activation_checkpoint_layers}" if m.activation_checkpoint_layers else ""
     return f"{dp}hp{p.hp} cp{p.cp}{ring}{place} {x.zero} {x.checkpoint}{extra}"
 
 

@@ -10,7 +10,9 @@ The other memory options are chosen per layout, not multiplied into the candidat
 less memory (they cost the same FLOPs); tiling, activation offload, the attention over
 head groups (the most groups the heads allow) and, under ``full``, checkpoint spans of two
 layers only when the layout does not fit without them, then the fastest combination that
-fits; model-state offload only when nothing else fits.
+fits; model-state offload only when nothing else fits. A checkpointing layout that fits then
+checkpoints only the fewest first layers that still fit (``activation_checkpoint_layers``):
+the others recompute nothing.
 """
 
 from __future__ import annotations
@@ -214,15 +216,30 @@ def choose_memory_options(c: ClusterSpec, w: Workload, base: Candidate) -> Estim
     plain = _plain(w, base)
     first = estimate(c, w, plain)
     if first.fits:
-        return first
+        return _fewest_checkpointed(c, w, first)
     tried = [first]
     for group in _option_sets(c, w, plain):
         estimates = [estimate(c, w, plain.with_(**options)) for options in group]
         tried += estimates
         fitting = [e for e in estimates if e.fits]
         if fitting:
-            return min(fitting, key=lambda e: (e.step_s, e.memory.total))
+            return _fewest_checkpointed(c, w, min(fitting, key=lambda e: (e.step_s, e.memory.total)))
     return min(tried, key=overshoot)
+
+
+def _fewest_checkpointed(c: ClusterSpec, w: Workload, fitting: Estimate) -> Estimate:
+    """``fitting`` (checkpointing every layer) with its mode on the fewest first layers that
+    still fit: the rest keep their activations and recompute nothing. Unchanged where nothing
+    is checkpointed, or spans or every k-th layer are."""
+    layout, n_layers = fitting.candidate, w.model.n_layers
+    mem = layout.memory
+    if layout.checkpoint == "none" or mem.activation_checkpoint_span > 1 or mem.activation_checkpoint_every > 1:
+        return fitting
+    for layers in range(1, n_layers):  # memory falls with every layer checkpointed
+        fewer = layout.with_(activation_checkpoint_layers=layers)
+        if memory_fits(c, w, fewer):
+            return estimate(c, w, fewer)
+    return fitting
 
 
 def overshoot(e: Estimate) -> tuple[float, float]:

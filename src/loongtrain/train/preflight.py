@@ -29,6 +29,7 @@ from loongtrain.launch import resolve_device, under_torchrun
 from loongtrain.model import ModelConfig
 from loongtrain.options import check_kernel_device
 from loongtrain.train.checkpoint import CheckpointManager, check_model_shape
+from loongtrain.train.memory_policy import check_auto_budget
 from loongtrain.train.model_setup import check_pretrained_context
 from loongtrain.train.spec import RunSpec, build_optimizer, make_source, model_shape, model_spec
 
@@ -109,7 +110,9 @@ def preflight(cfg: TrainConfig, world_size: int, local_world_size: int | None = 
         check_head_groups(mcfg, cfg.memory.head_groups, [layout.hp])
         check_sequence_length(cfg.data.seq_len, layout.hp, layout.cp)
         rows_per_microbatch(cfg.data.global_batch, dp, cfg.data.micro_batches)
-        check_kernel_device(cfg.attention.kernel, resolve_device(cfg.run.device, local_world_size or world_size))
+        device = resolve_device(cfg.run.device, local_world_size or world_size)
+        check_kernel_device(cfg.attention.kernel, device)
+        check_auto_budget(cfg, device)
         notices = [check_pretrained_context(cfg.model, mcfg, cfg.data.seq_len)]
         source = make_source(cfg)
     except TokenFileError:

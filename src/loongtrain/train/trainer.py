@@ -27,11 +27,14 @@ from loongtrain.attention.backends import backend_for, set_attention_kernel
 from loongtrain.config import ConfigError, TrainConfig, to_toml
 from loongtrain.data import BatchLoader
 from loongtrain.model import build_model
+from loongtrain.options import checkpoint_label
 from loongtrain.parallel import ParallelState, init_parallel
+from loongtrain.planner.policy import CheckpointPolicy
 from loongtrain.train.checkpoint import CheckpointManager
 from loongtrain.train.collectives import broadcast_object
 from loongtrain.train.faults import restart_notice, say
 from loongtrain.train.layouts import PerBatchLayouts
+from loongtrain.train.memory_policy import resolve_memory_policy
 from loongtrain.train.metrics import (
     batch_flops_per_token,
     device_peak_tflops,
@@ -83,6 +86,7 @@ class Run:
     start: int  # the step this run continues from (0 for a fresh run)
     resumed_from: Path | None
     choose: PerBatchLayouts | None = None  # parallel.layout = per_batch: a microbatch -> the state it runs on
+    policy: CheckpointPolicy | None = None  # memory.activation_checkpoint = auto: what the planner chose
 
     def save_due(self, done: int) -> bool:
         """Whether a checkpoint is due after ``done`` steps."""
@@ -118,6 +122,7 @@ def build_run(device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat 
         set_attention_kernel(cfg.attention.kernel, device)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    spec, policy = resolve_memory_policy(cfg, spec, device)  # memory.activation_checkpoint = auto
     state = init_parallel(
         spec.parallel, device=device, verify_inputs=cfg.parallel.verify_inputs, zero_scopes=(cfg.parallel.zero,)
     )  # only the mesh this run shards over
@@ -152,7 +157,9 @@ def build_run(device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat 
     if rank == 0:
         trim_metrics(run_dir / METRICS_FILE, start)  # steps after the checkpoint are trained again
         (run_dir / "config.toml").write_text(to_toml(cfg))
-    return Run(cfg, spec, device, state, model, optimizer, loader, checkpoints, folder, start, resumed_from, choose)
+    return Run(
+        cfg, spec, device, state, model, optimizer, loader, checkpoints, folder, start, resumed_from, choose, policy
+    )
 
 
 def describe(run: Run) -> str:
@@ -162,13 +169,16 @@ def describe(run: Run) -> str:
         f"loongtrain train: {dist.get_world_size()} process(es) on {run.device.type} ({dist.get_backend()}), "
         f"layout dp={state.dp} hp={state.hp} cp={state.cp} ring_window={spec.parallel.ring_window} "
         f"{spec.parallel.placement}, zero={cfg.parallel.zero}, "
-        f"activation checkpoint {cfg.memory.activation_checkpoint}, compute {cfg.parallel.param_dtype}, "
+        f"activation checkpoint {checkpoint_label(spec.memory, spec.model.n_layers)}, "
+        f"compute {cfg.parallel.param_dtype}, "
         f"attention kernel {backend_for(run.device, spec.param_dtype).name}"
         f"{', compiled blocks' if cfg.run.compile else ''}\n"
         f"model {cfg.model.init_from or cfg.model.preset} ({spec.model.num_params() / 1e6:.2f}M parameters), "
         f"data {cfg.data.source}: "
         f"{cfg.data.global_batch} x {cfg.data.seq_len} tokens per step"
     )
+    if run.policy is not None:
+        text += f"\nmemory.activation_checkpoint=auto: {run.policy.describe()}"
     if run.choose is not None:
         splits = ", ".join(f"{c.hp}x{c.cp} (ring_window {c.ring_window})" for c in run.choose.configs)
         text += f"\nparallel.layout=per_batch: each microbatch on the fastest of hp x cp = {splits}"

@@ -31,6 +31,7 @@ import numpy as np
 
 from loongtrain.attention.choose import FLOPS_PER_PAIR, AttentionShape, LinkSpeeds, candidate_configs, layout_cost
 from loongtrain.data.tokens import TokenFile, TokenFileError
+from loongtrain.options import checkpointed_count
 from loongtrain.planner.cost import Candidate, Workload, candidate_topology
 from loongtrain.planner.estimate import estimate
 from loongtrain.planner.specs import ClusterSpec, PlanError
@@ -166,7 +167,7 @@ def predict_per_batch(
     est = estimate(c, w, candidate)
     at, n_layers = est.attention, m.n_layers
     full = candidate.memory.activation_checkpoint == "full"
-    n_ckpt = math.ceil(n_layers / candidate.memory.activation_checkpoint_every) if full else 0
+    n_ckpt = checkpointed_count(candidate.memory, n_layers) if full else 0
     micro = est.step_s / est.microbatches
     attention_model = n_layers * (at.fwd + at.bwd) + n_ckpt * at.fwd
     rest = micro - attention_model
