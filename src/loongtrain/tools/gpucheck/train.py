@@ -15,6 +15,7 @@ import dataclasses
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,12 +25,15 @@ from loongtrain.config import OptimSection
 from loongtrain.data.batch import Microbatch
 from loongtrain.model import ModelConfig, build_model
 from loongtrain.model.loss import IGNORE_INDEX
+from loongtrain.options import checkpoint_label
 from loongtrain.parallel import ParallelConfig, ParallelState, init_parallel
 from loongtrain.planner import Candidate, ClusterSpec, PlanError, Workload, cluster_spec, estimate
+from loongtrain.planner.policy import CheckpointPolicy, auto_policy
 from loongtrain.planner.report import format_length
 from loongtrain.planner.specs import CLUSTER_PRESETS
 from loongtrain.tools.bench.documents import document_lengths
 from loongtrain.tools.harness import median_time, sync
+from loongtrain.train.memory_policy import USABLE_FRACTION
 from loongtrain.train.metrics import device_peak_tflops, mfu, reset_peak_memory
 from loongtrain.train.spec import build_optimizer
 from loongtrain.train.step import forward_backward
@@ -41,13 +45,15 @@ ZERO = "dp_sp"  # one rank: FSDP2 only for the bf16 mixed precision
 
 @dataclass(frozen=True)
 class TrainCase:
-    """One training row: sequence length, checkpoint mode, whether blocks are compiled, and
-    (the longest-sequence row) every memory option."""
+    """One training row: sequence length, checkpoint mode (``auto``: the planner's policy for
+    this device, resolved by :func:`resolve_auto_case`), whether blocks are compiled, and (the
+    longest-sequence row) every memory option."""
 
     seq: int
     checkpoint: str
     compiled: bool = False
     memory: MemoryOptions | None = None
+    policy: str = ""  # auto, resolved: the checkpointing chosen, in words
 
     @property
     def options(self) -> MemoryOptions:
@@ -55,6 +61,8 @@ class TrainCase:
 
     def label(self) -> str:
         text = f"S={format_length(self.seq)} {self.checkpoint}" + (" compiled" if self.compiled else "")
+        if self.policy:
+            return f"{text}: {self.policy}"
         if self.memory is not None:
             m = self.memory
             offload = [n for n, on in (("activations", m.offload_activations), ("states", m.offload_states)) if on]
@@ -123,17 +131,45 @@ def predict_step(cluster: ClusterSpec, cfg: ModelConfig, case: TrainCase, dtype:
     }
 
 
+def auto_budget_bytes(device: torch.device, budget_gib: float) -> float:
+    """What ``auto`` may fill: ``budget_gib`` if given, else 90% of the GPU's memory (as the trainer)."""
+    if budget_gib:
+        return budget_gib * GiB
+    if device.type != "cuda":
+        raise ValueError(f"an auto checkpoint row on {device.type} needs a budget in GiB (auto_budget_gib)")
+    return torch.cuda.get_device_properties(device).total_memory * USABLE_FRACTION
+
+
+def resolve_auto_case(
+    case: TrainCase, cfg: ModelConfig, dtype: torch.dtype, budget_bytes: float, gpu: bool
+) -> tuple[TrainCase, CheckpointPolicy | None]:
+    """``case`` with ``auto`` resolved as the trainer resolves it (the planner's memory model, the
+    least recompute that fits ``budget_bytes``; ``gpu``: the GPU kernels' workspace priced), and the
+    choice; other cases as they are."""
+    if case.checkpoint != "auto":
+        return case, None
+    workload = Workload(cfg, case.seq, batch=1, micro_batch=1, dtype_bytes=dtype.itemsize)
+    memory = dataclasses.replace(case.options, activation_checkpoint="auto", device_memory_gib=0.0)
+    policy = auto_policy(workload, ParallelConfig(dp=1), ZERO, memory, budget_bytes, gpu=gpu)
+    label = checkpoint_label(policy.candidate.memory, cfg.n_layers)
+    return dataclasses.replace(case, memory=policy.candidate.memory, policy=label), policy
+
+
 def one_rank_state() -> ParallelState:
     """The parallel state of a one-rank process group (no sequence parallelism)."""
     return init_parallel(ParallelConfig(), verify_inputs=False, zero_scopes=(ZERO,))
 
 
-def _build(state: ParallelState, cfg: ModelConfig, case: TrainCase, dtype: torch.dtype, device: torch.device):
-    """The trainer's model (seed 0) and optimizer for ``case`` on one rank."""
+def _build(
+    state: ParallelState, cfg: ModelConfig, case: TrainCase, dtype: torch.dtype, device: torch.device,
+    optim: OptimSection | None = None,
+):  # fmt: skip
+    """The trainer's model (seed 0) and optimizer (``optim``; default: ``[optim]``'s defaults) for
+    ``case`` on one rank."""
     model = build_model(cfg)
     parallelize(model, state, memory=case.options, zero=ZERO, param_dtype=dtype, compile=case.compiled)
     materialize(model, device, seed=0)
-    optim = OptimSection()
+    optim = optim or OptimSection()
     return model, build_optimizer(model.parameters(), optim), optim
 
 
@@ -153,12 +189,16 @@ def measure_training_step(
     warmup: int,
     peak: Peak,
     batch: list | None = None,
+    optim: OptimSection | None = None,
+    profile_step: Callable[[Callable[[], float]], object] | None = None,
 ) -> dict:
     """Build, time ``steps`` training steps after ``warmup`` ones, and report throughput and memory
-    (every step's loss too). ``batch``: the microbatches of each step (default: one random sequence).
+    (every step's loss too). ``batch``: the microbatches of each step (default: one random sequence);
+    ``optim``: AdamW's settings and the clip (default: ``[optim]``'s defaults); ``profile_step``: called
+    after the timed steps with a function that runs one more step (not timed), e.g. to profile it.
 
     The model and optimizer are freed when this returns; call :func:`~loongtrain.tools.harness.release_memory` then."""
-    model, optimizer, optim = _build(state, cfg, case, dtype, device)
+    model, optimizer, optim = _build(state, cfg, case, dtype, device, optim)
     if batch is None:
         data = random_tokens(cfg, case.seq, device)
         batch = [(data[:, :-1], data[:, 1:])]
@@ -175,6 +215,8 @@ def measure_training_step(
     reset_peak_memory(device)
     step_s = statistics.median(step() for _ in range(steps))
     peak_gib = peak_memory_gib(device)
+    if profile_step is not None:
+        profile_step(step)
     keys = None  # every microbatch's keys under its documents and window (what the kernels compute)
     if any(isinstance(mb, Microbatch) for mb in batch):
         keys = sum(mb.attention_keys(cfg.sliding_window) for mb in batch) / case.seq
