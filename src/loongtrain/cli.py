@@ -32,7 +32,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "attention": ("loongtrain.tools.bench.attention", "scheme times and the ring decomposition overhead"),
     "documents": ("loongtrain.tools.bench.documents", "packed documents: work balance and time vs full causal"),
     "memory": ("loongtrain.tools.bench.memory", "peak memory per rank by sp degree, checkpoint mode, ZeRO scope"),
-    "train": ("loongtrain.tools.bench.train", "the trainer's step: tokens/s eager vs compiled, and its time breakdown"),
+    "train": ("loongtrain.tools.bench.train", "the trainer's step: eager vs compiled, time breakdown; vs transformers"),
     "prepare": ("loongtrain.tools.bench.prepare", "prepare on generated chats: tokens/s by workers, memory by size"),
     "eval": ("loongtrain.tools.bench.eval", "the evaluation's forward vs a training step: tokens/s at the same length"),
     "generate": ("loongtrain.tools.bench.generate", "generation: prefill vs forward, decode, cache; vs transformers"),
@@ -83,7 +83,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 #: benchmarks that take config keys (``--parallel.cp 4``) besides their own arguments
 BENCH_CONFIG_KEYS = ("generate",)
-#: Commands that run local worker processes (``bench``: every benchmark).
+#: bench -> options with which it runs in this process alone (starts no workers)
+BENCH_IN_PROCESS = {"train": ("--peer", "--profile")}
+#: Commands that run local worker processes (``bench``: every benchmark but those).
 LAUNCHES = ("train", "eval", "generate", "demo", "gpu-check", "bench")
 HELP = ("-h", "--help", "--help-config")
 
@@ -95,6 +97,9 @@ def _worker_modules(argv: list[str]) -> list[str] | None:
     if not words or words[0] not in LAUNCHES or any(a in HELP for a in argv):
         return None
     if words[0] == "bench":
+        alone = BENCH_IN_PROCESS.get(words[1], ()) if len(words) > 1 else ()
+        if any(a.split("=")[0] in alone for a in argv):  # no workers: no server importing beside the timings
+            return None
         return [BENCHES[words[1]][0]] if len(words) > 1 and words[1] in BENCHES else None
     return [COMMANDS[words[0]][0], *WORKER_IMPORTS.get(words[0], [])]
 

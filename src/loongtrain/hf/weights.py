@@ -74,3 +74,16 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 # tensors some checkpoints carry that hold no weights (recomputed by the model)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def to_hf_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """loongtrain parameters (full tensors by loongtrain name) as the HF checkpoint's tensors:
+    renamed, q/k rows back in HF's RoPE order (the export's mapping, in memory)."""
+    mapping = parameter_map(cfg)
+    out = {}
+    for name, tensor in tensors.items():
+        target = mapping[name]
+        if target.rope_heads:
+            tensor = tensor[inverse_order(rope_row_order(target.rope_heads, cfg.head_dim))]
+        out[target.hf_name] = tensor
+    return out

@@ -13,6 +13,10 @@ autograd bookkeeping): see :mod:`loongtrain.tools.bench.step_profile`.
 
 The figures are the median step over the timed steps (slowest rank), tokens/s per device,
 and the breakdown averaged over ranks. Run it with nothing else on the machine.
+
+``--peer transformers`` and ``--profile DIR`` run instead on one device in one process, at
+``--lengths``: loongtrain beside transformers, and the top kernels of a profiled step; see
+:mod:`loongtrain.tools.bench.peer`.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from loongtrain.train.preflight import preflight
 from loongtrain.train.trainer import Run, build_run, to_device, train_step
 
 #: The main job's config (scripts/main.sh) and the overrides of the larger case.
-MAIN_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "debug_cpu.toml"
+MAIN_CONFIG = Path(__file__).resolve().parents[4] / "configs" / "debug_cpu.toml"
 CASES: dict[str, list[str]] = {
     "main": [],
     "large": [
@@ -141,6 +145,11 @@ def _bench_rank(device: torch.device, args: argparse.Namespace, folder: Path) ->
 
 
 def main(args: argparse.Namespace) -> None:
+    if args.peer is not None or args.profile is not None:  # one device, one process
+        from loongtrain.tools.bench import peer
+
+        peer.main(args)
+        return
     unknown = [c for c in args.cases if c not in CASES] + [m for m in args.modes if m not in MODES]
     if unknown:
         raise SystemExit(f"bench train: unknown case or mode {unknown}; cases {list(CASES)}, modes {list(MODES)}")
@@ -174,5 +183,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--modes", nargs="+", default=list(MODES), help=f"modes to run, of {list(MODES)} (speed-ups vs the first)"
     )
-    parser.add_argument("--steps", type=int, default=0, help=f"timed steps per case and mode (0: {STEPS})")
+    parser.add_argument(
+        "--steps", type=int, default=0, help=f"timed steps per case and mode (0: {STEPS}; one device: 0 is 3)"
+    )
     parser.add_argument("--json", default=None, help="also write the rows as JSON to this file")
+    one = parser.add_argument_group(
+        "one device, one process (--peer and/or --profile; --cases, --modes and --nproc do not apply)"
+    )
+    one.add_argument(
+        "--peer", default=None, metavar="NAME",
+        help="also train the same model shape in this library, same weights, tokens, precision, AdamW and clip: "
+        "transformers (SDPA, its checkpointing on and off)",
+    )  # fmt: skip
+    one.add_argument(
+        "--profile", default=None, metavar="DIR",
+        help="profile one more step of each row: a Chrome trace per row and top_kernels.txt/.json in DIR",
+    )  # fmt: skip
+    one.add_argument("--profile-top", type=int, default=15, help="kernels listed by time and by calls")
+    one.add_argument(
+        "--lengths", type=int, nargs="+", default=[32768, 131072], help="tokens per sequence, rows each (%(default)s)"
+    )
+    one.add_argument(
+        "--model", default=None,
+        help="gpu-check: the GPU check's 1.1B Llama (dim 2048, 16 layers, 16/4 heads); default: --config's [model]",
+    )  # fmt: skip
+    one.add_argument(
+        "--checkpoint", nargs="+", default=None, metavar="MODE",
+        help="loongtrain's activation checkpoint modes, a row each (default: --config's memory.activation_checkpoint)",
+    )  # fmt: skip
+    one.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if visible")
+    one.add_argument(
+        "--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+        help="compute dtype, fp32 weights (auto: bfloat16 on cuda, float32 on cpu)",
+    )  # fmt: skip
+    one.add_argument(
+        "--peak-tflops", type=float, default=None,
+        help="peak dense TFLOP/s for MFU (default: the GPU's spec sheet, else a measured matmul)",
+    )  # fmt: skip

@@ -1,0 +1,411 @@
+"""``loongtrain bench train --peer transformers`` and ``--profile DIR``: training steps on one
+device, loongtrain beside transformers, in one process and one run.
+
+For each length, the rows are
+
+- ``loongtrain <mode>``: the trainer's step (:func:`~loongtrain.tools.gpucheck.train.measure_training_step`:
+  the model built by ``parallelize`` on a one-rank group, FSDP2's mixed precision, the
+  config's ``[memory]`` options with each ``--checkpoint`` mode);
+- with ``--peer transformers``, ``transformers ckpt`` and ``transformers no ckpt``: the same
+  shape as a transformers model (``attn_implementation="sdpa"``) with the same initial weights
+  (loongtrain's, mapped as the export maps them), float32 weights under ``torch.autocast`` of
+  the same dtype, transformers' causal-LM loss on the same tokens, its activation
+  checkpointing on and off, AdamW with the config's ``[optim]`` values (fused on CUDA) and
+  ``clip_grad_norm_`` with the same clip.
+
+Each row: median step time over ``--steps`` after a warm-up step, tokens/s, MFU (loongtrain's
+:meth:`ModelConfig.flops_per_token` over the same peak for every row), peak memory, every
+step's loss; loongtrain rows add their tokens/s over each transformers row's (same run). A
+row that fails (out of memory) is a row with its error; the next row starts from freed memory.
+
+``--profile DIR``: one more step of each row under ``torch.profiler`` (CPU, and CUDA on a
+GPU), its Chrome trace in ``DIR/<length>-<row>.json`` and the top kernels by time and by calls
+(:mod:`loongtrain.tools.bench.kernel_table`) printed and written to ``DIR/top_kernels.txt``
+and ``DIR/top_kernels.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from loongtrain.apply import MemoryOptions
+from loongtrain.config import ConfigError, OptimSection, load_config
+from loongtrain.hf.families import hf_config_dict, require_transformers
+from loongtrain.hf.folder import HFFormatError
+from loongtrain.hf.weights import to_hf_tensors
+from loongtrain.launch import launch, resolve_device, under_torchrun
+from loongtrain.model import ModelConfig, build_model, init_value
+from loongtrain.options import ACTIVATION_CHECKPOINT_CHOICES
+from loongtrain.tools.bench.kernel_table import KernelTable, format_kernel_table, kernel_table, profiler_records
+from loongtrain.tools.gpucheck.train import (
+    Peak,
+    TrainCase,
+    auto_budget_bytes,
+    measure_training_step,
+    one_rank_state,
+    random_tokens,
+    resolve_auto_case,
+    stated_peak,
+)
+from loongtrain.tools.harness import release_memory, sync
+from loongtrain.train.metrics import mfu, reset_peak_memory
+from loongtrain.train.model_setup import model_config_for
+from loongtrain.train.trainer import clip_grad_norm, peak_memory_gib
+
+PEERS = ("transformers",)
+#: ``--model`` names: the GPU check's ~1.1B Llama (the config's ``[model]`` when not given)
+MODELS = ("gpu-check",)
+STEPS = 3  # timed steps per row unless --steps says otherwise
+WARMUP = 1
+MATMUL_N = {"cuda": 8192, "cpu": 512}  # size of the measured matmul when the device's peak is not known
+HF_CKPT, HF_NO_CKPT = "transformers ckpt", "transformers no ckpt"
+
+
+@dataclass(frozen=True)
+class PeerPlan:
+    """What one ``bench train --peer/--profile`` run measures."""
+
+    model: ModelConfig
+    model_name: str
+    lengths: tuple[int, ...]
+    checkpoints: tuple[str, ...]  # loongtrain's activation checkpoint modes, one row each
+    memory: MemoryOptions  # the config's [memory]; each row replaces activation_checkpoint
+    optim: OptimSection
+    device: str  # "cpu" or "cuda"
+    dtype: str  # compute dtype: "bfloat16" or "float32"
+    steps: int
+    warmup: int
+    peer: str | None  # None: loongtrain rows only (--profile alone)
+    profile_dir: Path | None = None
+    profile_top: int = 15
+    peak_tflops: float | None = None  # None: the GPU's spec sheet, else a measured matmul
+    auto_budget_gib: float = 0.0  # the auto row's memory.device_memory_gib (0: 90% of the GPU's)
+
+
+@dataclass
+class PeerResult:
+    """The rows, the environment they ran in, and each profiled row's kernel table."""
+
+    rows: list[dict]
+    environment: dict
+    profiles: list[dict]
+
+
+def _say(message: str) -> None:
+    print(f"[bench train] {message}", file=sys.stderr, flush=True)
+
+
+def hf_model(cfg: ModelConfig, device: torch.device, max_positions: int, seed: int = 0) -> torch.nn.Module:
+    """``cfg``'s shape as a transformers causal LM on ``device`` (float32, SDPA attention) holding
+    the initial weights loongtrain's ``materialize(model, device, seed)`` gives its own model."""
+    transformers = require_transformers()
+    hf_cfg = transformers.AutoConfig.for_model(**hf_config_dict(cfg, None, "float32", max_positions))
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa", dtype=torch.float32)
+    ours = {name: init_value(cfg, name, p.shape, seed, device) for name, p in build_model(cfg).named_parameters()}
+    missing, unexpected = model.load_state_dict(to_hf_tensors(cfg, ours), strict=False)
+    tied = {"lm_head.weight"} if cfg.tie_embeddings else set()
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(f"transformers model and loongtrain weights differ: missing {missing}, extra {unexpected}")
+    return model
+
+
+def _enable_checkpointing(model: torch.nn.Module) -> None:
+    """transformers' activation checkpointing of every layer (non-reentrant)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x; the old name warns there
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def measure_hf_step(
+    cfg: ModelConfig,
+    seq: int,
+    checkpointing: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+    steps: int,
+    warmup: int,
+    peak: Peak,
+    optim: OptimSection,
+    profile_step: Callable[[Callable[[], float]], object] | None = None,
+) -> dict:
+    """transformers' training step on ``cfg``'s shape with loongtrain's initial weights and tokens
+    (seed 0): the keys of :func:`~loongtrain.tools.gpucheck.train.measure_training_step`'s result.
+    ``profile_step``: called after the timed steps with a function that runs one more step."""
+    model = hf_model(cfg, device, max(cfg.max_positions, seq))
+    model.train()
+    if checkpointing:
+        _enable_checkpointing(model)
+    o = optim
+    fused = True if device.type == "cuda" else None
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=fused
+    )
+    data = random_tokens(cfg, seq, device)
+    tokens, labels = data[:, :-1], data[:, 1:]
+    autocast = dtype != torch.float32
+    losses: list[float] = []
+
+    def step() -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        with torch.autocast(device.type, dtype=dtype, enabled=autocast):
+            logits = model(input_ids=tokens, use_cache=False).logits
+            # transformers' causal-LM loss with the targets given (every position predicts one)
+            loss = model.loss_function(logits=logits, labels=None, vocab_size=cfg.vocab_size, shift_labels=labels)
+        del logits
+        loss.backward()
+        clip_grad_norm(model, o.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        sync(device)
+        return time.perf_counter() - t0
+
+    first = [step() for _ in range(warmup)]
+    reset_peak_memory(device)
+    step_s = statistics.median(step() for _ in range(steps))
+    peak_gib = peak_memory_gib(device)
+    if profile_step is not None:
+        profile_step(step)
+    flops = cfg.flops_per_token(seq)
+    tokens_per_s = seq / step_s
+    return {
+        "step_s": step_s,
+        "warmup_s": sum(first),
+        "tokens_per_s": tokens_per_s,
+        "flops_per_token": flops,
+        "tflops": tokens_per_s * flops / 1e12,
+        "mfu": mfu(tokens_per_s, flops, peak.tflops),
+        "peak_tflops": peak.tflops,
+        "peak_memory_gib": peak_gib,
+        "losses": losses,
+        "finite": all(math.isfinite(x) for x in losses),
+    }
+
+
+def _slug(text: str) -> str:
+    """``loongtrain sc++`` -> ``loongtrain-scpp``: a file name or key."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower().replace("+", "p")).strip("-")
+
+
+def _profiler(device: torch.device, path: Path, top: int, found: list) -> Callable[[Callable[[], float]], None]:
+    """A ``profile_step``: runs the step under ``torch.profiler``, writes its Chrome trace to
+    ``path`` and appends the step's kernel table to ``found``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def run(step: Callable[[], float]) -> None:
+        cuda = device.type == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            step()
+        prof.export_chrome_trace(str(path))
+        found.append(kernel_table(profiler_records(prof, device_kernels=cuda), top))
+
+    return run
+
+
+def _error(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:200]
+
+
+def _rows_on_one_rank(device: torch.device, plan: PeerPlan, result: PeerResult) -> None:
+    """Body run in a one-rank process group (``launch`` with ``nproc=1``): fills ``result``."""
+    state = one_rank_state()
+    dtype = getattr(torch, plan.dtype)
+    peak = stated_peak(device, dtype, plan.peak_tflops, MATMUL_N.get(device.type, 512))
+    result.environment.update(
+        device=str(device), gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        torch=torch.__version__, dtype=plan.dtype, peak_tflops=peak.tflops, peak_source=peak.source,
+        model=plan.model_name, model_shape=dataclasses.asdict(plan.model), params=plan.model.num_params(),
+        steps=plan.steps, warmup=plan.warmup, optim=dataclasses.asdict(plan.optim),
+    )  # fmt: skip
+    if plan.peer == "transformers":
+        import transformers
+
+        result.environment["transformers"] = transformers.__version__
+    for seq in plan.lengths:
+        work: list[tuple[str, str, Callable]] = []  # (row, checkpoint, measure(profile_step=...))
+        for mode in plan.checkpoints:
+            case = TrainCase(seq, mode, memory=dataclasses.replace(plan.memory, activation_checkpoint=mode))
+            if mode == "auto":  # the planner's policy for this length and device, as the trainer resolves it
+                budget_bytes = auto_budget_bytes(device, plan.auto_budget_gib)
+                case, _ = resolve_auto_case(case, plan.model, dtype, budget_bytes, device.type == "cuda")
+            ours = functools.partial(measure_training_step, state, plan.model, case, dtype, device, plan.steps,
+                                     plan.warmup, peak, optim=plan.optim)  # fmt: skip
+            work.append((f"loongtrain {mode}" + (f" ({case.policy})" if case.policy else ""), mode, ours))
+        if plan.peer == "transformers":
+            for who, on in ((HF_CKPT, True), (HF_NO_CKPT, False)):
+                theirs = functools.partial(measure_hf_step, plan.model, seq, on, dtype, device, plan.steps,
+                                           plan.warmup, peak, plan.optim)  # fmt: skip
+                work.append((who, "full" if on else "none", theirs))
+        for who, checkpoint, measure in work:
+            _say(f"{who} at {seq} tokens ...")
+            row: dict = {"length": seq, "who": who, "checkpoint": checkpoint, "error": None}
+            tables: list[KernelTable] = []
+            profile_step, trace = None, None
+            if plan.profile_dir is not None:
+                trace = plan.profile_dir / f"{seq}-{_slug(who)}.json"
+                profile_step = _profiler(device, trace, plan.profile_top, tables)
+            try:
+                row.update(measure(profile_step=profile_step))
+            except Exception as exc:  # noqa: BLE001 - a failed row (out of memory included) is reported
+                row["error"] = _error(exc)
+                _say(f"{who} at {seq} tokens: {row['error']}")
+            finally:
+                release_memory(device)
+            if tables:
+                result.profiles.append({"length": seq, "who": who, "trace": str(trace), "table": tables[0]})
+            result.rows.append(row)
+    add_ratios(result.rows)
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Give each loongtrain row its tokens/s over each transformers row's of the same length
+    (``vs_<row>``; None where either failed)."""
+    for row in rows:
+        if not row["who"].startswith("loongtrain"):
+            continue
+        for peer in rows:
+            if peer["length"] == row["length"] and peer["who"].startswith("transformers"):
+                ok = row.get("tokens_per_s") and peer.get("tokens_per_s")
+                row[f"vs_{_slug(peer['who']).replace('-', '_')}"] = (
+                    row["tokens_per_s"] / peer["tokens_per_s"] if ok else None
+                )
+
+
+def run_peer(plan: PeerPlan) -> PeerResult:
+    """Measure ``plan``'s rows in a one-rank process group in this process."""
+    if plan.profile_dir is not None:
+        plan.profile_dir.mkdir(parents=True, exist_ok=True)
+    result = PeerResult(rows=[], environment={}, profiles=[])
+    launch(_rows_on_one_rank, 1, plan, result, device=plan.device)
+    return result
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def format_rows(rows: list[dict]) -> str:
+    """The rows as a fixed-width table (a failed row shows its error)."""
+    peers = [HF_CKPT, HF_NO_CKPT] if any(r["who"].startswith("transformers") for r in rows) else []
+    keys = [f"vs_{_slug(p).replace('-', '_')}" for p in peers]
+    head = f"{'length':>8s} {'who':20s} {'step s':>8s} {'tok/s':>9s} {'MFU':>6s} {'peak GiB':>8s} {'loss 1':>7s}"
+    head += "".join(f" {'vs ' + p.removeprefix('transformers '):>11s}" for p in peers)
+    lines = [head]
+    for r in rows:
+        line = f"{r['length']:8d} {r['who']:20s} "
+        if r["error"] is not None:
+            lines.append(line + f"failed: {r['error']}")
+            continue
+        line += (
+            f"{r['step_s']:8.3f} {r['tokens_per_s']:9.0f} {_num(r['mfu'], '6.1%')} {r['peak_memory_gib']:8.2f} "
+            f"{r['losses'][0]:7.4f}"
+        )
+        line += "".join(f" {_num(r.get(k), '10.2f') + ('x' if r.get(k) else ''):>11s}" for k in keys)
+        lines.append(line.rstrip())
+    return "\n".join(lines)
+
+
+def _header(plan: PeerPlan, env: dict) -> str:
+    where = env.get("gpu") or env["device"]
+    ratio = "; loongtrain tokens/s over each transformers row's, same run" if plan.peer else ""
+    return (
+        f"one {where}, {plan.dtype}, {plan.model_name} ({env['params'] / 1e6:.1f}M parameters); median of "
+        f"{plan.steps} steps after {plan.warmup} warm-up; MFU over {env['peak_tflops']:.4g} TFLOP/s "
+        f"({env['peak_source']}){ratio}"
+    )
+
+
+def plan_from_args(args: argparse.Namespace) -> PeerPlan:
+    """The plan of ``bench train --peer/--profile``; a SystemExit naming the bad value otherwise."""
+    if args.peer is not None and args.peer not in PEERS:
+        raise SystemExit(f"bench train: unknown --peer {args.peer!r}; choose one of {list(PEERS)}")
+    bad = [n for n in args.lengths if n < 1]
+    if bad:
+        raise SystemExit(f"bench train: --lengths must be positive token counts, got {bad}")
+    if args.steps < 0:
+        raise SystemExit(f"bench train: --steps={args.steps} must be 0 (the default count) or more")
+    if args.profile_top < 1:
+        raise SystemExit(f"bench train: --profile-top={args.profile_top} must be at least 1")
+    unknown = [m for m in args.checkpoint or () if m not in ACTIVATION_CHECKPOINT_CHOICES]
+    if unknown:
+        raise SystemExit(f"bench train: --checkpoint {unknown}: name modes of {list(ACTIVATION_CHECKPOINT_CHOICES)}")
+    if args.model is not None and args.model not in MODELS:
+        raise SystemExit(f"bench train: unknown --model {args.model!r}; choose one of {list(MODELS)}")
+    if under_torchrun():
+        raise SystemExit("bench train: --peer/--profile run on one device in one process; run them without torchrun")
+    try:
+        cfg = load_config(args.config)
+        if args.model == "gpu-check":
+            from loongtrain.tools.gpucheck.check import GPU_MODEL
+
+            model, name = GPU_MODEL, f"the GPU check's {GPU_MODEL.num_params() / 1e9:.1f}B llama"
+        else:
+            model, name = model_config_for(cfg.model), f"{Path(args.config).name}'s model"
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device cuda but no CUDA device is visible (torch {torch.__version__}); use cpu")
+        device = resolve_device(args.device, 1)
+    except (ConfigError, HFFormatError, ValueError) as e:
+        raise SystemExit(f"bench train: {e}") from None
+    if args.peer == "transformers":
+        try:
+            require_transformers()
+        except HFFormatError as e:
+            raise SystemExit(f"bench train: --peer transformers: {e}") from None
+    dtype = args.dtype if args.dtype != "auto" else "bfloat16" if device == "cuda" else "float32"
+    memory = cfg.memory.options()
+    checkpoints = tuple(args.checkpoint or (memory.activation_checkpoint,))
+    if "auto" in checkpoints and device != "cuda" and not memory.device_memory_gib:
+        raise SystemExit(
+            f"bench train: --checkpoint auto fills the device's memory, and on {device} there is none to read: set "
+            f"memory.device_memory_gib in {args.config} or name full, sc++ or none"
+        )
+    memory = dataclasses.replace(memory, activation_checkpoint="none", device_memory_gib=0.0)  # each row sets its own
+    return PeerPlan(
+        model=model, model_name=name, lengths=tuple(args.lengths),
+        checkpoints=checkpoints, memory=memory, optim=cfg.optim, auto_budget_gib=cfg.memory.device_memory_gib,
+        device=device, dtype=dtype, steps=args.steps or STEPS, warmup=WARMUP, peer=args.peer,
+        profile_dir=Path(args.profile) if args.profile else None, profile_top=args.profile_top,
+        peak_tflops=args.peak_tflops,
+    )  # fmt: skip
+
+
+def main(args: argparse.Namespace) -> None:
+    """``bench train --peer/--profile``: measure, print the table (and the kernel tables), write files."""
+    plan = plan_from_args(args)
+    result = run_peer(plan)
+    print(_header(plan, result.environment))
+    print(format_rows(result.rows), flush=True)
+    if plan.profile_dir is not None:
+        texts = [
+            format_kernel_table(p["table"], f"{p['who']} at {p['length']} tokens (trace {p['trace']})")
+            for p in result.profiles
+        ]
+        text = "\n\n".join(texts)
+        print(f"\ntop {plan.profile_top} kernels of one profiled step per row\n{text}")
+        (plan.profile_dir / "top_kernels.txt").write_text(text + "\n")
+        tables = [{**p, "table": p["table"].as_dict()} for p in result.profiles]
+        (plan.profile_dir / "top_kernels.json").write_text(json.dumps(tables, indent=1) + "\n")
+        print(f"wrote {len(result.profiles)} trace(s), top_kernels.txt and top_kernels.json to {plan.profile_dir}")
+    if args.json:
+        report = {"environment": result.environment, "rows": result.rows}
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {args.json}")
