@@ -10,8 +10,45 @@ from loongtrain.options import option
 #: vocabulary rows per product where the chunked loss (:mod:`loongtrain.model.loss`) makes a
 #: product a vocabulary slice at a time: a low-precision chunk's ``dL/dW`` added to the float32
 #: accumulator, and every product with a float32 master matrix read in the compute dtype (one
-#: ``[rows, dim]`` cast at a time); the planner's memory model counts one slice
-VOCAB_SLICE = 8192
+#: ``[rows, dim]`` cast at a time); the planner's memory model counts one slice. 0: sized by
+#: :data:`VOCAB_SLICE_BYTES` (:func:`vocab_slice_rows`; tests set a count to run many slices)
+VOCAB_SLICE = 0
+#: the bound on one vocabulary slice's temporaries: its ``[rows, dim]`` product or cast in the
+#: compute dtype beside its float32 sum
+VOCAB_SLICE_BYTES = 512 * 2**20
+#: slices are whole multiples of this many rows (but the last), at least one
+VOCAB_SLICE_MULTIPLE = 1024
+
+
+def vocab_slice_rows(vocab: int, dim: int, dtype_bytes: int) -> int:
+    """Vocabulary rows per slice: :data:`VOCAB_SLICE` if set, else the most whole
+    :data:`VOCAB_SLICE_MULTIPLE` s whose ``(4 + dtype_bytes) * dim`` bytes a row fit
+    :data:`VOCAB_SLICE_BYTES` (the whole vocabulary where it fits: one product, few launches)."""
+    if VOCAB_SLICE:
+        return min(VOCAB_SLICE, vocab)
+    fit = VOCAB_SLICE_BYTES // ((4 + dtype_bytes) * dim) // VOCAB_SLICE_MULTIPLE * VOCAB_SLICE_MULTIPLE
+    return min(vocab, max(VOCAB_SLICE_MULTIPLE, fit))
+
+#: the bound on one token tile's temporaries (bytes) where the norms, RoPE and the q/k/v
+#: projections run over tiles of the sequence (:mod:`loongtrain.model.norm`)
+TILE_BYTES = 512 * 2**20
+#: one tile's temporaries per token and per element of the tiled rows' width (bf16), measured
+#: with ``AllocatorPeak``: the q/k/v projections alone 13.4, a norm 12.0, RoPE 9.9 (forward and
+#: backward), and 15.5 in a layer's backward (the slope of one-device peaks, 16K to 32K tokens,
+#: ``tests/test_planner_memory.py``); priced at 16 (16K-token tiles at width 2048)
+TILE_TEMP_BYTES = 16
+#: tiles are whole multiples of this many tokens, at least one
+TILE_MULTIPLE = 1024
+
+
+def token_tile(width: int) -> int:
+    """Tokens per tile of rows ``width`` wide: the most whole :data:`TILE_MULTIPLE` s whose
+    temporaries fit :data:`TILE_BYTES` (at least one multiple)."""
+    if width < 1:
+        raise ValueError(f"token_tile: width={width} must be positive (the elements of one token's row)")
+    fit = TILE_BYTES // (TILE_TEMP_BYTES * width)
+    return max(TILE_MULTIPLE, fit // TILE_MULTIPLE * TILE_MULTIPLE)
+
 
 ROPE_SCALINGS: tuple[str, ...] = ("linear", "llama3", "yarn")
 

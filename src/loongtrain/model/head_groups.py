@@ -28,7 +28,16 @@ import torch.nn.functional as F
 from loongtrain.attention.layout import SequenceLayout
 from loongtrain.model.lean import projections_backward
 from loongtrain.model.llama import Attention, apply_rope
-from loongtrain.model.norm import RMSNorm, inverse_rms, normalize, over_tiles, rms_norm, rms_norm_backward, tiles
+from loongtrain.model.norm import (
+    RMSNorm,
+    inverse_rms,
+    normalize,
+    over_tiles,
+    rms_norm,
+    rms_norm_backward,
+    row_width,
+    tiles,
+)
 from loongtrain.parallel.layout import head_group_slices
 
 Tensor = torch.Tensor
@@ -91,19 +100,21 @@ def _group_qkv(spec: _Spec, g: int, x, rstd, norm_w, wq, bq, wk, bk, wv, bv):
         h, _ = normalize(x[:, rows], rstd[:, rows], norm_w)
         return tuple(F.linear(h, w[r], _part(b, r)) for w, b, r in ((wq, bq, qr), (wk, bk, kr), (wv, bv, kr)))
 
-    q, k, v = over_tiles(tile, x.shape[1])
+    q, k, v = over_tiles(tile, x.shape[1], width=row_width(x))
     b, s, d = x.shape[0], x.shape[1], spec.head_dim
     return q.view(b, s, -1, d), k.view(b, s, -1, d), v.view(b, s, -1, d)
 
 
 def _rope(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    return over_tiles(lambda rows: (apply_rope(t[:, rows], cos[:, rows], sin[:, rows]),), t.shape[1])[0]
+    return over_tiles(
+        lambda rows: (apply_rope(t[:, rows], cos[:, rows], sin[:, rows]),), t.shape[1], width=row_width(t)
+    )[0]
 
 
 def _normed(t: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     if weight is None:
         return t
-    return over_tiles(lambda rows: (rms_norm(t[:, rows], weight, eps)[0],), t.shape[1])[0]
+    return over_tiles(lambda rows: (rms_norm(t[:, rows], weight, eps)[0],), t.shape[1], width=row_width(t))[0]
 
 
 def _unnormed(grad: Tensor, t: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor | None]:
@@ -111,7 +122,7 @@ def _unnormed(grad: Tensor, t: Tensor, weight: Tensor | None, eps: float) -> tup
     if weight is None:
         return grad, None
     out, total = torch.empty_like(t), None
-    for rows in tiles(t.shape[1]):
+    for rows in tiles(t.shape[1], width=row_width(t)):
         tt = t[:, rows]
         out[:, rows], part = rms_norm_backward(grad[:, rows], tt, weight, inverse_rms(tt, eps), True)
         total = part.float() if total is None else total + part.float()
@@ -121,7 +132,7 @@ def _unnormed(grad: Tensor, t: Tensor, weight: Tensor | None, eps: float) -> tup
 class _HeadGroups(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec: _Spec, x, cos, sin, norm_w, wq, bq, wk, bk, wv, bv, wo, qn_w, kn_w):
-        (rstd,) = over_tiles(lambda rows: (inverse_rms(x[:, rows], spec.eps),), x.shape[1])
+        (rstd,) = over_tiles(lambda rows: (inverse_rms(x[:, rows], spec.eps),), x.shape[1], width=row_width(x))
         y, saved = None, []
         for g in range(len(spec.slices)):
             q, k, v = _group_qkv(spec, g, x, rstd, norm_w, wq, bq, wk, bk, wv, bv)

@@ -7,7 +7,7 @@ the plain formulas of :mod:`loongtrain.model.llama` (each is tested equal to its
 - :func:`tiled_rope`: RoPE saving only cos/sin, its float32 temporaries (several times the
   size of ``x``) alive for one tile at a time.
 
-Both run over tiles of :data:`~loongtrain.model.norm.TOKEN_TILE` tokens (backward recomputes
+Both run over token tiles (:func:`~loongtrain.model.norm.tile_tokens`; backward recomputes
 a tile's normalised input), weight gradients summed in float32 over tiles. The tiled MLP is
 :mod:`loongtrain.model.tiled_mlp`.
 """
@@ -26,6 +26,7 @@ from loongtrain.model.norm import (
     over_tiles,
     rms_norm,
     rms_norm_backward,
+    row_width,
     sum_parts,
     tiles,
 )
@@ -43,7 +44,7 @@ class NormedProjections(torch.autograd.Function):
             h, rstd = rms_norm(x[:, rows], norm_weight, eps)
             return F.linear(h, wq, bq), F.linear(h, wk, bk), F.linear(h, wv, bv), rstd
 
-        q, k, v, rstd = over_tiles(tile, x.shape[1])
+        q, k, v, rstd = over_tiles(tile, x.shape[1], width=row_width(x))
         ctx.save_for_backward(x, norm_weight, rstd, wq, wk, wv)
         return q, k, v
 
@@ -73,7 +74,7 @@ def projections_backward(
     projection's weight and bias gradients (``needs``: which of these seven are wanted)."""
     wq, wk, wv = weights
     sums: list[Tensor | None] = [None] * 7  # norm weight, then (weight, bias) of q, k, v
-    for rows in tiles(x.shape[1]):
+    for rows in tiles(x.shape[1], width=row_width(x)):
         xt, rt = x[:, rows], rstd[:, rows]
         h, normed = normalize(xt, rt, norm_weight)
         h = h.flatten(0, -2)
@@ -105,12 +106,14 @@ class TiledRope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         ctx.save_for_backward(cos, sin)
-        return over_tiles(lambda rows: (apply_rope(x[:, rows], cos[:, rows], sin[:, rows]),), x.shape[1])[0]
+        rope = lambda rows: (apply_rope(x[:, rows], cos[:, rows], sin[:, rows]),)  # noqa: E731
+        return over_tiles(rope, x.shape[1], width=row_width(x))[0]
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         cos, sin = ctx.saved_tensors
-        (grad_x,) = over_tiles(lambda rows: (apply_rope(grad[:, rows], cos[:, rows], -sin[:, rows]),), grad.shape[1])
+        inverse = lambda rows: (apply_rope(grad[:, rows], cos[:, rows], -sin[:, rows]),)  # noqa: E731
+        (grad_x,) = over_tiles(inverse, grad.shape[1], width=row_width(grad))
         return grad_x, None, None
 
 

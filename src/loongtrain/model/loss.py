@@ -48,9 +48,11 @@ def _chunk_rows(h: Tensor, weight: Tensor, labels: Tensor) -> tuple[Tensor, Tens
     return probs.div_(total), lse, picked, correct, scored
 
 
-def _vocab_slices(vocab: int) -> list[slice]:
-    """The vocabulary a :data:`~loongtrain.model.config.VOCAB_SLICE` of rows at a time (read at call time)."""
-    step = config.VOCAB_SLICE
+def _vocab_slices(matrix: Tensor, dtype: torch.dtype) -> list[slice]:
+    """The rows of the ``[vocab, dim]`` ``matrix`` a slice at a time, products in ``dtype``
+    (:func:`~loongtrain.model.config.vocab_slice_rows`, read at call time)."""
+    vocab, dim = matrix.shape
+    step = config.vocab_slice_rows(vocab, dim, dtype.itemsize)
     return [slice(first, first + step) for first in range(0, vocab, step)]
 
 
@@ -61,7 +63,7 @@ def _logits(h: Tensor, weight: Tensor) -> Tensor:
     if weight.dtype == h.dtype:
         return F.linear(h, weight).float()
     logits = torch.empty((h.shape[0], weight.shape[0]), dtype=torch.float32, device=h.device)
-    for rows in _vocab_slices(weight.shape[0]):
+    for rows in _vocab_slices(weight, h.dtype):
         logits[:, rows] = F.linear(h, weight[rows].to(h.dtype))
     return logits
 
@@ -73,7 +75,7 @@ def _input_gradient(grad: Tensor, weight: Tensor, out: Tensor) -> None:
         torch.mm(grad, weight, out=out)
         return
     total = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
-    for rows in _vocab_slices(weight.shape[0]):
+    for rows in _vocab_slices(weight, grad.dtype):
         total += grad[:, rows] @ weight[rows].to(grad.dtype)
     out.copy_(total)
 
@@ -96,7 +98,7 @@ def _chunk(
         if grad_w is not None and grad.dtype == torch.float32:
             grad_w.addmm_(grad.t(), h_c)
         elif grad_w is not None:  # products in the compute dtype summed in float32, a vocabulary slice at a time
-            for rows in _vocab_slices(grad_w.shape[0]):
+            for rows in _vocab_slices(grad_w, h_c.dtype):
                 grad_w[rows] += grad[:, rows].t() @ h_c
     return loss, correct.sum()
 

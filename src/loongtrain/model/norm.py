@@ -5,36 +5,59 @@ The model computes in the parameters' dtype (bf16 on accelerators) but takes a n
 statistics and RoPE's rotation in float32. Over a whole long sequence those float32
 temporaries are several times the bf16 activations (a norm's backward holds three
 ``[T, dim]`` float32 tensors at once: 48 KB per token for Llama-3-8B). The functions here
-and in :mod:`loongtrain.model.llama` run over tiles of :data:`TOKEN_TILE` tokens instead,
-so they exist for one tile at a time; the results are the same (each token is normalised
-or rotated alone; weight gradients are summed over tiles in float32).
+and in :mod:`loongtrain.model.lean` and :mod:`loongtrain.model.head_groups` run over tiles
+instead, so they exist for one tile at a time; the results are the same (each token is
+normalised or rotated alone; weight gradients are summed over tiles in float32).
+
+A tile is as many tokens as keep its temporaries within
+:data:`~loongtrain.model.config.TILE_BYTES` (:func:`tile_tokens`: 16K tokens at width 2048, 8K
+at 4096): few tiles, so few kernel launches, and a bounded, priced working set
+(``planner/memory.py``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from loongtrain.model.config import token_tile
+
 Tensor = torch.Tensor
 
-#: tokens of the sequence per step wherever a function would otherwise make float32
-#: temporaries as long as the sequence (the norms, RoPE, the q/k/v projections)
-TOKEN_TILE = 4096
+#: tokens of the sequence per tile wherever a function would otherwise make float32
+#: temporaries as long as the sequence (the norms, RoPE, the q/k/v projections); 0: sized by
+#: bytes (:func:`~loongtrain.model.config.token_tile`; tests set a count to run many tiles)
+TOKEN_TILE = 0
 
 
-def tiles(length: int, tile: int = 0) -> list[slice]:
-    """The sequence tiles of ``tile`` tokens (0: :data:`TOKEN_TILE`) of a dimension of ``length``."""
-    tile = tile or TOKEN_TILE
+def tile_tokens(width: int) -> int:
+    """Tokens per tile of rows ``width`` wide: :data:`TOKEN_TILE` if set, else
+    :func:`~loongtrain.model.config.token_tile` (read at call time)."""
+    return TOKEN_TILE or token_tile(width)
+
+
+def row_width(t: Tensor) -> int:
+    """Elements of one token's row of ``t`` [B, S, ...]."""
+    return math.prod(t.shape[2:])
+
+
+def tiles(length: int, tile: int = 0, width: int = 0) -> list[slice]:
+    """The sequence tiles of a dimension of ``length``: ``tile`` tokens each, or (0) as many as
+    :func:`tile_tokens` gives rows ``width`` wide."""
+    tile = tile or tile_tokens(width)
     return [slice(start, min(start + tile, length)) for start in range(0, length, tile)]
 
 
-def over_tiles(fn: Callable[[slice], tuple[Tensor, ...]], length: int, tile: int = 0) -> tuple[Tensor, ...]:
-    """``fn(rows)`` for each sequence tile (dim 1), its results written into tensors of the
-    whole sequence (never a concatenation: the parts and the whole would coexist); one
-    call when the sequence is one tile."""
-    parts_of = tiles(length, tile)
+def over_tiles(
+    fn: Callable[[slice], tuple[Tensor, ...]], length: int, tile: int = 0, width: int = 0
+) -> tuple[Tensor, ...]:
+    """``fn(rows)`` for each sequence tile (dim 1; ``tile`` and ``width`` as :func:`tiles`), its
+    results written into tensors of the whole sequence (never a concatenation: the parts and
+    the whole would coexist); one call when the sequence is one tile."""
+    parts_of = tiles(length, tile, width)
     if len(parts_of) == 1:
         return fn(parts_of[0])
     outs: tuple[Tensor, ...] = ()
@@ -93,7 +116,7 @@ def rms_norm_backward(
 
 
 class _RMSNormFunction(torch.autograd.Function):
-    """:func:`rms_norm` over tiles of :data:`TOKEN_TILE` tokens, saving only ``x`` (the
+    """:func:`rms_norm` over token tiles (:func:`tile_tokens`), saving only ``x`` (the
     caller's tensor, usually kept anyway) and the per-token ``1 / rms``; backward recomputes
     the rest, tile by tile. Autograd would keep a float32 copy of ``x`` and the normalised
     output, and its backward would make float32 ``[T, width]`` temporaries of the whole
@@ -101,7 +124,7 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        out, rstd = over_tiles(lambda rows: rms_norm(x[:, rows], weight, eps), x.shape[1])
+        out, rstd = over_tiles(lambda rows: rms_norm(x[:, rows], weight, eps), x.shape[1], width=row_width(x))
         ctx.save_for_backward(x, weight, rstd)
         return out
 
@@ -111,7 +134,7 @@ class _RMSNormFunction(torch.autograd.Function):
         needs_weight = ctx.needs_input_grad[1]
         grad_x = torch.empty_like(x)
         grad_weight = None
-        for rows in tiles(x.shape[1]):
+        for rows in tiles(x.shape[1], width=row_width(x)):
             xt, rt = x[:, rows], rstd[:, rows]
             grad_x[:, rows], part = rms_norm_backward(grad_out[:, rows], xt, weight, rt, needs_weight)
             grad_weight = sum_parts(grad_weight, part)

@@ -12,8 +12,9 @@ accumulation dtype's (4: fp32). Where each term comes from:
   RoPE saves only the shared cos/sin tables; ``FeedForward`` saves w1's output, silu's
   output, w3's output and their product (``4 * e * ffn``), or tiled (``model/tiled_mlp.py``)
   only its input and norm2's 1/rms; a block's output is the next block's input. The norms,
-  RoPE and the q/k/v projections run over tiles of ``model.norm.TOKEN_TILE`` tokens, so
-  their float32 temporaries are one tile's (not priced).
+  RoPE and the q/k/v projections run over token tiles (``model.config.token_tile``: their
+  temporaries within 512 MiB), so their float32 temporaries are one tile's
+  (``TILE_TEMP_BYTES`` per token and element of width), priced in the projections' backward.
 - ``attention/ops.py``: ``ring_attention`` saves ``q_h``, ``kv_h``, ``out_h`` and the fp32
   ``lse``; ``head_scatter``/``head_gather`` save nothing, but with ``hp > 1`` the gathered
   output is ``wo``'s saved input (with ``hp == 1`` it is ``out_h`` itself); with ``hp == 1``
@@ -70,7 +71,7 @@ import math
 from dataclasses import dataclass, replace
 
 from loongtrain.attention.workspace import backward_heads_per_call, backward_workspace_bytes
-from loongtrain.model.config import VOCAB_SLICE, ModelConfig
+from loongtrain.model.config import TILE_TEMP_BYTES, ModelConfig, token_tile, vocab_slice_rows
 from loongtrain.options import checkpointed_count
 from loongtrain.planner.cost import Candidate, Workload, replicated_kv_heads
 from loongtrain.planner.zero import shard_degree
@@ -378,7 +379,8 @@ def memory_phases(
         # a vocabulary slice's compute-dtype product with the chunk (dL/dW's; the master's cast
         # slice and its float32 sum of dL/dh)
         # (none in float32: products in float32 need no slices, a float32 master is used whole)
-        vocab_slice = (e * min(VOCAB_SLICE, m.vocab_size) + (4.0 * chunk if master else 0.0)) * m.dim if e < 4 else 0.0
+        rows = vocab_slice_rows(m.vocab_size, m.dim, int(e))
+        vocab_slice = (e * rows + (4.0 * chunk if master else 0.0)) * m.dim if e < 4 else 0.0
         loss["loss fixed"] = 4.0 * p_output + chunk_logits + 2.0 * e * chunk * m.dim + vocab_slice
         if shard > 1 and output_gathered:
             # FSDP2 keeps its last all-gather's output buffer (the output matrix's, in the compute
@@ -408,7 +410,9 @@ def memory_phases(
     # after the attention's backward: the residual's gradient, the gradients of q, k, v, and
     # RoPE's output or the projections' input gradient; beside the prefetched previous layer
     q_bytes, kv_bytes = e * m.n_heads * m.head_dim, 2 * e * m.n_kv_heads * m.head_dim
-    projections = (e * m.dim + q_bytes + kv_bytes + max(q_bytes, e * m.dim)) * tokens + prefetched
+    # and one token tile's temporaries of the norm and projections' backward (model/norm.py)
+    tile_temps = TILE_TEMP_BYTES * m.dim * w.micro_batch * min(w.seq_len / p.sp, token_tile(m.dim))
+    projections = (e * m.dim + q_bytes + kv_bytes + max(q_bytes, e * m.dim)) * tokens + tile_temps + prefetched
     if groups > 1:  # the projections' backward is inside the grouped function (its working set);
         projections = 0.0  # the previous layer's kept tensors come back when its backward reads them
     ckpt_work = max(projections, working(mine)) if mine else projections
