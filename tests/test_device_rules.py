@@ -155,3 +155,21 @@ def test_a_kernel_that_cannot_run_is_refused_in_one_line(monkeypatch):
         check_kernel_device("cpu", "cuda")
     with pytest.raises(ConfigError, match="attention.kernel='fa9'; choose one of"):
         load_config(overrides=["attention.kernel=fa9"])
+
+
+def test_adamw_is_fused_on_a_gpu_and_the_default_elsewhere(monkeypatch):
+    """Fused AdamW (one kernel per parameter group and dtype) where every parameter is on a GPU,
+    as torchtitan runs it; PyTorch's default on CPU and for parameters offloaded to the host."""
+    from loongtrain.config import OptimSection
+    from loongtrain.train import spec
+
+    assert spec.fused_adamw({"cuda"}) is True
+    assert spec.fused_adamw({"cuda", "cpu"}) is None and spec.fused_adamw({"cpu"}) is None
+    made = {}
+    monkeypatch.setattr(torch.optim, "AdamW", lambda params, **kw: made.update(kw) or kw)
+    spec.build_optimizer([torch.zeros(2, requires_grad=True)], OptimSection())
+    assert made["fused"] is None
+    meta = torch.zeros(2, device="meta", requires_grad=True)
+    monkeypatch.setattr(spec, "FUSED_ADAMW_DEVICES", ("meta",))  # stands in for a GPU here
+    spec.build_optimizer([meta], OptimSection())
+    assert made["fused"] is True
