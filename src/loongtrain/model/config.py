@@ -29,6 +29,7 @@ def vocab_slice_rows(vocab: int, dim: int, dtype_bytes: int) -> int:
     fit = VOCAB_SLICE_BYTES // ((4 + dtype_bytes) * dim) // VOCAB_SLICE_MULTIPLE * VOCAB_SLICE_MULTIPLE
     return min(vocab, max(VOCAB_SLICE_MULTIPLE, fit))
 
+
 #: the bound on one token tile's temporaries (bytes) where the norms, RoPE and the q/k/v
 #: projections run over tiles of the sequence (:mod:`loongtrain.model.norm`)
 TILE_BYTES = 512 * 2**20

@@ -30,9 +30,7 @@ import argparse
 import dataclasses
 import functools
 import json
-import math
 import re
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -59,11 +57,12 @@ from loongtrain.tools.gpucheck.train import (
     random_tokens,
     resolve_auto_case,
     stated_peak,
+    timed_steps,
 )
 from loongtrain.tools.harness import release_memory, sync
-from loongtrain.train.metrics import mfu, reset_peak_memory
 from loongtrain.train.model_setup import model_config_for
-from loongtrain.train.trainer import clip_grad_norm, peak_memory_gib
+from loongtrain.train.spec import build_optimizer
+from loongtrain.train.trainer import clip_grad_norm
 
 PEERS = ("transformers",)
 #: ``--model`` names: the GPU check's ~1.1B Llama (the config's ``[model]`` when not given)
@@ -152,10 +151,7 @@ def measure_hf_step(
     if checkpointing:
         _enable_checkpointing(model)
     o = optim
-    fused = True if device.type == "cuda" else None
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=fused
-    )
+    optimizer = build_optimizer(model.parameters(), o)  # the trainer's AdamW: fused on a GPU
     data = random_tokens(cfg, seq, device)
     tokens, labels = data[:, :-1], data[:, 1:]
     autocast = dtype != torch.float32
@@ -177,26 +173,7 @@ def measure_hf_step(
         sync(device)
         return time.perf_counter() - t0
 
-    first = [step() for _ in range(warmup)]
-    reset_peak_memory(device)
-    step_s = statistics.median(step() for _ in range(steps))
-    peak_gib = peak_memory_gib(device)
-    if profile_step is not None:
-        profile_step(step)
-    flops = cfg.flops_per_token(seq)
-    tokens_per_s = seq / step_s
-    return {
-        "step_s": step_s,
-        "warmup_s": sum(first),
-        "tokens_per_s": tokens_per_s,
-        "flops_per_token": flops,
-        "tflops": tokens_per_s * flops / 1e12,
-        "mfu": mfu(tokens_per_s, flops, peak.tflops),
-        "peak_tflops": peak.tflops,
-        "peak_memory_gib": peak_gib,
-        "losses": losses,
-        "finite": all(math.isfinite(x) for x in losses),
-    }
+    return timed_steps(step, steps, warmup, device, seq, cfg.flops_per_token(seq), peak, losses, profile_step)
 
 
 def _slug(text: str) -> str:

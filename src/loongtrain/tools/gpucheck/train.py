@@ -211,24 +211,41 @@ def measure_training_step(
         sync(device)
         return time.perf_counter() - t0
 
+    keys = None  # every microbatch's keys under its documents and window (what the kernels compute)
+    if any(isinstance(mb, Microbatch) for mb in batch):
+        keys = sum(mb.attention_keys(cfg.sliding_window) for mb in batch) / case.seq
+    flops = cfg.flops_per_token(case.seq, keys_per_query=keys)
+    return timed_steps(step, steps, warmup, device, case.seq, flops, peak, losses, profile_step)
+
+
+def timed_steps(
+    step: Callable[[], float],
+    steps: int,
+    warmup: int,
+    device: torch.device,
+    seq: int,
+    flops_per_token: float,
+    peak: Peak,
+    losses: list[float],
+    profile_step: Callable[[Callable[[], float]], object] | None = None,
+) -> dict:
+    """Run ``warmup`` then ``steps`` calls of ``step`` (each returns its seconds and appends its
+    loss to ``losses``), peak memory over the timed ones, then ``profile_step(step)`` if given:
+    the row's median step, tokens/s of ``seq``-token steps, model TFLOP/s, MFU, peak memory, losses."""
     first = [step() for _ in range(warmup)]
     reset_peak_memory(device)
     step_s = statistics.median(step() for _ in range(steps))
     peak_gib = peak_memory_gib(device)
     if profile_step is not None:
         profile_step(step)
-    keys = None  # every microbatch's keys under its documents and window (what the kernels compute)
-    if any(isinstance(mb, Microbatch) for mb in batch):
-        keys = sum(mb.attention_keys(cfg.sliding_window) for mb in batch) / case.seq
-    flops = cfg.flops_per_token(case.seq, keys_per_query=keys)
-    tokens_per_s = case.seq / step_s
+    tokens_per_s = seq / step_s
     return {
         "step_s": step_s,
         "warmup_s": sum(first),
         "tokens_per_s": tokens_per_s,
-        "flops_per_token": flops,
-        "tflops": tokens_per_s * flops / 1e12,
-        "mfu": mfu(tokens_per_s, flops, peak.tflops),
+        "flops_per_token": flops_per_token,
+        "tflops": tokens_per_s * flops_per_token / 1e12,
+        "mfu": mfu(tokens_per_s, flops_per_token, peak.tflops),
         "peak_tflops": peak.tflops,
         "peak_memory_gib": peak_gib,
         "losses": losses,
