@@ -55,14 +55,14 @@ def _batches(seq: int = 64) -> list[Microbatch]:
     return [Microbatch(tokens, labels, torch.tensor(cu) * grow) for cu in ([0, 20, 64], [0, 7, 30, 41, 64])]
 
 
-def _compiled_vs_eager(cfg: dict, checkpoint: str, zero: str, model: dict, seq: int) -> dict:
+def _compiled_vs_eager(cfg: dict, checkpoint: str, zero: str, shape: dict, seq: int, layers: int = 0) -> dict:
     state = cached_state(**cfg)
     results = {}
     for compiled in (False, True):
         model = parallelize(
-            build_model(model_config("debug")),
+            build_model(model_config("debug", **shape)),
             state,
-            memory=MemoryOptions(activation_checkpoint=checkpoint),
+            memory=MemoryOptions(activation_checkpoint=checkpoint, activation_checkpoint_layers=layers),
             zero=zero,
             compile=compiled,
         )
@@ -85,17 +85,18 @@ def _compiled_vs_eager(cfg: dict, checkpoint: str, zero: str, model: dict, seq: 
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("layout", "checkpoint", "zero", "model", "seq"),
+    ("layout", "checkpoint", "zero", "shape", "seq", "layers"),
     [
-        ({"hp": 2, "cp": 2, "ring_window": 2}, "sc++", "dp_sp", {}, 64),
+        ({"hp": 2, "cp": 2, "ring_window": 2}, "sc++", "dp_sp", {}, 64, 0),
         # the same blocks' code compiled again in the same processes, for another state and
-        # other shapes (an int state key became a symbolic int there and broke the fake ops)
-        ({"hp": 2, "cp": 2}, "full", "sp", {"dim": 96, "ffn_dim": 256}, 128),
-        ({"cp": 4, "ring_window": 2}, "none", "none", {}, 64),
+        # other shapes (an int state key became a symbolic int there and broke the fake ops);
+        # only the first of the two layers checkpointed (the other compiled without)
+        ({"hp": 2, "cp": 2}, "full", "sp", {"dim": 96, "ffn_dim": 256}, 128, 1),
+        ({"cp": 4, "ring_window": 2}, "none", "none", {}, 64, 0),
     ],
 )
-def test_compiled_training_equals_eager(dist_pool, layout, checkpoint, zero, model, seq):
-    for result in dist_pool(4).run(_compiled_vs_eager, layout, checkpoint, zero, model, seq):
+def test_compiled_training_equals_eager(dist_pool, layout, checkpoint, zero, shape, seq, layers):
+    for result in dist_pool(4).run(_compiled_vs_eager, layout, checkpoint, zero, shape, seq, layers):
         assert result["loss"] < 1e-5 and result["grad"] < 1e-5, result
         # sc++ keeps the attention outputs: backward moves as many kv blocks as forward (no
         # recompute); full recomputes the attention, so the forward hops are counted twice

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from loongtrain.model.config import ROPE_SCALINGS, RopeScaling
 from loongtrain.options import (
     ATTENTION_KERNELS,
+    AUTO_CHECKPOINT,
     LAYOUT_MODES,
     LONG_DOCUMENTS,
     ZERO_SCOPES,
@@ -512,6 +513,12 @@ def validate(cfg: TrainConfig) -> None:
             check_compile(cfg.memory.options(), cfg.parallel.layout == "per_batch")
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+    if cfg.memory.activation_checkpoint == AUTO_CHECKPOINT and cfg.parallel.layout == "per_batch":
+        raise ConfigError(
+            "memory.activation_checkpoint='auto' fits the configured hp x cp layout to the device, and "
+            "parallel.layout='per_batch' runs microbatches on other splits whose memory differs: name full, sc++ or "
+            "none, or set parallel.layout='fixed'"
+        )
     if cfg.data.source == "tokens" and not cfg.data.path:
         raise ConfigError("data.source='tokens' needs data.path (a token file from `loongtrain prepare`)")
     if cfg.data.source != "tokens" and cfg.data.long_documents != "split":
