@@ -113,6 +113,13 @@ def test_cpu_run_training_rows_stand_beside_their_ceiling_and_auto_follows_the_b
     assert auto[128]["case"].endswith("S=128 auto: sc++ on the first 1 of 2 layers")
     assert (auto[128]["values"]["ceiling"]["mode"], auto[128]["values"]["ceiling"]["checkpointed"]) == ("sc++", 1)
     assert auto[128]["values"]["policy"].startswith("sc++ on the first 1 of 2 layers (predicted peak")
+    # the compiled row: compiled in its warm-up, no graph break, no recompile; its gain over the eager row
+    (compiled,) = [r for r in _rows(report, "training") if r["values"]["compiled"]]
+    c = compiled["values"]["compile"]
+    assert c["graphs_in_warmup"] >= 1 and c["graphs_in_timed_steps"] == 0 and c["graph_breaks"] == 0, c
+    gain = compiled["values"]["tokens_per_s"] / auto[64]["values"]["tokens_per_s"]
+    assert compiled["values"]["gain_over_eager"] == pytest.approx(gain)
+    assert compiled["result"].startswith(f"{gain:.2f}x the eager row; ")
 
 
 @pytest.mark.e2e

@@ -21,6 +21,15 @@ from loongtrain.model.llama import Transformer
 _SELECTIVE_CHECKPOINT_NOTICE = "torch._higher_order_ops.wrap"
 
 
+def compile_counts() -> dict[str, int]:
+    """Graphs ``torch.compile`` has made in this process so far (a recompile makes one more) and
+    the graph breaks it met. Read from dynamo's ``torch._dynamo.utils.counters``, in this one
+    place: PyTorch has no public API for them (``torch._dynamo.explain`` compiles anew)."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
+
+
 def apply_compile(model: Transformer, fullgraph: bool = True) -> None:
     """Compile every transformer block of ``model`` in place.
 

@@ -481,6 +481,10 @@ def training_status(goals: bool, case: TrainCase, m: dict, pred: dict | None) ->
         targets.append(f"peak <= {PEAK_GIB_GOAL[key]:g} GiB")
         if m["peak_memory_gib"] > PEAK_GIB_GOAL[key]:
             missed.append("peak memory")
+    if case.compiled and m.get("compile"):
+        targets.append("no recompile in the timed steps")
+        if m["compile"]["graphs_in_timed_steps"]:
+            missed.append("recompiles")
     if case.checkpoint == "auto" and pred is not None:
         targets.append(f"peak within {POLICY_MEMORY_GOAL:.0%} of the planner's")
         if abs(m["peak_memory_gib"] / pred["memory_gib"] - 1) > POLICY_MEMORY_GOAL:
@@ -502,6 +506,12 @@ def _train_result(m: dict, pred: dict | None, planner_note: str, ceiling: Ceilin
     if ceiling is not None:
         text += (
             f", {fraction_of_ceiling(m['tokens_per_s'], ceiling):.0%} of the ceiling ({ceiling.tokens_per_s:.0f} tok/s)"
+        )
+    if m.get("compile"):
+        c = m["compile"]
+        text += (
+            f", graphs compiled: {c['graphs_in_warmup']} in the warm-up, {c['graphs_in_timed_steps']} in the timed "
+            f"steps; {c['graph_breaks']} graph breaks"
         )
     if pred is None:
         return f"{text} | planner: {planner_note}"
@@ -600,6 +610,23 @@ def _training_on_one_rank(
                   "ceiling": asdict(ceiling) if ceiling is not None else None,
                   "of_ceiling": fraction_of_ceiling(m["tokens_per_s"], ceiling) if ceiling else None}  # fmt: skip
         rows.append(Row("training", label, _train_result(m, pred, planner_note, ceiling), target, status, values))
+
+
+def compiled_gains(rows: list[Row]) -> None:
+    """Each compiled training row's tokens/s over the eager row of its length and policy (its
+    result and ``values['gain_over_eager']``), where both ran."""
+    eager = {
+        (r.values["seq"], r.values["checkpoint"]): r.values["tokens_per_s"]
+        for r in rows
+        if r.section == "training" and "tokens_per_s" in r.values and not r.values["compiled"]
+    }
+    for r in rows:
+        if r.section != "training" or not r.values.get("compiled") or "tokens_per_s" not in r.values:
+            continue
+        base = eager.get((r.values["seq"], r.values["checkpoint"]))
+        if base:
+            r.values["gain_over_eager"] = r.values["tokens_per_s"] / base
+            r.result = f"{r.values['gain_over_eager']:.2f}x the eager row; {r.result}"
 
 
 def _longest_on_one_rank(device: torch.device, profile: Profile, peak: Peak, args, budget: Budget, rows: list) -> None:
@@ -825,6 +852,7 @@ def main(args: argparse.Namespace) -> None:
     rows += dist_rows(profile, device, world, budget)
     if args.compile == "extra":
         rows += training_rows(profile, device, peak, args, budget, compiled=True, ceilings=ceilings)
+        compiled_gains(rows)
     failures = sum(r.status == FAIL for r in rows)
     env["elapsed_s"] = budget.elapsed()
     print(

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from loongtrain.apply import MemoryOptions, materialize, parallelize
+from loongtrain.apply.compile import compile_counts
 from loongtrain.config import OptimSection
 from loongtrain.data.batch import Microbatch
 from loongtrain.model import ModelConfig, build_model
@@ -215,7 +216,7 @@ def measure_training_step(
     if any(isinstance(mb, Microbatch) for mb in batch):
         keys = sum(mb.attention_keys(cfg.sliding_window) for mb in batch) / case.seq
     flops = cfg.flops_per_token(case.seq, keys_per_query=keys)
-    return timed_steps(step, steps, warmup, device, case.seq, flops, peak, losses, profile_step)
+    return timed_steps(step, steps, warmup, device, case.seq, flops, peak, losses, profile_step, case.compiled)
 
 
 def timed_steps(
@@ -228,18 +229,30 @@ def timed_steps(
     peak: Peak,
     losses: list[float],
     profile_step: Callable[[Callable[[], float]], object] | None = None,
+    compiled: bool = False,
 ) -> dict:
     """Run ``warmup`` then ``steps`` calls of ``step`` (each returns its seconds and appends its
     loss to ``losses``), peak memory over the timed ones, then ``profile_step(step)`` if given:
-    the row's median step, tokens/s of ``seq``-token steps, model TFLOP/s, MFU, peak memory, losses."""
+    the row's median step, tokens/s of ``seq``-token steps, model TFLOP/s, MFU, peak memory, losses;
+    ``compiled``: also the graphs compiled in the warm-up and in the timed steps (recompiles), and
+    the graph breaks (``compile``)."""
+    start = compile_counts()
     first = [step() for _ in range(warmup)]
+    warm = compile_counts()
     reset_peak_memory(device)
     step_s = statistics.median(step() for _ in range(steps))
     peak_gib = peak_memory_gib(device)
+    end = compile_counts()
     if profile_step is not None:
         profile_step(step)
     tokens_per_s = seq / step_s
+    compile_stats = {
+        "graphs_in_warmup": warm["graphs"] - start["graphs"],
+        "graphs_in_timed_steps": end["graphs"] - warm["graphs"],
+        "graph_breaks": end["graph_breaks"] - start["graph_breaks"],
+    }
     return {
+        "compile": compile_stats if compiled else None,
         "step_s": step_s,
         "warmup_s": sum(first),
         "tokens_per_s": tokens_per_s,
