@@ -100,6 +100,12 @@ def test_unresolved_auto_and_too_many_layers_are_refused():
         preflight(load_config(None, ["memory.activation_checkpoint=auto", "run.device=cpu"]), 1)
     cfg = load_config(None, ["memory.activation_checkpoint=auto", "memory.device_memory_gib=24"])
     assert cfg.memory.options().device_memory_gib == 24.0
+    # more layers than the model has: refused before any process starts
+    with pytest.raises(ConfigError, match="activation_checkpoint_layers=5 but the model has 2 layers"):
+        preflight(load_config(None, ["memory.activation_checkpoint_layers=5"]), 1)
+    # a layout per microbatch changes what fits: auto is refused there
+    with pytest.raises(ConfigError, match="parallel.layout='per_batch' runs microbatches on other splits"):
+        load_config(None, ["memory.activation_checkpoint=auto", "parallel.layout=per_batch"])
 
 
 def test_auto_recomputes_nothing_where_the_step_fits_and_the_fewest_layers_where_it_does_not():

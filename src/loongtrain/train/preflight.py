@@ -27,7 +27,7 @@ from loongtrain.data import (
 from loongtrain.data.loader import rows_per_microbatch
 from loongtrain.launch import resolve_device, under_torchrun
 from loongtrain.model import ModelConfig
-from loongtrain.options import check_kernel_device
+from loongtrain.options import AUTO_CHECKPOINT, check_kernel_device, checkpointed_count
 from loongtrain.train.checkpoint import CheckpointManager, check_model_shape
 from loongtrain.train.memory_policy import check_auto_budget
 from loongtrain.train.model_setup import check_pretrained_context
@@ -108,6 +108,8 @@ def preflight(cfg: TrainConfig, world_size: int, local_world_size: int | None = 
         dp = layout.resolve_dp(world_size)
         check_model_fits(mcfg, layout.hp)
         check_head_groups(mcfg, cfg.memory.head_groups, [layout.hp])
+        if spec.memory.activation_checkpoint != AUTO_CHECKPOINT:  # auto is resolved per run
+            checkpointed_count(spec.memory, mcfg.n_layers)  # no more checkpointed layers than the model has
         check_sequence_length(cfg.data.seq_len, layout.hp, layout.cp)
         rows_per_microbatch(cfg.data.global_batch, dp, cfg.data.micro_batches)
         device = resolve_device(cfg.run.device, local_world_size or world_size)
