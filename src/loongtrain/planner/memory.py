@@ -415,9 +415,14 @@ def memory_phases(
     projections = (e * m.dim + q_bytes + kv_bytes + max(q_bytes, e * m.dim)) * tokens + tile_temps + prefetched
     if groups > 1:  # the projections' backward is inside the grouped function (its working set);
         projections = 0.0  # the previous layer's kept tensors come back when its backward reads them
-    ckpt_work = max(projections, working(mine)) if mine else projections
+    # by the projections' backward the layer's own kept tensors but its input are freed (the MLP's
+    # and the attention's saved tensors; sc++'s kept attention results)
+    def at_projections(lb: LayerBytes) -> float:
+        return projections - (lb.kept - e * m.dim) * tokens
+
+    ckpt_work = max(at_projections(mine), working(mine)) if mine else 0.0
     # a layer without checkpointing: its saved set is in kept already
-    plain_work = max(projections, working(plain)) if n_plain else projections
+    plain_work = max(at_projections(plain), working(plain)) if n_plain else 0.0
     first_work = last_work = max(ckpt_work, plain_work)  # every k-th layer: either kind comes first and last
     # the first activation_checkpoint_layers layers checkpointed: backward reaches the others first
     # and has freed their activations before the first recompute
