@@ -147,7 +147,7 @@ def check_activation_checkpoint(mode: str, every: int = 1, span: int = 1, layers
 
 
 def checkpoint_label(memory: MemoryOptions, n_layers: int) -> str:
-    """The checkpointing in words: ``sc++``, ``sc++ on the first 6 of 16 layers``, ``full on every 2nd layer``."""
+    """The checkpointing in words: ``sc++``, ``sc++ on the first 6 of 16 layers``, ``full on one layer in 2``."""
     mode, layers, every = (
         memory.activation_checkpoint,
         memory.activation_checkpoint_layers,
@@ -156,7 +156,7 @@ def checkpoint_label(memory: MemoryOptions, n_layers: int) -> str:
     if layers and mode != "none":
         return f"{mode} on the first {layers} of {n_layers} layers"
     if every > 1 and mode != "none":
-        return f"{mode} on every {every}th layer"
+        return f"{mode} on one layer in {every}"
     return mode
 
 
