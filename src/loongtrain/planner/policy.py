@@ -55,9 +55,14 @@ class CheckpointPolicy:
         share = self.recompute_flops / self.step_flops if self.step_flops else 0.0
         fits = "" if self.fits else "; does NOT fit: the leanest policy"
         return (
-            f"{what} (predicted peak {self.peak_bytes / GiB:.1f} GiB of a {self.budget_bytes / GiB:.1f} GiB budget; "
+            f"{what} (predicted peak {_size(self.peak_bytes)} of a {_size(self.budget_bytes)} budget; "
             f"recompute {share:.1%} of the step's FLOPs{fits})"
         )
+
+
+def _size(nbytes: float) -> str:
+    """``121.4 GiB``, or under a GiB ``2.4 MiB``."""
+    return f"{nbytes / GiB:.1f} GiB" if nbytes >= GiB else f"{nbytes / 2**20:.1f} MiB"
 
 
 def checkpointed(candidate: Candidate, n_layers: int) -> int:
