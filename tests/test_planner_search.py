@@ -126,6 +126,10 @@ def test_feasibility_rules():
         (Candidate.of(hp=8, cp=8, zero="all"), "zero="),
         (Candidate.of(dp=2, hp=4, cp=8), "batch=1"),
         (Candidate.of(hp=8, cp=8, mlp_tile=2048), "mlp_tile=2048 is larger than a rank's shard of 1024 tokens"),
+        (
+            Candidate.of(hp=8, cp=8, activation_checkpoint="sc++", activation_checkpoint_layers=40),
+            "activation_checkpoint_layers=40 but the model has 32 layers",
+        ),
     ]
     for layout, message in bad:
         with pytest.raises(PlanError, match=message):

@@ -29,6 +29,7 @@ from loongtrain.options import (
     ZERO_SCOPES,
     MemoryOptions,
     check_zero_scope,
+    checkpointed_count,
 )
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.layout import check_head_groups, check_head_split, check_sequence_length
@@ -384,6 +385,7 @@ def check_candidate(w: Workload, candidate: Candidate, devices: int, c: ClusterS
         (f"layout hp={p.hp} does not fit the model's heads", check_head_split, (m.n_heads, m.n_kv_heads, p.hp)),
         (f"seq_len={w.seq_len}", check_sequence_length, (w.seq_len, p.hp, p.cp)),
         ("layout", check_head_groups, (m.n_heads, m.n_kv_heads, mem.head_groups, p.hp)),
+        ("layout", checkpointed_count, (mem, m.n_layers)),
     ):
         try:
             check(*args)
