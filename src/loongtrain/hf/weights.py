@@ -76,14 +76,15 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+def to_hf_tensor(cfg: ModelConfig, target: TensorMap, tensor: torch.Tensor) -> torch.Tensor:
+    """A loongtrain parameter's full tensor as the HF checkpoint holds it (``target.hf_name``):
+    q/k rows back in HF's RoPE order."""
+    if target.rope_heads:
+        return tensor[inverse_order(rope_row_order(target.rope_heads, cfg.head_dim))]
+    return tensor
+
+
 def to_hf_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """loongtrain parameters (full tensors by loongtrain name) as the HF checkpoint's tensors:
-    renamed, q/k rows back in HF's RoPE order (the export's mapping, in memory)."""
+    """loongtrain parameters (full tensors by loongtrain name) as the HF checkpoint's tensors, by HF name."""
     mapping = parameter_map(cfg)
-    out = {}
-    for name, tensor in tensors.items():
-        target = mapping[name]
-        if target.rope_heads:
-            tensor = tensor[inverse_order(rope_row_order(target.rope_heads, cfg.head_dim))]
-        out[target.hf_name] = tensor
-    return out
+    return {mapping[name].hf_name: to_hf_tensor(cfg, mapping[name], tensor) for name, tensor in tensors.items()}

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from loongtrain.hf.families import export_family, hf_config_dict, require_transformers
 from loongtrain.hf.folder import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, HFFormatError
-from loongtrain.hf.weights import inverse_order, parameter_map, rope_row_order
+from loongtrain.hf.weights import parameter_map, to_hf_tensor
 from loongtrain.model.config import ModelConfig, RopeScaling
 from loongtrain.train.checkpoint import (
     CHECKSUM_FILE,
@@ -214,9 +214,7 @@ def export_checkpoint(
             for name in group:
                 tensor = state.pop(name)
                 target = mapping[name]
-                if target.rope_heads:
-                    tensor = tensor[inverse_order(rope_row_order(target.rope_heads, cfg.head_dim))]
-                tensors[target.hf_name] = tensor.to(torch_dtype).contiguous()
+                tensors[target.hf_name] = to_hf_tensor(cfg, target, tensor).to(torch_dtype).contiguous()
                 weight_map[target.hf_name] = file
             save_file(tensors, str(tmp / file), metadata={"format": "pt"})
         if len(files) > 1:
