@@ -179,7 +179,7 @@ def test_measurement_runs_on_cpu_at_a_tiny_size():
 
     model = ModelConfig(dim=64, n_layers=2)
     tokens = 256
-    report = measure_ceiling(model, tokens, torch.float32, torch.device("cpu"), reps=2, min_time_s=0.002,
+    _, report = measure_ceiling(model, tokens, torch.float32, torch.device("cpu"), reps=2, min_time_s=0.002,
                              peak_tflops=1.0)  # fmt: skip
     json.dumps(report)  # fit for JSON
     assert report["device"] == "cpu" and report["dtype"] == "float32" and report["tokens"] == tokens

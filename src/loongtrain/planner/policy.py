@@ -4,7 +4,7 @@
 
 Memory falls and recompute grows with ``k``, so for each mode the fewest layers that fit is
 its best; the modes are then compared by the FLOPs their recompute adds (``sc++``: a layer's
-matmuls; ``full``: also its attention forward), or with a cluster by the estimated step.
+matmuls; ``full``: also its attention forward).
 Checkpointed layers are the first ones (:func:`~loongtrain.apply.checkpointed_layers` says why).
 """
 
@@ -12,12 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from loongtrain.options import AUTO_CHECKPOINT, MemoryOptions
+from loongtrain.options import AUTO_CHECKPOINT, MemoryOptions, checkpoint_label, checkpointed_count
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.planner.cost import Candidate, Workload, linear_flops_fwd, model_flops_per_microbatch, ring_step_flops
-from loongtrain.planner.estimate import estimate
 from loongtrain.planner.memory import memory_bytes
-from loongtrain.planner.specs import ClusterSpec, PlanError
+from loongtrain.planner.specs import PlanError
 
 GiB = 2**30
 #: the modes the policy chooses among, least memory last
@@ -43,15 +42,16 @@ class CheckpointPolicy:
     @property
     def layers(self) -> int:
         """How many layers are checkpointed (0: none)."""
-        return checkpointed(self.candidate, self.n_layers)
+        return checkpointed_count(self.candidate.memory, self.n_layers)
 
     def describe(self) -> str:
         """One line: ``sc++ on the first 6 of 16 layers (predicted peak 60.1 GiB of 126.0 GiB; ...)``."""
         if self.layers == 0:
             what = "no activation checkpointing"
+        elif self.layers == self.n_layers:
+            what = f"{self.mode} on every layer"
         else:
-            which = "every" if self.layers == self.n_layers else f"the first {self.layers} of"
-            what = f"{self.mode} on {which} {self.n_layers} layers"
+            what = checkpoint_label(self.candidate.memory, self.n_layers)
         share = self.recompute_flops / self.step_flops if self.step_flops else 0.0
         fits = "" if self.fits else "; does NOT fit: the leanest policy"
         return (
@@ -65,14 +65,6 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / GiB:.1f} GiB" if nbytes >= GiB else f"{nbytes / 2**20:.1f} MiB"
 
 
-def checkpointed(candidate: Candidate, n_layers: int) -> int:
-    """Layers ``candidate`` checkpoints."""
-    mem = candidate.memory
-    if mem.activation_checkpoint == "none":
-        return 0
-    return mem.activation_checkpoint_layers or -(-n_layers // mem.activation_checkpoint_every)
-
-
 def recompute_flops(w: Workload, candidate: Candidate) -> float:
     """FLOPs one rank's recompute adds per micro-batch: each checkpointed layer's matmuls, and
     under ``full`` its attention forward (``cp`` causal ring steps)."""
@@ -80,7 +72,7 @@ def recompute_flops(w: Workload, candidate: Candidate) -> float:
     layer = linear_flops_fwd(w, p.sp)
     if candidate.checkpoint == "full":
         layer += p.cp * ring_step_flops(w, p.hp, p.cp)
-    return checkpointed(candidate, w.model.n_layers) * layer
+    return checkpointed_count(candidate.memory, w.model.n_layers) * layer
 
 
 def policy_options(layout: Candidate, n_layers: int) -> list[Candidate]:
@@ -96,27 +88,20 @@ def policy_options(layout: Candidate, n_layers: int) -> list[Candidate]:
     return out
 
 
-def choose_checkpoint_policy(
-    w: Workload, layout: Candidate, budget_bytes: float, gpu: bool = True, cluster: ClusterSpec | None = None
-) -> CheckpointPolicy:
+def choose_checkpoint_policy(w: Workload, layout: Candidate, budget_bytes: float, gpu: bool = True) -> CheckpointPolicy:
     """The checkpointing of ``layout`` (its other memory options kept) that fits ``budget_bytes``
-    and recomputes the least (with ``cluster``: the fastest estimated step); where none fits, the
-    leanest, marked ``fits=False``. ``gpu``: the GPU kernels' workspace is priced."""
+    and recomputes the least; where none fits, the leanest, marked ``fits=False``. ``gpu``: the
+    GPU kernels' workspace is priced."""
     if not budget_bytes > 0:
         raise PlanError(f"choose_checkpoint_policy: budget_bytes={budget_bytes} must be positive")
     n_layers = w.model.n_layers
     priced = [(option, memory_bytes(w, option, gpu=gpu).total) for option in policy_options(layout, n_layers)]
     fitting = [(option, peak) for option, peak in priced if peak <= budget_bytes]
-    if fitting:
-        # fewest layers per mode first: memory falls with k, so the first fitting k of a mode is its best
-        if cluster is not None:
-            option, peak = min(fitting, key=lambda x: (estimate(cluster, w, x[0]).step_s, x[1]))
-        else:
-            option, peak = min(fitting, key=lambda x: (recompute_flops(w, x[0]), x[1]))
-        fits = True
+    fits = bool(fitting)
+    if fits:
+        option, peak = min(fitting, key=lambda x: (recompute_flops(w, x[0]), x[1]))
     else:
         option, peak = min(priced, key=lambda x: x[1])
-        fits = False
     step = model_flops_per_microbatch(w, option)
     return CheckpointPolicy(option, n_layers, peak, budget_bytes, recompute_flops(w, option), step, fits)
 

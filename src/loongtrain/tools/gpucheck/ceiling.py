@@ -85,7 +85,7 @@ def attention_seconds(
     min_time_s: float = 0.01,
 ) -> tuple[float, float]:  # fmt: skip
     """Forward and backward seconds of one layer's attention (all heads) over one causal
-    sequence of ``tokens`` tokens, on loongtrain's chosen kernel."""
+    sequence of ``tokens`` tokens, on loongtrain's chosen kernel (its inputs freed after)."""
     times = _attention_times(model, tokens, dtype, torch.device(device), reps, min_time_s)
     release_memory(torch.device(device))  # the inputs died with the call
     return times
@@ -151,9 +151,10 @@ def measure_ceiling(
     min_time_s: float = 0.01,
     policies: tuple[tuple[str, int], ...] | None = None,
     peak_tflops: float | None = None,
-) -> dict:
+) -> tuple[KernelRates, dict]:
     """Measure the rates on ``device`` and report the ceiling of each policy (see
-    :func:`ceiling_report`); ``peak_tflops`` ``None``: the spec sheet's of a known GPU, else no MFU."""
+    :func:`ceiling_report`): ``(rates, report)``; ``peak_tflops`` ``None``: the spec sheet's of a
+    known GPU, else no MFU."""
     device = torch.device(device)
     rates = measure_rates(model, tokens, dtype, device, reps, min_time_s)
     peak = peak_tflops if peak_tflops is not None else device_peak_tflops(device, dtype)
@@ -161,4 +162,4 @@ def measure_ceiling(
     report["dtype"] = str(dtype).removeprefix("torch.")
     report["device"] = str(device)
     report["attention"]["kernel"] = chosen_kernel(device)
-    return report
+    return rates, report

@@ -51,7 +51,7 @@ from loongtrain.planner.report import format_length
 from loongtrain.planner.specs import PlanError
 from loongtrain.tools.bench.attention import decomposition_overhead
 from loongtrain.tools.gpucheck.calibration import calibration
-from loongtrain.tools.gpucheck.ceiling import ceiling_report, measure_rates
+from loongtrain.tools.gpucheck.ceiling import measure_ceiling
 from loongtrain.tools.gpucheck.dist import DistSizes, run_dist_checks
 from loongtrain.tools.gpucheck.kernels import (
     check_case,
@@ -546,10 +546,10 @@ def _ceiling_rates(profile: Profile, seq: int, dtype: torch.dtype, device: torch
         label = f"{profile.train_model_name} S={format_length(seq)}"
         _progress(f"ceiling {label} ...")
         try:
-            rates = measure_rates(profile.train_model, seq, dtype, device, profile.ceiling_reps)
-            rows.append(
-                _ceiling_row(profile.train_model_name, ceiling_report(profile.train_model, rates, None, peak.tflops))
+            rates, report = measure_ceiling(
+                profile.train_model, seq, dtype, device, reps=profile.ceiling_reps, peak_tflops=peak.tflops
             )
+            rows.append(_ceiling_row(profile.train_model_name, report))
         except Exception as exc:  # noqa: BLE001 - reported as a failed row (out of memory included)
             rows.append(_error_row("ceiling", label, exc))
             rates = None
