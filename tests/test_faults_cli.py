@@ -136,6 +136,31 @@ def test_a_killed_worker_ends_the_job_with_one_line(tmp_path):
     assert _intact(run_dir / "checkpoints" / latest)
 
 
+def test_one_job_per_run_folder_and_a_killed_jobs_lock_is_taken_over(tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["--nproc", "2", *SMALL, "--run.output_dir", str(run_dir)]
+    first = Job.train([*args, "--run.steps", "100000", "--checkpoint.every", "2"], tmp_path / "first")
+    first.wait_for_step(run_dir, 3)
+    second = Job.train([*args, "--run.steps", "3"], tmp_path / "second").wait(timeout=60)
+    _show("a second job on the same folder", second)
+    assert second.returncode == 2
+    _assert_few_lines(second, 1)
+    line = second.stderr_lines()[0]
+    assert line.startswith(f"loongtrain train: run folder {run_dir} is in use by job "), line
+    assert f"(process {first.proc.pid} on " in line and "choose another run.output_dir" in line
+    assert "process(es) on" not in second.stdout  # refused before any worker started
+    first.kill()  # SIGKILL, the launcher too: its lock stays behind
+    steps = [r["step"] for r in metrics(run_dir) if r["kind"] == "train"]
+    assert steps == list(range(1, len(steps) + 1))  # one run's steps, in order: nothing mixed in
+    latest = int(_checkpoints(run_dir)[-1].split("-")[1])
+    third = Job.train([*args, "--run.steps", str(latest + 1)], tmp_path / "third").wait(timeout=120)
+    _show("after the holder was killed", third)
+    assert third.returncode == 0, third.stderr
+    assert f"took over {run_dir}/run.lock from a job that is gone" in third.stderr
+    assert f"resumed from {run_dir / 'checkpoints' / f'step-{latest}'}" in third.stdout
+    assert not (run_dir / "run.lock").exists()  # released at the end
+
+
 @pytest.mark.slow
 def test_max_restarts_resumes_and_matches_an_uninterrupted_run(tmp_path):
     steps = ["--run.steps", "24", "--checkpoint.every", "4", "--data.seq_len", "128"]

@@ -22,6 +22,7 @@ from loongtrain.options import (
     LAYOUT_MODES,
     LONG_DOCUMENTS,
     ZERO_SCOPES,
+    GuardOptions,
     MemoryOptions,
     bound_error,
     check_compile,
@@ -217,6 +218,15 @@ class MemorySection(option_keys(MemoryOptions, defaults=MEMORY_KEY_DEFAULTS)):
 
 
 @dataclass
+class GuardSection(option_keys(GuardOptions)):
+    """``[guard]``: the fields of :class:`GuardOptions` (non-finite steps, loss spikes, replicas)."""
+
+    def options(self) -> GuardOptions:
+        """These keys as the :class:`GuardOptions` the trainer's guard takes."""
+        return GuardOptions(**option_values(self, GuardOptions))
+
+
+@dataclass
 class DataSection:
     source: str = option(
         "recall", "recall (synthetic associative recall) or tokens (a token file)", choices=("recall", "tokens")
@@ -378,6 +388,7 @@ class TrainConfig:
     data: DataSection = field(default_factory=DataSection)
     optim: OptimSection = field(default_factory=OptimSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    guard: GuardSection = field(default_factory=GuardSection)
     eval: EvalSection = field(default_factory=EvalSection)
 
 
@@ -507,6 +518,7 @@ def validate(cfg: TrainConfig) -> None:
             f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must be at most 1 (the final lr is this fraction of lr)"
         )
     _option_object("memory", cfg.memory.options)
+    _option_object("guard", cfg.guard.options)
     _option_object("parallel", cfg.parallel.config)
     if cfg.run.compile:
         try:

@@ -288,3 +288,64 @@ def check_compile(memory: MemoryOptions, per_batch: bool = False) -> None:
             "compiled blocks (run.compile=true) are compiled for one layout, and parallel.layout='per_batch' "
             "changes it per microbatch: set parallel.layout='fixed' or run.compile=false"
         )
+
+
+#: what the trainer does with a step whose loss or gradients are not finite (``guard.nonfinite``)
+NONFINITE_POLICIES: tuple[str, ...] = ("stop", "skip")
+#: what the trainer does with a loss spike (``guard.spike``)
+SPIKE_POLICIES: tuple[str, ...] = ("off", "warn", "skip", "rollback")
+
+
+@dataclass(frozen=True)
+class GuardOptions:
+    """What keeps a run from training on bad numbers: the ``[guard]`` keys of a training config
+    (made from these fields; ``loongtrain.train.guard`` applies them). A loss spike is a finite
+    loss above ``mean + max(spike_sigma * std, 2% of the mean)`` of the last ``spike_window``
+    applied steps' losses, judged once ``spike_min_history`` of them are known (a fresh run's
+    or a resume's first steps are never spikes)."""
+
+    nonfinite: str = option(
+        "stop",
+        "a step whose loss or gradient norm is NaN or infinite: stop (nothing applied, nothing saved from it; the "
+        "job ends naming the step, the first parameter with a non-finite gradient, the microbatch and its "
+        "samples, and how to resume) or skip (the update is not applied, the data moves on)",
+        choices=NONFINITE_POLICIES,
+    )
+    max_skips: int = option(
+        3, "consecutive skipped steps (non-finite or spike) after which the job stops as under stop", bound="positive"
+    )
+    spike: str = option(
+        "warn",
+        "a loss spike (see spike_window, spike_sigma): off, warn (say it, train on), skip (do not apply the step) "
+        "or rollback (reload the newest checkpoint at least rollback_back steps before it and move the data past "
+        "the spike)",
+        choices=SPIKE_POLICIES,
+    )
+    spike_window: int = option(128, "loss spikes: the recent applied steps whose losses are compared", bound="positive")
+    spike_sigma: float = option(
+        6.0, "loss spikes: a loss above the window's mean plus this many standard deviations", bound="positive"
+    )
+    spike_min_history: int = option(
+        16, "loss spikes: steps of history needed before a loss can be a spike", bound="positive"
+    )
+    rollback_back: int = option(
+        1, "spike=rollback: the checkpoint reloaded is at least this many steps before the spike", bound="positive"
+    )
+    rollback_skip_steps: int = option(
+        0, "spike=rollback: global batches skipped after the spike's own (PaLM skipped 200-500)", bound="non_negative"
+    )
+    max_rollbacks: int = option(3, "spike=rollback: rollbacks per run before the job stops", bound="non_negative")
+    replica_check_every: int = option(
+        0,
+        "every this many steps (and at the start) ranks that should hold identical model-state shards (data-"
+        "parallel replicas) compare a digest of each parameter; a mismatch stops the job naming them (0: off)",
+        bound="non_negative",
+    )
+
+    def __post_init__(self) -> None:
+        check_bounds(self)
+        if self.spike_min_history > self.spike_window:
+            raise ValueError(
+                f"GuardOptions: spike_min_history={self.spike_min_history} exceeds spike_window={self.spike_window}; "
+                f"a spike is judged against at most spike_window steps"
+            )

@@ -123,6 +123,35 @@ def _read_rows(entry: TensorEntry, name: str, rows: torch.Tensor) -> torch.Tenso
     return block if rows.numel() == hi - lo and bool((rows == torch.arange(lo, hi)).all()) else block[rows - lo]
 
 
+#: rows read at a time by :func:`first_nonfinite_tensor` (bounds its memory for large matrices)
+SCAN_ROWS = 4096
+
+
+@torch.no_grad()
+def first_nonfinite_tensor(folder: HFFolder) -> tuple[str, int] | None:
+    """The first tensor (in file order) of ``folder``'s weights holding a NaN or an infinity, with
+    how many such values it holds; None if every weight is finite. Reads each tensor once, a
+    block of rows at a time from the memory-mapped files."""
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[str]] = {}
+    for name, entry in folder.table.items():
+        if entry.dtype in FLOAT_DTYPES:
+            by_file.setdefault(entry.file, []).append(name)
+    for file in sorted(by_file):
+        with safe_open(str(file), framework="pt") as f:
+            for name in by_file[file]:
+                rows = folder.table[name].shape[0] if folder.table[name].shape else 1
+                tensor = f.get_slice(name)
+                bad = 0
+                for lo in range(0, rows, SCAN_ROWS):
+                    block = tensor[lo : lo + SCAN_ROWS] if folder.table[name].shape else tensor[:]
+                    bad += int((~torch.isfinite(block)).sum())
+                if bad:
+                    return name, bad
+    return None
+
+
 @torch.no_grad()
 def load_weights(model: torch.nn.Module, folder: HFFolder) -> None:
     """Fill ``model`` (materialised, possibly FSDP-sharded) from the HF ``folder`` (from

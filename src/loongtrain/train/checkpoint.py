@@ -359,15 +359,17 @@ class CheckpointManager:
         local = checksum_problems(path, names[rank::world])
         return first_error(local[0] if local else None)
 
-    def find_resumable(self, on_damaged: str = "fallback") -> tuple[int, Path] | None:
-        """Collective: the newest intact checkpoint, or None.
+    def find_resumable(self, on_damaged: str = "fallback", at_most: int | None = None) -> tuple[int, Path] | None:
+        """Collective: the newest intact checkpoint (of a step at most ``at_most``, when given), or None.
 
         A damaged newest checkpoint is reported in one line and, with ``on_damaged="fallback"``,
         renamed ``step-N.damaged`` so the next older one is tried; with ``"stop"`` it raises
         :class:`CheckpointError`.
         """
         rank = dist.get_rank()
-        candidates = broadcast_object([s for s, _ in self.steps()] if rank == 0 else None)
+        candidates = broadcast_object(
+            [s for s, _ in self.steps() if at_most is None or s <= at_most] if rank == 0 else None
+        )
         for step in reversed(candidates):
             path = self.folder / f"step-{step}"
             trouble = self.problem(path)

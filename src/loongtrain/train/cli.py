@@ -14,6 +14,7 @@ import signal
 import sys
 import tempfile
 import traceback
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,12 +28,14 @@ from loongtrain.train.faults import (
     debug_enabled,
     input_error_cause,
     read_reports,
+    resume_command,
     resume_hint,
     root_cause,
     say,
 )
 from loongtrain.train.preflight import preflight
 from loongtrain.train.run_folder import discard_new_run, holds_run
+from loongtrain.train.run_lock import LOCK_FILE, Holder, RunFolderBusy, acquire, release
 from loongtrain.train.spec import RunSpec
 from loongtrain.train.trainer import AfterStep
 from loongtrain.train.worker import USER_ERRORS, main_under_torchrun, run_worker
@@ -106,11 +109,32 @@ def supervise(
 
     A run that fails on bad input (config, model folder, token file: no resume can fix it)
     gets no resume hint, and leaves nothing behind in a run folder that held no run before."""
-    from torch.distributed.elastic.multiprocessing import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
     run_dir = Path(cfg.run.output_dir)
     existed, held_run = run_dir.exists(), holds_run(run_dir)
+    job = args.rdzv_id if args.nnodes > 1 else uuid.uuid4().hex  # the nodes of one launch share the folder
+    holder = Holder.this_process(job, command=resume_command(argv))
+    try:
+        taken = acquire(run_dir, holder)
+    except RunFolderBusy as e:
+        say(str(e))
+        return 2
+    except OSError as e:
+        say(f"cannot take the run folder {run_dir} ({e}); fix its permissions or choose another run.output_dir")
+        return 2
+    if taken == "taken over":
+        say(f"notice: took over {run_dir}/{LOCK_FILE} from a job that is gone")
+    try:
+        return _supervise(cfg, spec, args, argv, after_step, run_dir, existed, held_run)
+    finally:
+        release(run_dir, holder)
+
+
+def _supervise(
+    cfg: TrainConfig, spec: RunSpec, args: argparse.Namespace, argv: list[str], after_step: AfterStep | None,
+    run_dir: Path, existed: bool, held_run: bool,
+) -> int:  # fmt: skip
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     def failed_on_input(message: str) -> int:
         if not held_run:
@@ -155,7 +179,8 @@ def supervise(
     if fatal:
         if fatal[0].get("input_error"):
             return failed_on_input(fatal[0]["fatal"])
-        say(fatal[0]["fatal"])
+        resume = f"; resume with: {resume_command(argv)}" if fatal[0].get("resumable") else ""
+        say(fatal[0]["fatal"] + resume)
         return 2
     return 0
 
@@ -191,6 +216,13 @@ def main(
         for notice in spec.notices:
             say(f"notice: {notice}")
     if under_torchrun():
+        # the ranks of one torchrun job share the folder; its holder is the agent (their parent)
+        job = os.environ.get("TORCHELASTIC_RUN_ID", "torchrun")
+        try:
+            acquire(cfg.run.output_dir, Holder.this_process(job, pid=os.getppid(), command="torchrun"))
+        except (RunFolderBusy, OSError) as e:
+            say(str(e))
+            raise SystemExit(2) from None
         main_under_torchrun(cfg, spec, after_step)
         return
     try:

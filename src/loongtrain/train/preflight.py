@@ -66,6 +66,21 @@ def check_token_file(file: TokenFile, section: ModelSection, mcfg: ModelConfig) 
     return []
 
 
+def check_finite_weights(folder: str) -> None:
+    """Raise ConfigError naming the first tensor of the Hugging Face ``folder`` that holds a NaN
+    or an infinity (a damaged download, an export of a diverged run): training on it would be
+    NaN from the first step."""
+    from loongtrain.hf.load import first_nonfinite_tensor, read_folder
+
+    found = first_nonfinite_tensor(read_folder(folder))
+    if found is not None:
+        name, count = found
+        raise ConfigError(
+            f"model.init_from={folder!r}: tensor {name} holds {count} non-finite value(s) (NaN or infinity); "
+            f"training on it would be NaN from the first step: use an intact copy of the model"
+        )
+
+
 def check_optimizer(o: OptimSection) -> None:
     """Raise ConfigError if AdamW would reject the [optim] values."""
     try:
@@ -129,6 +144,8 @@ def preflight(cfg: TrainConfig, world_size: int, local_world_size: int | None = 
         )
     if isinstance(source, TokenFileSource | LengthGroupedSource):
         notices += check_token_file(source.file, cfg.model, mcfg)
+    if cfg.model.init_from:
+        check_finite_weights(cfg.model.init_from)
     run_dir = Path(cfg.run.output_dir)
     check_run_dir(run_dir)
     if cfg.checkpoint.resume:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loongtrain.train.metrics import MetricsWriter, plot_curves, read_metrics
+from loongtrain.train.run_folder import METRICS_FILE, trim_metrics
 
 
 @dataclass(frozen=True)
@@ -33,13 +34,15 @@ class StepMetrics:
     all_to_all_mib: float = 0.0
     zero_all_gather_mib: float = 0.0
     zero_reduce_mib: float = 0.0
+    guard: str = ""  # the guard's mark: "skipped: non-finite loss", "skipped: spike", "spike" (trained on)
 
     def record(self) -> dict:
         return {"kind": "train", **self.__dict__}
 
     def line(self) -> str:
         return (
-            f"loss {self.loss:.4f} acc {self.accuracy:.3f} | gnorm {self.grad_norm:.2f} lr {self.lr:.2e} | "
+            (f"[{self.guard.upper()}] " if self.guard else "")
+            + f"loss {self.loss:.4f} acc {self.accuracy:.3f} | gnorm {self.grad_norm:.2f} lr {self.lr:.2e} | "
             f"{self.tokens_per_s_per_device:,.0f} tok/s/dev {self.tflops_per_device:.3f} TFLOP/s"
             + (f" MFU {self.mfu:.1%}" if self.mfu is not None else "")
             + f" | mem {self.peak_memory_gib:.2f} GiB"
@@ -90,6 +93,7 @@ class Reporter:
         self.total_steps, self.log_every, self.first_step = total_steps, log_every, first_step
         interactive = progress == "on" or (progress == "auto" and sys.stdout.isatty())
         self._progress = _Progress(total_steps, enabled and interactive)
+        self._tensorboard = tensorboard
         self._writer = MetricsWriter(run_dir, tensorboard, purge_step=first_step + 1) if enabled else None
 
     @property
@@ -106,10 +110,23 @@ class Reporter:
         if not self.enabled:
             return
         self._writer.write(m.record())
-        if m.step % self.log_every == 0 or m.step == self.total_steps or m.step == self.first_step + 1:
+        due = m.step % self.log_every == 0 or m.step == self.total_steps or m.step == self.first_step + 1
+        if due or m.guard:
             self._progress.clear()
             print(f"step {m.step:5d}/{self.total_steps} {m.line()}", flush=True)
         self._progress.update(m.step, f"loss {m.loss:.4f} acc {m.accuracy:.3f}")
+
+    def rollback(self, to_step: int, record: dict, line: str) -> None:
+        """A rollback to the checkpoint of ``to_step``: the steps after it leave ``metrics.jsonl``
+        (and TensorBoard), then ``record`` is written and ``line`` printed."""
+        if not self.enabled:
+            return
+        self._writer.close()
+        trim_metrics(self.run_dir / METRICS_FILE, to_step)
+        self._writer = MetricsWriter(self.run_dir, self._tensorboard, purge_step=to_step + 1)
+        self._writer.write(record)
+        self._progress.clear()
+        print(line, flush=True)
 
     def record(self, record: dict) -> None:
         """One more record (``kind``, ``step``, numbers) in ``metrics.jsonl`` and TensorBoard."""

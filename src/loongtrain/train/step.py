@@ -108,6 +108,7 @@ class StepResult:
     accuracy: float  # fraction of targets whose argmax prediction is right
     targets: int  # target tokens in the global batch
     layouts: tuple[str, ...] = ()  # this replica's hp x cp (and balance, where not the state's) per microbatch
+    microbatch_losses: tuple[float, ...] = ()  # each microbatch's share of the loss (over every replica)
 
 
 def as_microbatch(batch: Microbatch | tuple[torch.Tensor, torch.Tensor]) -> Microbatch:
@@ -139,20 +140,25 @@ def forward_backward(
     total_targets = agree_and_count(batches, shards, state)
     if total_targets == 0:
         raise ValueError("the batch has no target tokens (every label is IGNORE_INDEX)")
-    sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, correct predictions
+    # loss, correct predictions, then each microbatch's loss (the guard names the one that is not finite)
+    sums = torch.zeros(2 + len(shards), dtype=torch.float64, device=device)
     with torch.set_grad_enabled(backward):
-        for sb in shards:
+        for i, sb in enumerate(shards):
             loss_sum, correct = model(sb.tokens, sb.positions, sb.layout, labels=sb.labels)  # no full logits
             loss = loss_sum / total_targets
             if backward:
                 loss.backward()
-            sums[0] += loss.detach()
+            sums[2 + i] += loss.detach()
             sums[1] += correct
+    sums[0] = sums[2:].sum()
     dist.all_reduce(sums)
-    loss_sum, correct = sums.tolist()
+    loss_sum, correct, *per_microbatch = sums.tolist()
     own = state.config.balance
     layouts = tuple(
         f"{sb.layout.hp}x{sb.layout.cp}" + ("" if sb.layout.balance == own else f" {sb.layout.balance}")
         for sb in shards
     )
-    return StepResult(loss=loss_sum, accuracy=correct / total_targets, targets=int(total_targets), layouts=layouts)
+    return StepResult(
+        loss=loss_sum, accuracy=correct / total_targets, targets=int(total_targets), layouts=layouts,
+        microbatch_losses=tuple(per_microbatch),
+    )  # fmt: skip

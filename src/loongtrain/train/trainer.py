@@ -12,11 +12,10 @@ returns the :class:`~loongtrain.train.spec.RunSpec` the run is built from.
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,6 +32,15 @@ from loongtrain.planner.policy import CheckpointPolicy
 from loongtrain.train.checkpoint import CheckpointManager
 from loongtrain.train.collectives import broadcast_object
 from loongtrain.train.faults import restart_notice, say
+from loongtrain.train.guard import GuardStop, StepGuard, Verdict, first_nonfinite_gradient
+from loongtrain.train.guard_actions import (
+    check_replicas_due,
+    guard_note,
+    refuse_nonfinite_weights,
+    rollback,
+    spike_line,
+    stop_message,
+)
 from loongtrain.train.layouts import PerBatchLayouts
 from loongtrain.train.memory_policy import resolve_memory_policy
 from loongtrain.train.metrics import (
@@ -87,6 +95,8 @@ class Run:
     resumed_from: Path | None
     choose: PerBatchLayouts | None = None  # parallel.layout = per_batch: a microbatch -> the state it runs on
     policy: CheckpointPolicy | None = None  # memory.activation_checkpoint = auto: what the planner chose
+    # the guard's rollbacks so far and the sample ranges they skipped (kept in every checkpoint)
+    guard_record: dict = field(default_factory=lambda: {"rollbacks": 0, "skipped_samples": []})
 
     def save_due(self, done: int) -> bool:
         """Whether a checkpoint is due after ``done`` steps."""
@@ -96,7 +106,9 @@ class Run:
     def save(self, done: int) -> None:
         """Collective: checkpoint the model, optimizer and data position after ``done`` steps."""
         shape, layout = model_shape(self.spec.model), str(self.spec.parallel)
-        trainer_state = {"data": self.loader.state_dict(), "model_shape": shape, "layout": layout}
+        trainer_state = {
+            "data": self.loader.state_dict(), "model_shape": shape, "layout": layout, "guard": self.guard_record,
+        }  # fmt: skip
         self.checkpoints.save(done, self.model, self.optimizer, trainer_state)
 
 
@@ -147,6 +159,7 @@ def build_run(device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat 
     checkpoints = CheckpointManager(checkpoint_dir, cfg.checkpoint.keep, run_id=folder.run_id, say=say)
 
     start, resumed_from = 0, None
+    guard_record = {"rollbacks": 0, "skipped_samples": []}
     if folder.resuming:
         beat(0, "load")
         found = checkpoints.find_resumable(cfg.checkpoint.on_damaged)
@@ -154,12 +167,17 @@ def build_run(device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat 
             trainer_state = checkpoints.load(found[1], model, optimizer, model_shape(spec.model))
             start, resumed_from = trainer_state["step"], found[1]
             loader.load_state_dict(trainer_state["data"])
+            guard_record = trainer_state.get("guard", guard_record)
     if rank == 0:
         trim_metrics(run_dir / METRICS_FILE, start)  # steps after the checkpoint are trained again
         (run_dir / "config.toml").write_text(to_toml(cfg))
-    return Run(
-        cfg, spec, device, state, model, optimizer, loader, checkpoints, folder, start, resumed_from, choose, policy
-    )
+    run = Run(
+        cfg, spec, device, state, model, optimizer, loader, checkpoints, folder, start, resumed_from, choose, policy,
+        guard_record,
+    )  # fmt: skip
+    if resumed_from is not None:
+        refuse_nonfinite_weights(run, resumed_from)
+    return run
 
 
 def describe(run: Run) -> str:
@@ -209,30 +227,61 @@ class StepOutput:
     accuracy: float
     grad_norm: float
     layouts: tuple[str, ...] = ()  # hp x cp of each of this replica's microbatches
+    verdict: Verdict = Verdict("apply")  # what the guard decided (no guard: applied)
+    microbatch_losses: tuple[float, ...] = ()  # each microbatch's share of the loss
+    nonfinite_gradient: str | None = None  # a stopped step: the first parameter whose gradient is not finite
+
+    @property
+    def applied(self) -> bool:
+        """Whether the optimizer applied this step's update."""
+        return self.verdict.applied
+
+
+def gradient_norm(model: torch.nn.Module) -> torch.Tensor:
+    """The global gradient norm (as ``clip_grad_norm_`` computes it; a DTensor under ZeRO)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads)
+
+
+def _as_float(norm: torch.Tensor) -> float:
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     """Clip the global gradient norm to ``max_norm`` (0: no clipping); returns the norm before clipping."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return float(norm)
+    norm = gradient_norm(model)
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+    return _as_float(norm)
 
 
 def train_step(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: ParallelState, microbatches: list,
-    *, lr: float, grad_clip: float, choose: Callable | None = None,
+    *, lr: float, grad_clip: float, choose: Callable | None = None, guard: StepGuard | None = None,
 ) -> StepOutput:  # fmt: skip
     """ONE optimizer step on this replica's ``microbatches`` (on the device; each is what
     :func:`~loongtrain.train.step.forward_backward` takes), at learning rate ``lr``;
-    ``choose``: each microbatch's layout (``parallel.layout = per_batch``)."""
+    ``choose``: each microbatch's layout (``parallel.layout = per_batch``). ``guard`` judges
+    the step from its loss and gradient norm before the update (:class:`StepGuard`): a step it
+    does not apply leaves the weights and the optimizer untouched (its gradients are dropped)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     result = forward_backward(model, state, microbatches, choose=choose)
-    norm = clip_grad_norm(model, grad_clip)
-    optimizer.step()
+    norm_tensor = gradient_norm(model)
+    norm = _as_float(norm_tensor)  # the one host read of the norm, before any update
+    verdict = guard.judge(result.loss, norm) if guard is not None else Verdict("apply")
+    culprit = None
+    if verdict.applied:
+        if grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), grad_clip, norm_tensor)
+        optimizer.step()
+    elif verdict.action == "stop" and verdict.reason in ("loss", "gradients"):
+        culprit = first_nonfinite_gradient(model, state.device)  # the failure path's one collective
     optimizer.zero_grad(set_to_none=True)
-    return StepOutput(loss=result.loss, accuracy=result.accuracy, grad_norm=norm, layouts=result.layouts)
+    return StepOutput(
+        loss=result.loss, accuracy=result.accuracy, grad_norm=norm, layouts=result.layouts, verdict=verdict,
+        microbatch_losses=result.microbatch_losses, nonfinite_gradient=culprit,
+    )  # fmt: skip
 
 
 def evaluate(run: Run, batches: int) -> tuple[float, float]:
@@ -310,11 +359,14 @@ def train(
 
     ``spec`` comes from :func:`preflight` for this world size; ``beat(step, phase)`` is
     told whenever the rank moves on (the stalled-rank watchdog); ``after_step`` (collective)
-    runs before the first step of a fresh run and after every step.
+    runs before the first step of a fresh run and after every step. The ``[guard]`` section
+    judges every step before its update (:mod:`loongtrain.train.guard`): a step it stops on
+    raises :class:`~loongtrain.train.guard.GuardStop`, a rollback continues from a checkpoint.
     """
     beat = beat or _no_beat
     run = build_run(device, cfg, spec, beat)
     r, o = cfg.run, cfg.optim
+    guard = StepGuard(cfg.guard.options())
     reporter = Reporter(
         Path(r.output_dir), enabled=dist.get_rank() == 0, total_steps=r.steps, log_every=r.log_every,
         first_step=run.start, tensorboard=r.tensorboard, progress=r.progress,
@@ -325,48 +377,58 @@ def train(
         world = dist.get_world_size()
         tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
         peak = r.peak_tflops or device_peak_tflops(device, spec.param_dtype)
-        losses: list[float] = []
+        losses: dict[int, float] = {}  # step -> loss (a rollback forgets the steps after its checkpoint)
         step_times: list[float] = []
         if after_step is not None and run.start == 0:
             after_step(run, 0, reporter, beat)
+        check_replicas_due(run, run.start)
         wall0 = time.perf_counter()
-        for step in range(run.start, r.steps):
+        step = run.start
+        while step < r.steps:
             beat(step, "train")
             lr = lr_at(step, lr=o.lr, warmup_steps=o.warmup_steps, total_steps=r.steps, min_lr_ratio=o.min_lr_ratio)
             reset_peak_memory(device)
             reset_stats(run.state, run.choose)
             t0 = time.perf_counter()
+            first_index = run.loader.next_index
             batch = run.loader.next()
             out = train_step(
-                run.model,
-                run.optimizer,
-                run.state,
-                to_device(batch, device),
-                lr=lr,
-                grad_clip=o.grad_clip,
-                choose=run.choose,
-            )
+                run.model, run.optimizer, run.state, to_device(batch, device), lr=lr, grad_clip=o.grad_clip,
+                choose=run.choose, guard=guard,
+            )  # fmt: skip
+            if out.verdict.action == "stop":
+                raise GuardStop(stop_message(run, guard, step + 1, out, first_index))
+            if out.verdict.action == "rollback":
+                beat(step, "rollback")
+                step = rollback(run, guard, reporter, step + 1, out)
+                losses = {s: loss for s, loss in losses.items() if s <= step}
+                continue
+            guard.record(step + 1, out.loss, out.verdict)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dt = time.perf_counter() - t0
             flops_tok = batch_flops_per_token(spec.model, batch)  # this replica's documents and sliding window
             step_times.append(dt)
-            losses.append(out.loss)
+            losses[step + 1] = out.loss
             tps = tokens_per_step / dt / world
             reporter.step(StepMetrics(
                 step=step + 1, loss=out.loss, accuracy=out.accuracy, grad_norm=out.grad_norm, lr=lr, step_s=dt,
                 tokens_per_s_per_device=tps, tflops_per_device=tps * flops_tok / 1e12, mfu=mfu(tps, flops_tok, peak),
                 peak_memory_gib=peak_memory_gib(device), layouts=",".join(out.layouts),
-                **comm_mib_per_device(run.state, run.choose),
+                guard=guard_note(out.verdict), **comm_mib_per_device(run.state, run.choose),
             ))  # fmt: skip
-            if r.eval_every and (step + 1) % r.eval_every == 0 and step + 1 < r.steps:
-                beat(step + 1, "evaluation")
-                reporter.evaluation(step + 1, *evaluate(run, r.eval_batches))
+            if out.verdict.reason == "spike" and reporter.enabled:
+                reporter.say(spike_line(guard, step + 1, out))
+            step += 1
+            check_replicas_due(run, step)
+            if r.eval_every and step % r.eval_every == 0 and step < r.steps:
+                beat(step, "evaluation")
+                reporter.evaluation(step, *evaluate(run, r.eval_batches))
             if after_step is not None:
-                after_step(run, step + 1, reporter, beat)
-            if run.save_due(step + 1):
-                beat(step + 1, "checkpoint save")
-                run.save(step + 1)
+                after_step(run, step, reporter, beat)
+            if run.save_due(step):
+                beat(step, "checkpoint save")
+                run.save(step)
         wall = time.perf_counter() - wall0
         beat(r.steps, "final evaluation")
         ev_loss, ev_acc = evaluate(run, r.eval_batches)
@@ -379,6 +441,6 @@ def train(
     finally:
         reporter.close()
     return TrainResult(
-        steps_run=max(0, r.steps - run.start), final_step=r.steps, losses=losses, eval_loss=ev_loss,
-        eval_accuracy=ev_acc, wall_s=wall, tokens_per_s_per_device=tps,
+        steps_run=max(0, r.steps - run.start), final_step=r.steps, losses=[losses[k] for k in sorted(losses)],
+        eval_loss=ev_loss, eval_accuracy=ev_acc, wall_s=wall, tokens_per_s_per_device=tps,
     )  # fmt: skip

@@ -29,12 +29,13 @@ from loongtrain.train.faults import (
     say,
     write_report,
 )
+from loongtrain.train.guard import GuardStop
 from loongtrain.train.spec import RunSpec
 from loongtrain.train.trainer import AfterStep, train
 from loongtrain.train.watchdog import Watchdog, connect_store
 
 # errors every rank raises alike, whose message names the fix: reported once, never restarted
-USER_ERRORS = (ConfigError, TokenFileError, CheckpointError)
+USER_ERRORS = (ConfigError, TokenFileError, CheckpointError, GuardStop)
 # the bad-input ones among them (config, model folder, token file): no resume can fix them
 INPUT_ERRORS = (ConfigError, TokenFileError)
 # the agent polls its workers every 0.2 s; a rank that only lost a connection exits after this
@@ -83,7 +84,7 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, after_step: AfterStep | None = N
         if debug_enabled():
             traceback.print_exc()
         _report(rank, FATAL, str(e), isinstance(e, INPUT_ERRORS))
-        outcome = {"fatal": str(e), "input_error": isinstance(e, INPUT_ERRORS)}
+        outcome = {"fatal": str(e), "input_error": isinstance(e, INPUT_ERRORS), "resumable": isinstance(e, GuardStop)}
     except Exception as e:
         if debug_enabled():
             traceback.print_exc()

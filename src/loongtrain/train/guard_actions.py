@@ -1,0 +1,181 @@
+"""What the guard's verdicts do to a running :class:`~loongtrain.train.trainer.Run`: the line
+a stop ends the job with, a rollback to a checkpoint with the data moved past the spike, the
+replica check every ``guard.replica_check_every`` steps, and the progress line's notes.
+Collective where a docstring says so (every rank reaches them with the same verdict)."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from loongtrain.train.guard import (
+    GuardStop,
+    StepGuard,
+    Verdict,
+    check_replicas,
+    first_nonfinite_parameter,
+    format_samples,
+    microbatch_samples,
+)
+from loongtrain.train.spec import model_shape
+
+if TYPE_CHECKING:
+    from loongtrain.train.report import Reporter
+    from loongtrain.train.trainer import Run, StepOutput
+
+#: a checkpoint set aside by a rollback (it holds the trajectory that led to the spike)
+ROLLED_BACK_SUFFIX = ".rolled-back"
+
+
+def _resume_after(run: Run, fix: str) -> str:
+    """Where to go on from, after ``fix``: the last good checkpoint, or the start."""
+    latest = run.checkpoints.latest()
+    if latest is None:
+        return f"no checkpoint was saved yet: start again after you {fix}"
+    return f"the last good checkpoint is {latest[1]}: resume from it after you {fix}"
+
+
+def _microbatch_text(run: Run, out: StepOutput, first_index: int) -> str:
+    """Which microbatch's loss is not finite (the first), with its global sample indices."""
+    losses = out.microbatch_losses
+    bad = [m for m, loss in enumerate(losses) if not math.isfinite(loss)]
+    m = bad[0] if bad else 0
+    samples = microbatch_samples(first_index, m, run.loader.dp, run.loader.rows)
+    which = f"microbatch {m} of {len(losses)}" if len(losses) > 1 else "the step's only microbatch"
+    return f"{which} ({format_samples(samples)})"
+
+
+def stop_message(run: Run, guard: StepGuard, step: int, out: StepOutput, first_index: int) -> str:
+    """The one line a stopped step ends the job with: the step, what was not finite (or the
+    spikes/skips), the first parameter with a non-finite gradient, the microbatch and its
+    samples, the last good checkpoint and what to change before resuming from it."""
+    v, o = out.verdict, guard.options
+    if v.reason in ("loss", "gradients"):
+        if v.reason == "loss":
+            what = f"the loss is {out.loss} in {_microbatch_text(run, out, first_index)}"
+        else:
+            samples = range(first_index, first_index + run.cfg.data.global_batch)
+            finite = f"the loss {out.loss:.4f} is finite; {format_samples(samples)}"
+            what = f"the gradient norm is {out.grad_norm} ({finite})"
+        culprit = out.nonfinite_gradient
+        what += f"; first parameter with a non-finite gradient: {culprit}" if culprit else "; every gradient is finite"
+        fix = "lower optim.lr (or raise optim.warmup_steps)"
+        skip = "raise guard.max_skips" if o.nonfinite == "skip" else "set guard.nonfinite=skip to skip such steps"
+        fix += f", or {skip}"
+    else:
+        what = spike_text(guard, out)
+        fix = "raise guard.spike_sigma or guard.max_skips, or set guard.spike=warn to train on"
+    if o.nonfinite == "skip" or v.reason == "spike":
+        why = f"{guard.skipped_in_a_row + 1} steps in a row would be skipped, more than guard.max_skips={o.max_skips}"
+    else:
+        why = "guard.nonfinite=stop"
+    return (
+        f"step {step}: {what}. Stopped by the guard ({why}): the update was not applied and nothing was saved from "
+        f"this state; {_resume_after(run, fix)}"
+    )
+
+
+def guard_note(v: Verdict) -> str:
+    """The step's mark in ``metrics.jsonl`` and on the progress line ("" for a plain step)."""
+    if v.action == "skip":
+        return "skipped: spike" if v.reason == "spike" else f"skipped: non-finite {v.reason}"
+    return "spike" if v.reason == "spike" else ""
+
+
+def spike_text(guard: StepGuard, out: StepOutput) -> str:
+    return f"loss spike {out.loss:.4f} above {out.verdict.threshold:.4f} ({guard.spikes.describe()})"
+
+
+def spike_line(guard: StepGuard, step: int, out: StepOutput) -> str:
+    done = "trained on (guard.spike=warn)" if out.verdict.applied else "not applied (guard.spike=skip)"
+    return f"step {step}: {spike_text(guard, out)}; {done}"
+
+
+def rollback(run: Run, guard: StepGuard, reporter: Reporter, spike_step: int, out: StepOutput) -> int:
+    """Collective: answer a spike at ``spike_step`` (1-based) under ``guard.spike=rollback``:
+    reload the newest intact checkpoint at least ``guard.rollback_back`` steps before it, move
+    the data past the spike's batch (and ``guard.rollback_skip_steps`` more), set the newer
+    checkpoints aside, log it; returns the step training continues from. Raises
+    :class:`GuardStop` past ``guard.max_rollbacks`` or without such a checkpoint."""
+    o, cfg = guard.options, run.cfg
+    record = run.guard_record
+    spike = f"step {spike_step}: {spike_text(guard, out)}"
+    if record["rollbacks"] >= o.max_rollbacks:
+        raise GuardStop(
+            f"{spike}; guard.max_rollbacks={o.max_rollbacks} rollbacks were already made in this run, so it stops "
+            f"here (nothing was applied or saved from this step); "
+            f"{_resume_after(run, 'raise guard.max_rollbacks or guard.spike_sigma')}"
+        )
+    latest_allowed = spike_step - o.rollback_back
+    found = run.checkpoints.find_resumable(cfg.checkpoint.on_damaged, at_most=latest_allowed)
+    if found is None:
+        raise GuardStop(
+            f"{spike}; guard.spike=rollback needs a checkpoint at or before step {latest_allowed} and there is none "
+            f"(nothing was applied or saved from this step): set checkpoint.every (e.g. {max(1, latest_allowed)}) so "
+            f"that one exists, or guard.spike=skip"
+        )
+    to_step, path = found
+    trainer_state = run.checkpoints.load(path, run.model, run.optimizer, model_shape(run.spec.model))
+    refuse_nonfinite_weights(run, path)
+    gb = cfg.data.global_batch
+    skipped = range(int(trainer_state["data"]["next_index"]), run.loader.next_index + o.rollback_skip_steps * gb)
+    run.loader.next_index = skipped.stop
+    record["rollbacks"] += 1
+    record["skipped_samples"].append([skipped.start, skipped.stop])
+    guard.spikes.forget_after(to_step)
+    guard.skipped_in_a_row = 0
+    set_aside_newer_checkpoints(run, to_step)
+    reporter.rollback(
+        to_step,
+        {
+            "kind": "rollback", "step": to_step, "spike_step": spike_step, "loss": out.loss,
+            "threshold": out.verdict.threshold, "checkpoint": str(path),
+            "skipped_samples": [skipped.start, skipped.stop], "rollbacks": record["rollbacks"],
+        },
+        f"{spike}; rolled back to {path.name} (rollback {record['rollbacks']} of {o.max_rollbacks}), "
+        f"skipping {format_samples(skipped)} ({len(skipped) // gb} global batch(es))",
+    )  # fmt: skip
+    return to_step
+
+
+def set_aside_newer_checkpoints(run: Run, step: int) -> None:
+    """Collective: rename the checkpoints after ``step`` to ``step-N.rolled-back`` (kept, never
+    resumed from: they hold the trajectory that led to the spike)."""
+    if dist.get_rank() == 0:
+        for s, path in run.checkpoints.steps():
+            if s > step:
+                aside = path.with_name(path.name + ROLLED_BACK_SUFFIX)
+                shutil.rmtree(aside, ignore_errors=True)
+                path.replace(aside)
+    dist.barrier()
+
+
+def refuse_nonfinite_weights(run: Run, where: object) -> None:
+    """Collective: raise :class:`~loongtrain.train.checkpoint.CheckpointError` naming the first
+    parameter of the freshly loaded model that holds a NaN or an infinity."""
+    from loongtrain.train.checkpoint import CheckpointError
+
+    name = first_nonfinite_parameter(run.model, run.state.device)
+    if name is not None:
+        raise CheckpointError(
+            f"{where} holds non-finite weights (NaN or infinity) in {name}; training on them would make every step "
+            f"NaN: set that checkpoint aside (rename it, e.g. to {getattr(where, 'name', 'step-N')}.nonfinite) to "
+            f"resume from an older one"
+        )
+
+
+def check_replicas_due(run: Run, step: int) -> None:
+    """Collective: the replica check at the start and every ``guard.replica_check_every`` steps;
+    raises :class:`GuardStop` naming the parameter and the ranks that disagree."""
+    every = run.cfg.guard.replica_check_every
+    if not every or (step % every and step != run.start):
+        return
+    problem = check_replicas(run.model, dist.get_world_size(), run.state.dp, run.cfg.parallel.zero, run.state.device)
+    if problem is not None:
+        raise GuardStop(
+            f"after step {step}: {problem}; stopped (guard.replica_check_every={every}) before it spreads; "
+            f"{_resume_after(run, 'check the machines of those ranks')}"
+        )
