@@ -177,8 +177,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--documents",
         default=None,
         metavar="FILE|MIX",
-        help="also predict per-batch layouts for packed documents of these lengths: a token file from `loongtrain "
-        "prepare` or lognormal:median=1024,sigma=1.5[,max=L]",
+        help="also predict per-batch layouts for packed documents of these lengths: a token file from loongtrain "
+        "prepare, or lognormal:median=1024,sigma=1.5[,max=L]",
     )
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=int, default=10, help="rows of the table (10)")
