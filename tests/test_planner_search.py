@@ -390,3 +390,104 @@ def test_cli_errors_exit_2_without_traceback(argv, message, capsys):
     assert "Traceback" not in err
     assert err.startswith("loongtrain plan: error:")
     assert re.search(message, err)
+
+
+# -- --layout beside the search ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def h100_32k():
+    """Llama-3-8B at 32K on 8 H100s: the search and a parse of a --layout on it."""
+    c, w = CLUSTER_PRESETS["h100"], Workload.from_tokens(model_spec("llama3-8b"), 32 * 1024, 4 * M1)
+    return c, w, search_layouts(c, w, 8)
+
+
+def _standing(h100_32k, text: str):
+    from loongtrain.planner.report import layout_standing
+
+    c, w, result = h100_32k
+    chosen = estimate(c, w, cli.parse_candidate(text, 8))
+    return chosen, layout_standing(result, chosen)
+
+
+def test_layout_outside_the_search_that_fits_is_ranked_by_its_time(h100_32k):
+    # dp=8 with ckpt=full on every layer fits (27.3 GiB): the search lists dp=8 as zero=dp and
+    # checkpoints only its first 22 layers, so the asked layout is no searched row, yet it fits
+    _, _, result = h100_32k
+    chosen, s = _standing(h100_32k, "hp=1,cp=1,ckpt=full")
+    assert chosen.fits
+    faster = sum(1 for e in result.ranked if e.step_s < chosen.step_s)
+    assert s.rank == faster + 1 and 1 < s.rank < len(result.ranked)
+    n = len(result.ranked)
+    assert s.text == f"fits: 27.3 of 72.0 GiB per device; rank {s.rank} beside the {n} searched layouts that fit"
+    x = s.searched.candidate
+    assert (x.parallel.dp, x.parallel.sp, x.zero, x.checkpoint) == (8, 1, "dp", "full")
+    assert x.memory.activation_checkpoint_layers == 22
+    assert s.searched is result.ranked[s.searched_rank - 1]
+    assert "zero=dp_sp as zero=dp (the same shards at dp=8, sp=1)" in s.note
+    assert f"row {s.searched_rank}: ch1024 first22, where --layout asks ch1024" in s.note
+
+
+@pytest.mark.parametrize("row", [0, 7, 60])
+def test_layout_that_is_a_searched_row_gets_its_rank(h100_32k, row):
+    from loongtrain.planner.report import layout_standing
+
+    c, w, result = h100_32k
+    chosen = estimate(c, w, result.ranked[row].candidate)
+    s = layout_standing(result, chosen)
+    assert (s.rank, s.text, s.note) == (row + 1, f"rank {row + 1} of {len(result.ranked)}", None)
+
+
+def test_layout_written_another_way_is_the_searched_row(h100_32k):
+    # hp=4 x cp=1 with context_first is the searched head_first row 1 (placement matters only with hp, cp > 1)
+    _, s = _standing(h100_32k, "hp=4,cp=1,ckpt=none,placement=context_first")
+    assert s.rank == 1 and s.text.startswith("rank 1 of ")
+    why = "placement=context_first as head_first (the same groups when hp or cp is 1)"
+    assert s.note == f"a searched row: the search lists {why}"
+
+
+def test_layout_that_does_not_fit_says_by_how_much_and_where_the_search_fits_it(h100_32k):
+    _, _, result = h100_32k
+    chosen, s = _standing(h100_32k, "hp=1,cp=1,ckpt=none")
+    assert not chosen.fits and s.rank is None
+    assert s.text == "does not fit: needs 172.7 GiB per device, more than the usable 72.0 GiB"
+    assert s.searched.candidate.memory.mlp_tile > 0 and s.searched is result.ranked[s.searched_rank - 1]
+    assert s.note == f"the search fits this layout with the memory options it picks: row {s.searched_rank}"
+
+
+@pytest.mark.parametrize(
+    "asked, listed",
+    [
+        (dict(dp=8, zero="dp_sp"), dict(zero="dp")),  # sp=1: every rank is the dp group
+        (dict(dp=8, zero="sp"), dict(zero="none")),
+        (dict(dp=1, cp=8, zero="dp"), dict(zero="none")),  # dp=1: nothing to shard over
+        (dict(dp=1, cp=8, zero="sp"), dict(zero="dp_sp")),
+        (dict(dp=1, zero="dp_sp"), dict(zero="none")),  # one rank
+        (dict(dp=2, hp=2, cp=2, zero="sp"), dict(zero="sp")),  # dp, sp > 1: four distinct scopes
+        (dict(dp=1, cp=8, ring_window=8), dict(ring_window=1)),  # one window of the whole ring
+        (dict(dp=2, hp=4, placement="context_first"), dict(placement="head_first")),
+        (dict(dp=2, cp=4, placement="context_first"), dict(placement="head_first")),
+        (dict(dp=2, hp=2, cp=2, placement="context_first"), dict(placement="context_first")),
+    ],
+)
+def test_listed_form_is_the_searched_equivalent(asked, listed):
+    from loongtrain.planner.search import listed_form
+
+    c, w = CLUSTER_PRESETS["h100"], Workload.from_tokens(model_spec("llama3-8b"), 32 * 1024, 4 * M1)
+    x = Candidate.of(activation_checkpoint="full", **asked)
+    y = listed_form(x)
+    assert y == x.with_(**listed)
+    assert any((e.parallel, e.zero) == (y.parallel, y.zero) for e in enumerate_layouts(w.model, w, x.devices))
+    a, b = estimate(c, w, x), estimate(c, w, y)
+    assert (a.step_s, a.memory.total) == (b.step_s, b.memory.total)
+
+
+def test_cli_layout_row_says_it_fits_and_its_rank(capsys):
+    # before: "--layout (does not fit in memory; 1.19x ...)" for a layout its own JSON priced as fitting
+    argv = "--cluster h100 --model llama3-8b --seq-len 32K --devices 8 --layout hp=1,cp=1,ckpt=full".split()
+    _cli(argv)
+    out = capsys.readouterr().out.split("\n--layout (")[1]
+    assert out.startswith("fits: 27.3 of 72.0 GiB per device; rank ") and "does not fit" not in out
+    assert "not itself a searched row: the search lists zero=dp_sp as zero=dp" in out
+    _cli([*argv, "--json"])
+    layout = json.loads(capsys.readouterr().out)["layout"]
+    assert layout["fits"] and layout["rank"] > 1 and layout["standing"].startswith("fits: 27.3 of 72.0 GiB")
+    assert layout["searched"]["activation_checkpoint_layers"] == 22 and layout["searched"]["rank"] < layout["rank"]

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import shutil
 import signal
 import sys
+import textwrap
 import threading
 
 from loongtrain.local_workers import start_worker_server
@@ -54,8 +56,37 @@ WIRED = {"train": _train}
 WORKER_IMPORTS = {"train": ["loongtrain.eval.training"]}
 
 
+#: what ``loongtrain --help`` says above the commands (plain text, one sentence)
+DESCRIPTION = (
+    "Train, evaluate and plan LLMs on long sequences across many devices (LoongTrain's 2D head-context parallelism)."
+)
+
+
+def _help_width() -> int:
+    """The width argparse wraps its help to (the terminal's, less 2)."""
+    return max(shutil.get_terminal_size().columns - 2, 44)
+
+
+def _listing(title: str, rows: list[tuple[str, str]]) -> str:
+    """``rows`` of (name of up to 18 characters, one-line help) under ``title``, laid out like
+    argparse's list of commands: the help from column 24, wrapped as argparse wraps."""
+    lines = [title]
+    for name, help in rows:
+        first, *rest = textwrap.wrap(help, _help_width() - 24)
+        lines += [f"    {name:18s}  {first}", *(" " * 24 + line for line in rest)]
+    return "\n".join(lines)
+
+
+def _top_help() -> tuple[str, str]:
+    """The description and epilog of ``loongtrain --help``: one sentence, then the benchmarks
+    (argparse lists the commands itself, but not the commands under ``bench``)."""
+    benches = _listing("benchmarks (loongtrain bench NAME):", [(f"bench {n}", h) for n, (_, h) in BENCHES.items()])
+    epilog = f"{benches}\n\nEach command's options: loongtrain COMMAND --help."
+    return textwrap.fill(DESCRIPTION, _help_width()), epilog
+
+
 def _register(subparsers, name: str, module: str, help: str, load: bool, run=None, **defaults) -> None:
-    parser = subparsers.add_parser(name, help=help)
+    parser = subparsers.add_parser(name, help=help, description=help)
     if load:  # only the command being run imports its module
         mod = importlib.import_module(module)
         mod.add_arguments(parser)
@@ -66,13 +97,17 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The ``loongtrain`` parser; only the command named in ``argv`` gets its options
     (``None``: every command, which imports every command's module)."""
     chosen = next((a for a in argv if not a.startswith("-")), None) if argv is not None else None
-    parser = argparse.ArgumentParser(prog="loongtrain", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
+    description, epilog = _top_help()
+    parser = argparse.ArgumentParser(
+        prog="loongtrain", description=description, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True, title="commands")
     for name, (module, help, takes_extra) in COMMANDS.items():
         load = argv is None or name == chosen
         _register(commands, name, module, help, load, WIRED.get(name), takes_extra=takes_extra)
-    p_bench = commands.add_parser("bench", help="benchmarks that print tables")
-    benches = p_bench.add_subparsers(dest="bench", required=True)
+    bench_help = "benchmarks that print tables (listed below)"
+    p_bench = commands.add_parser("bench", help=bench_help, description="Benchmarks that print tables.")
+    benches = p_bench.add_subparsers(dest="bench", required=True, title="benchmarks")
     rest = argv[argv.index("bench") + 1 :] if argv is not None and chosen == "bench" else []
     bench = next((a for a in rest if not a.startswith("-")), None)
     for name, (module, help) in BENCHES.items():

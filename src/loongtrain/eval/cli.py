@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from loongtrain.config import TrainConfig
+from loongtrain.eval.generated import GENERATED_TASKS, RECALL_TASKS
 from loongtrain.eval.jobs import USER_ERRORS, resolve_target, run_job, world_sizes
 from loongtrain.eval.model import Weights
 from loongtrain.eval.plan import EvalPlan, make_plan
@@ -65,7 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--debug", action="store_true", help="full tracebacks")
     parser.epilog = (
         "Config keys as in training: --section.key value (e.g. --parallel.hp 2 --eval.lengths 1K,2K,4K "
-        "--eval.depths 5 --eval.needles 4); `loongtrain train --help-config` lists them ([eval] included)."
+        "--eval.depths 5 --eval.needles 4); loongtrain train --help-config lists them ([eval] included)."
+    )
+    parser.add_argument_group(
+        "generated tasks (RULER's, answered by free generation beside the needle grid)",
+        f"--eval.generated TASK[,TASK...] or --eval.generated all, TASK one of: {', '.join(GENERATED_TASKS)} "
+        f"(a model trained on the recall task's token ids: {', '.join(RECALL_TASKS)}); "
+        "--eval.generated_tokens: new tokens per answer",
     )
 
 

@@ -177,8 +177,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--documents",
         default=None,
         metavar="FILE|MIX",
-        help="also predict per-batch layouts for packed documents of these lengths: a token file from `loongtrain "
-        "prepare` or lognormal:median=1024,sigma=1.5[,max=L]",
+        help="also predict per-batch layouts for packed documents of these lengths: a token file from loongtrain "
+        "prepare, or lognormal:median=1024,sigma=1.5[,max=L]",
     )
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=int, default=10, help="rows of the table (10)")
@@ -287,7 +287,7 @@ def _max_seq_len(args: argparse.Namespace, cluster, model) -> None:
 
 def _plan(args: argparse.Namespace, check_groups: GroupCheck | None, per_batch: PerBatchPrediction | None) -> None:
     from loongtrain.planner.estimate import estimate
-    from loongtrain.planner.report import HEADER, json_report, row_dict, row_text, text_report
+    from loongtrain.planner.report import json_report, layout_dict, layout_lines, text_report
     from loongtrain.planner.search import check_candidate, search_layouts
     from loongtrain.planner.specs import cluster_spec, model_spec
 
@@ -324,16 +324,12 @@ def _plan(args: argparse.Namespace, check_groups: GroupCheck | None, per_batch: 
         extra.pop("per_batch_text", None)
         out = json_report(result, args.model, args.top)
         if chosen is not None:
-            out["layout"] = row_dict(chosen)
+            out["layout"] = layout_dict(result, chosen)
         print(json.dumps({**out, **extra}, indent=1))
         return
     print(text_report(result, args.model, args.top))
     if chosen is not None:
-        rank = next((i + 1 for i, e in enumerate(result.ranked) if e.candidate == chosen.candidate), None)
-        where = f"rank {rank} of {len(result.ranked)}" if rank else "does not fit in memory"
-        print(f"\n--layout ({where}; {chosen.step_s / result.best.step_s:.2f}x the winner's time):")
-        print(HEADER)
-        print(row_text("*", chosen))
+        print("\n" + "\n".join(layout_lines(result, chosen)))
     if "per_batch" in extra:
         print("\n" + extra["per_batch_text"])
     if "timeline" in extra:

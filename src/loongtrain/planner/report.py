@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from loongtrain.model.config import PRESETS
 from loongtrain.planner.cost import Candidate, Workload
 from loongtrain.planner.estimate import Estimate
 from loongtrain.planner.explain import explain
-from loongtrain.planner.search import BASELINES, SearchResult
+from loongtrain.planner.search import BASELINES, SearchResult, listed_form
 
 GiB = 2**30
 
@@ -128,6 +128,120 @@ def train_config(e: Estimate, w: Workload, model: str) -> str:
         lines.append(f"[{name}]")
         lines += [f"{key} = {_toml(value)}" for key, value in keys.items()]
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class LayoutStanding:
+    """Where a ``--layout`` stands beside the searched layouts.
+
+    ``rank``: its place among the searched layouts that fit (1 + those faster), None when it
+    does not fit; ``text``: that, in words, with the memory it needs; ``searched``: the search's
+    estimate of the same layout (degrees, ZeRO shards, checkpoint mode) with the memory options
+    the search picked, and ``searched_rank`` its row (None: it does not fit either); ``note``: why
+    the layout as asked is not itself a searched row, or how the search writes it (None: nothing to add)."""
+
+    rank: int | None
+    text: str
+    searched: Estimate | None = None
+    searched_rank: int | None = None
+    note: str | None = None
+
+
+def _misfit(e: Estimate) -> str:
+    """Why ``e`` does not fit, with the amounts."""
+    if e.blocked is not None:
+        return f"cannot run on this cluster: {e.blocked}"
+    if e.memory.total > e.memory_limit:
+        return f"needs {e.memory.total / GiB:.1f} GiB per device, more than the usable {e.memory_limit / GiB:.1f} GiB"
+    return (
+        f"pins {e.host_per_node / GiB:.1f} GiB of host memory per node, more than the usable "
+        f"{e.host_limit / GiB:.1f} GiB"
+    )
+
+
+def _searched_as(asked: Candidate, listed: Candidate) -> list[str]:
+    """The settings of ``asked`` that the search writes another way (the same layout)."""
+    a, b, p = asked.parallel, listed.parallel, asked.parallel
+    out = []
+    if asked.zero != listed.zero:
+        out.append(f"zero={asked.zero} as zero={listed.zero} (the same shards at dp={p.dp}, sp={p.sp})")
+    if a.ring_window != b.ring_window:
+        out.append(f"ring_window={a.ring_window} as ring_window=1 (the same ring of cp={p.cp})")
+    if a.placement != b.placement:
+        out.append(f"placement={a.placement} as {b.placement} (the same groups when hp or cp is 1)")
+    return out
+
+
+def layout_standing(result: SearchResult, chosen: Estimate) -> LayoutStanding:
+    """Rank ``chosen`` (a ``--layout``) beside ``result``'s searched layouts and say truly why
+    it is or is not one of them: the search lists equivalent settings one way and picks the
+    memory options of each layout itself, so a layout asked with other options is priced as
+    asked and ranked by its time."""
+    n = len(result.ranked)
+    asked = chosen.candidate
+    listed = listed_form(asked)
+
+    def same_layout(x: Candidate) -> bool:  # the memory options beyond the checkpoint mode aside
+        return (x.parallel, x.zero, x.checkpoint) == (listed.parallel, listed.zero, listed.checkpoint)
+
+    searched = next((e for e in [*result.ranked, *result.too_big] if same_layout(e.candidate)), None)
+    searched_rank = next((i + 1 for i, e in enumerate(result.ranked) if e is searched), None)
+    as_searched = _searched_as(asked, listed)
+    if not chosen.fits:
+        text = f"does not fit: {_misfit(chosen)}"
+        note = None
+        if searched_rank is not None:
+            note = f"the search fits this layout with the memory options it picks: row {searched_rank}"
+        elif searched is not None and searched.candidate != listed:
+            note = "nor does it fit with the memory options the search picks (the row marked -)"
+        return LayoutStanding(None, text, searched, searched_rank, note)
+    if searched is not None and searched.candidate == listed and searched_rank is not None:
+        note = f"a searched row: the search lists {', '.join(as_searched)}" if as_searched else None
+        return LayoutStanding(searched_rank, f"rank {searched_rank} of {n}", searched, searched_rank, note)
+    key = (chosen.step_s, chosen.memory.total)
+    rank = 1 + sum(1 for e in result.ranked if (e.step_s, e.memory.total) < key)
+    text = (
+        f"fits: {chosen.memory.total / GiB:.1f} of {chosen.memory_limit / GiB:.1f} GiB per device; "
+        f"rank {rank} beside the {n} searched layouts that fit"
+    )
+    why = [f"lists {', '.join(as_searched)}"] if as_searched else []
+    if searched is None:
+        why.append("does not enumerate this layout")
+    else:
+        where = f"row {searched_rank}" if searched_rank is not None else "the row marked -, which does not fit"
+        why.append(
+            f"picks each layout's memory options itself ({where}: {searched.candidate.options_label()}, where "
+            f"--layout asks {asked.options_label()})"
+        )
+    note = "not itself a searched row: the search " + " and ".join(why)
+    return LayoutStanding(rank, text, searched, searched_rank, note)
+
+
+def layout_lines(result: SearchResult, chosen: Estimate) -> list[str]:
+    """The ``--layout`` block of the text report: its standing, its row (and the search's row of
+    the same layout when that is another), and why it is not a searched row."""
+    standing = layout_standing(result, chosen)
+    ratio = chosen.step_s / result.best.step_s
+    lines = [f"--layout ({standing.text}; {ratio:.2f}x the winner's time):", HEADER, row_text("*", chosen)]
+    if standing.searched is not None and standing.searched.candidate != listed_form(chosen.candidate):
+        lines.append(row_text(standing.searched_rank or "-", standing.searched))
+    if standing.note:
+        lines.append(standing.note)
+    return lines
+
+
+def layout_dict(result: SearchResult, chosen: Estimate) -> dict:
+    """The ``--layout`` estimate as plain data, with its rank (None: it does not fit), the same
+    words as the text report, and the search's estimate of the same layout."""
+    standing = layout_standing(result, chosen)
+    searched = standing.searched
+    return {
+        **row_dict(chosen),
+        "rank": standing.rank,
+        "standing": standing.text,
+        "note": standing.note,
+        "searched": None if searched is None else {**row_dict(searched), "rank": standing.searched_rank},
+    }
 
 
 def baseline_gap(result: SearchResult, name: str) -> str:

@@ -141,6 +141,23 @@ def enumerate_layouts(m: ModelConfig, w: Workload, devices: int) -> list[Candida
     return out
 
 
+def listed_form(x: Candidate) -> Candidate:
+    """``x`` written as :func:`enumerate_layouts` lists it: a ring window of ``cp`` as 1, the
+    placement as ``head_first`` when ``hp`` or ``cp`` is 1, and a ZeRO scope as the scope of
+    :func:`zero_scopes` that shards over the same ranks (the same layout, the same estimate)."""
+    p = x.parallel
+    scopes = zero_scopes(p.dp, p.sp)
+    zero = x.zero
+    if zero not in scopes:  # dp or sp is 1: scopes of the same size shard over the same ranks
+        size = {"none": 1, "dp": p.dp, "sp": p.sp, "dp_sp": p.dp * p.sp}
+        zero = next(s for s in scopes if size[s] == size[x.zero])
+    return x.with_(
+        ring_window=1 if p.ring_window == p.cp else p.ring_window,
+        placement=p.placement if p.hp > 1 and p.cp > 1 else "head_first",
+        zero=zero,
+    )
+
+
 def shard_tokens(w: Workload, layout: Candidate) -> float:
     """Tokens of one rank's shard: ``micro_batch * seq_len / sp``."""
     return w.micro_batch * w.seq_len / layout.parallel.sp

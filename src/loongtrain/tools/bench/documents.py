@@ -256,7 +256,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=int, default=32768, help="global sequence length")
     parser.add_argument("--median", type=int, default=2048, help="median document length of the lognormal mix")
     parser.add_argument("--seed", type=int, default=0, help="seed of the document lengths")
-    parser.add_argument("--tokens", default=None, help="also the packed sequences of this token file (`prepare`)")
+    parser.add_argument(
+        "--tokens", default=None, help="also the packed sequences of this token file (written by loongtrain prepare)"
+    )
     parser.add_argument("--token-sequences", type=int, default=2, help="how many of the token file's sequences")
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=4)
