@@ -248,15 +248,18 @@ def test_version_1_files_still_read_and_pack_at_eos(tmp_path):
     assert f.document_starts().tolist() == [0, 3, 7, 9, 15]
 
 
-def _reference_windows(tokens, flags, eos, seq_len, pack, drop):
-    """Windows by brute force over a Python list: documents, the kept stream, labels, cu_seqlens."""
+def _reference_windows(tokens, flags, eos, seq_len, pack, drop, lengths=(0, None)):
+    """Windows by brute force over a Python list: documents, the kept stream (documents of
+    ``lengths[0] <= length < lengths[1]``), labels, cu_seqlens."""
     n = len(tokens)
     if flags is not None:
         starts = sorted({0} | {i for i in range(n) if flags[i] & 2})
     else:
         starts = [0] + [i + 1 for i in range(n - 1) if tokens[i] == eos]
     docs = list(zip(starts, starts[1:] + [n]))
-    kept = [(a, b) for a, b in docs if not drop or b - a <= seq_len]
+    lo, hi = lengths
+    docs_in_range = [(a, b) for a, b in docs if b - a >= lo and (hi is None or b - a < hi)]
+    kept = [(a, b) for a, b in docs_in_range if not drop or b - a <= seq_len]
     stream = [i for a, b in kept for i in range(a, b)]
     first = {a for a, _ in docs}
     out = []
@@ -269,14 +272,15 @@ def _reference_windows(tokens, flags, eos, seq_len, pack, drop):
             labels.append(tokens[nxt] if target and not (pack and nxt in first) else -100)
         cu = [0] + [j for j in range(1, seq_len) if pos[j] in first] + [seq_len]
         out.append(([tokens[p] for p in pos[:-1]], labels, cu if pack else None))
-    dropped = [(a, b) for a, b in docs if b - a > seq_len] if drop else []
+    dropped = [(a, b) for a, b in docs_in_range if b - a > seq_len] if drop else []
     return out, len(dropped), sum(b - a for a, b in dropped)
 
 
 @pytest.mark.parametrize("with_flags", [True, False], ids=["flags", "eos"])
 @pytest.mark.parametrize("pack", [True, False], ids=["pack", "nopack"])
 @pytest.mark.parametrize("policy", ["split", "drop"])
-def test_loader_labels_documents_and_long_document_policy(tmp_path, with_flags, pack, policy):
+@pytest.mark.parametrize("lengths", [(0, None), (12, None), (0, 12)], ids=["all", "long", "rest"])
+def test_loader_labels_documents_and_long_document_policy(tmp_path, with_flags, pack, policy, lengths):
     rng = np.random.default_rng(8)
     eos, seq_len, parts, flags = 50, 16, [], []
     for _ in range(120):
@@ -290,13 +294,15 @@ def test_loader_labels_documents_and_long_document_policy(tmp_path, with_flags, 
     tokens, flags = np.concatenate(parts), np.concatenate(flags)
     write_tokens(tmp_path / "t.tok", tokens, 64, eos=eos, flags=flags if with_flags else None)
     file = TokenFile(tmp_path / "t.tok")
-    source = TokenFileSource(file, seq_len, eos=eos if pack else None, long_documents=policy)
+    # a mixture source's stream of long documents or of the rest: its name does not change its windows
+    source = TokenFileSource(file, seq_len, eos=eos if pack else None, long_documents=policy, lengths=lengths,
+                             name=None if lengths == (0, None) else "code")  # fmt: skip
     expected, dropped_docs, dropped_tokens = _reference_windows(
-        tokens.tolist(), flags.tolist() if with_flags else None, eos, seq_len, pack, policy == "drop"
+        tokens.tolist(), flags.tolist() if with_flags else None, eos, seq_len, pack, policy == "drop", lengths
     )
-    assert source.train_sequences + source.eval_sequences == len(expected)
+    assert source.train_sequences + source.eval_sequences + source.untargeted_sequences == len(expected)
     assert (source.dropped_documents, source.dropped_tokens) == (dropped_docs, dropped_tokens)
-    if policy == "drop":
+    if policy == "drop" and lengths != (0, 12):
         assert dropped_docs > 10
     for w, (inputs, labels, cu) in enumerate(expected):
         got = source._sequence(w)

@@ -1,5 +1,5 @@
-"""The ``loongtrain`` command: ``train``, ``eval``, ``generate``, ``export``, ``plan``, ``prepare``, ``demo``,
-``gpu-check``, and ``bench attention|documents|memory|train|prepare|eval``.
+"""The ``loongtrain`` command: ``train``, ``eval``, ``generate``, ``export``, ``plan``, ``prepare``,
+``data-inspect``, ``demo``, ``gpu-check``, and ``bench attention|documents|memory|train|prepare|eval|generate|data``.
 
 Each command's module is imported only when that command runs (or shows its help), so
 ``loongtrain plan`` does not pay for torch.
@@ -27,6 +27,11 @@ COMMANDS: dict[str, tuple[str, str, bool]] = {
     "export": ("loongtrain.train.export", "write a training checkpoint as a Hugging Face model folder", False),
     "plan": ("loongtrain.plan_cli", "rank layouts for a cluster, model and length (cost model)", False),
     "prepare": ("loongtrain.data.prepare", "tokenize text, chat or prompt+completion records into a token file", False),
+    "data-inspect": (
+        "loongtrain.train.data_inspect",
+        "what a config's token files feed: source shares, long documents, lengths, repeats (no model, no GPU)",
+        True,
+    ),
     "demo": ("loongtrain.tools.demo", "distributed attention on local processes vs full attention", False),
     "gpu-check": ("loongtrain.tools.gpucheck.check", "every device path vs float64, overhead, MFU: one table", False),
 }
@@ -38,6 +43,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "prepare": ("loongtrain.tools.bench.prepare", "prepare on generated chats: tokens/s by workers, memory by size"),
     "eval": ("loongtrain.tools.bench.eval", "the evaluation's forward vs a training step: tokens/s at the same length"),
     "generate": ("loongtrain.tools.bench.generate", "generation: prefill vs forward, decode, cache; vs transformers"),
+    "data": ("loongtrain.tools.bench.data", "the loader: ms to draw a step of long sequences, one file vs a mixture"),
 }
 
 
@@ -120,6 +126,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 BENCH_CONFIG_KEYS = ("generate",)
 #: bench -> options with which it runs in this process alone (starts no workers)
 BENCH_IN_PROCESS = {"train": ("--peer", "--profile")}
+#: benchmarks that always run in this process alone
+BENCH_NO_WORKERS = ("data",)
 #: Commands that run local worker processes (``bench``: every benchmark but those).
 LAUNCHES = ("train", "eval", "generate", "demo", "gpu-check", "bench")
 HELP = ("-h", "--help", "--help-config")
@@ -132,6 +140,8 @@ def _worker_modules(argv: list[str]) -> list[str] | None:
     if not words or words[0] not in LAUNCHES or any(a in HELP for a in argv):
         return None
     if words[0] == "bench":
+        if len(words) > 1 and words[1] in BENCH_NO_WORKERS:
+            return None
         alone = BENCH_IN_PROCESS.get(words[1], ()) if len(words) > 1 else ()
         if any(a.split("=")[0] in alone for a in argv):  # no workers: no server importing beside the timings
             return None

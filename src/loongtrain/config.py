@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import tomllib
 import types
 import typing
@@ -227,11 +228,46 @@ class GuardSection(option_keys(GuardOptions)):
 
 
 @dataclass
+class DataSourceSection:
+    """``[data.sources.NAME]``: one source of a mixture of token files."""
+
+    path: str = option("", "token file of this source (made by `loongtrain prepare`)")
+    weight: float = option(
+        1.0,
+        "share of the mix's tokens; weights are normalised (they need not sum to 1), so equal weights mix equally",
+        bound="positive",
+    )
+    upsample_length: int = option(
+        0,
+        "documents of at least this many tokens are drawn more often, to supply upsample_share of this source's "
+        "tokens (its share of the mix is unchanged; 0: no threshold)",
+        bound="non_negative",
+    )
+    upsample_share: float = option(
+        0.0,
+        "share of this source's drawn tokens from documents of at least upsample_length tokens, in (0, 1) "
+        "(0: documents as they come)",
+        bound="non_negative",
+    )
+    long_documents: str = option(
+        "",
+        "this source's data.long_documents (split or drop; empty: data.long_documents)",
+        choices=("", *LONG_DOCUMENTS),
+    )
+
+
+#: a source's name: a bare TOML key (its table is [data.sources.NAME])
+SOURCE_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+@dataclass
 class DataSection:
     source: str = option(
-        "recall", "recall (synthetic associative recall) or tokens (a token file)", choices=("recall", "tokens")
+        "recall",
+        "recall (synthetic associative recall) or tokens (a token file, or a mixture of them in [data.sources.NAME])",
+        choices=("recall", "tokens"),
     )
-    path: str = option("", "token file for source=tokens (made by `loongtrain prepare`)")
+    path: str = option("", "token file for source=tokens (made by `loongtrain prepare`); a mixture: [data.sources]")
     seq_len: int = option(256, "tokens per sequence; a multiple of 2*hp*cp", bound="positive")
     pack: bool = option(
         False,
@@ -267,6 +303,13 @@ class DataSection:
         32, "recall: queries at the end of each sequence (or document when packed), scored", bound="positive"
     )
     recall_filler: int = option(16, "recall: distinct filler tokens between the facts", bound="positive")
+    sources: dict[str, DataSourceSection] = field(
+        default_factory=dict,
+        metadata={
+            "help": "source=tokens: a mixture of token files, one [data.sources.NAME] table each (keys below), "
+            "mixed by token share; instead of data.path"
+        },
+    )
 
 
 @dataclass
@@ -438,9 +481,34 @@ def _coerce(value, typ: type, where: str, from_text: bool):
     return value
 
 
+def _set_source(cfg: TrainConfig, dotted: str, value, where: str, from_text: bool) -> None:
+    """``sources.NAME.key`` of ``[data]`` (or ``sources`` = a table of source tables, from TOML)."""
+    parts = dotted.split(".")
+    if parts == ["sources"] and isinstance(value, dict):
+        for name, table in value.items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"{where}.{name}: must be a [data.sources.{name}] table of keys (path, weight, ...)")
+            for key, item in table.items():
+                _set_source(cfg, f"sources.{name}.{key}", item, f"{where}.{name}.{key}", from_text)
+        return
+    if len(parts) != 3:
+        raise ConfigError(f"{where}: a source's key is data.sources.NAME.KEY (e.g. data.sources.code.weight)")
+    _, name, key = parts
+    if not SOURCE_NAME.match(name):
+        raise ConfigError(f"{where}: source name {name!r} may hold only letters, digits, '_' and '-'")
+    source = cfg.data.sources.setdefault(name, DataSourceSection())
+    names = [f.name for f in fields(DataSourceSection)]
+    if key not in names:
+        raise ConfigError(f"{where}: unknown key data.sources.{name}.{key}; keys of a source are {names}")
+    setattr(source, key, _coerce(value, _field_type(DataSourceSection, key), where, from_text))
+
+
 def _set(cfg: TrainConfig, section: str, key: str, value, where: str, from_text: bool = False) -> None:
     if section not in SECTIONS:
         raise ConfigError(f"{where}: unknown section [{section}]; sections are {list(SECTIONS)}")
+    if section == "data" and key.split(".")[0] == "sources":
+        _set_source(cfg, key, value, where, from_text)
+        return
     sec = getattr(cfg, section)
     names = [f.name for f in fields(sec)]
     renamed = RENAMED_KEYS.get(f"{section}.{key}")
@@ -509,6 +577,9 @@ def validate(cfg: TrainConfig) -> None:
         section = getattr(cfg, sec_name)
         for f in fields(section):
             _check_field(sec_name, section, f)
+    for name, source in cfg.data.sources.items():
+        for f in fields(source):
+            _check_field(f"data.sources.{name}", source, f)
     for name in ("beta1", "beta2"):
         value = getattr(cfg.optim, name)
         if not 0.0 <= value < 1.0:
@@ -531,8 +602,7 @@ def validate(cfg: TrainConfig) -> None:
             "parallel.layout='per_batch' runs microbatches on other splits whose memory differs: name full, sc++ or "
             "none, or set parallel.layout='fixed'"
         )
-    if cfg.data.source == "tokens" and not cfg.data.path:
-        raise ConfigError("data.source='tokens' needs data.path (a token file from `loongtrain prepare`)")
+    _validate_sources(cfg.data)
     if cfg.data.source != "tokens" and cfg.data.long_documents != "split":
         raise ConfigError(
             f"data.long_documents={cfg.data.long_documents!r} applies to token files; data.source="
@@ -551,6 +621,54 @@ def validate(cfg: TrainConfig) -> None:
             f"data.recall_facts={cfg.data.recall_facts} exceeds data.recall_keys={cfg.data.recall_keys}: "
             "keys of one sequence must be distinct"
         )
+
+
+def _validate_sources(d: DataSection) -> None:
+    """The token-file keys: one file (data.path) or a mixture ([data.sources.NAME]), and each
+    source's path, weight and upsampling (the files themselves are checked at start-up)."""
+    if d.source != "tokens":
+        if d.sources:
+            raise ConfigError(
+                f"[data.sources] mixes token files, but data.source={d.source!r}: set data.source='tokens' or "
+                f"remove the [data.sources.*] tables"
+            )
+        return
+    if d.path and d.sources:
+        raise ConfigError(
+            f"data.path={d.path!r} and [data.sources.*] ({', '.join(d.sources)}) are both set: give one file in "
+            f"data.path or a mixture in [data.sources.NAME] tables (move the file into one), not both"
+        )
+    if not d.path and not d.sources:
+        raise ConfigError(
+            "data.source='tokens' needs data.path (a token file from `loongtrain prepare`) or [data.sources.NAME] "
+            "tables (a mixture)"
+        )
+    if d.sources and d.group_by_length:
+        raise ConfigError(
+            f"data.group_by_length={d.group_by_length} orders the sequences of one token file; a mixture "
+            f"([data.sources]) is not grouped: set data.group_by_length=0"
+        )
+    for name, s in d.sources.items():
+        where = f"data.sources.{name}"
+        if not s.path:
+            raise ConfigError(f"{where}.path is empty: set it to the source's token file (from `loongtrain prepare`)")
+        if s.upsample_share and not 0.0 < s.upsample_share < 1.0:
+            raise ConfigError(
+                f"{where}.upsample_share={s.upsample_share} must be in (0, 1): the share of the source's tokens "
+                f"from its long documents (0: documents as they come)"
+            )
+        if s.upsample_share and not s.upsample_length:
+            raise ConfigError(
+                f"{where}.upsample_share={s.upsample_share} needs {where}.upsample_length: the document length "
+                f"(tokens) from which a document counts as long"
+            )
+        policy = s.long_documents or d.long_documents
+        if s.upsample_share and policy == "drop" and s.upsample_length > d.seq_len:
+            raise ConfigError(
+                f"{where}.upsample_length={s.upsample_length} exceeds data.seq_len={d.seq_len}, and long_documents="
+                f"'drop' leaves out every document longer than a sequence: no document that long is kept; lower "
+                f"upsample_length or set {where}.long_documents='split'"
+            )
 
 
 def _validate_model_section(m: ModelSection) -> None:
@@ -585,24 +703,45 @@ def _toml_value(value) -> str:
     return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def _tables(value) -> bool:
+    """Whether a key holds named subtables (``data.sources``) rather than a value."""
+    return isinstance(value, dict)
+
+
 def to_toml(cfg: TrainConfig) -> str:
-    """The full resolved configuration as TOML (every key, with its help as a comment)."""
+    """The full resolved configuration as TOML (every key, with its help as a comment; the
+    sources of a mixture as ``[data.sources.NAME]`` tables after ``[data]``'s keys)."""
     lines = []
     for sec_name in SECTIONS:
         sec = getattr(cfg, sec_name)
         lines.append(f"[{sec_name}]")
+        tables = []
         for f in fields(sec):
-            lines.append(f"{f.name} = {_toml_value(getattr(sec, f.name))}  # {f.metadata['help']}")
+            value = getattr(sec, f.name)
+            if _tables(value):
+                tables += [(f"{sec_name}.{f.name}.{name}", table) for name, table in value.items()]
+                continue
+            lines.append(f"{f.name} = {_toml_value(value)}  # {f.metadata['help']}")
+        for header, table in tables:
+            lines.append(f"\n[{header}]")
+            for f in fields(table):
+                lines.append(f"{f.name} = {_toml_value(getattr(table, f.name))}  # {f.metadata['help']}")
         lines.append("")
     return "\n".join(lines)
 
 
 def describe() -> str:
-    """Every section and key with its default and help (for --help-config)."""
+    """Every section and key with its default and help (for --help-config); a key of named
+    subtables (``data.sources``) is followed by the keys of one such table."""
     lines = []
     for sec_name, cls in SECTIONS.items():
         lines.append(f"[{sec_name}]")
         for f in fields(cls):
+            if f.default_factory is dict:
+                lines.append(f"  [{sec_name}.{f.name}.NAME]\n      {f.metadata['help']}")
+                for g in fields(typing.get_args(_field_type(cls, f.name))[1]):
+                    lines.append(f"    {g.name} = {_toml_value(g.default)}\n        {g.metadata['help']}")
+                continue
             default = f.default if f.default is not dataclasses.MISSING else None
             lines.append(f"  {f.name} = {_toml_value(default)}\n      {f.metadata['help']}")
     return "\n".join(lines)

@@ -18,6 +18,8 @@ _LAZY = {
     "BatchLoader": "loongtrain.data.loader",
     "TokenFileSource": "loongtrain.data.loader",
     "LengthGroupedSource": "loongtrain.data.loader",
+    "MixtureSource": "loongtrain.data.mixture",
+    "UpsampledSource": "loongtrain.data.mixture",
     "IGNORE_INDEX": "loongtrain.data.recall",
     "PackedRecallTask": "loongtrain.data.recall",
     "RecallTask": "loongtrain.data.recall",
@@ -28,11 +30,13 @@ __all__ = [
     "BatchLoader",
     "LengthGroupedSource",
     "Microbatch",
+    "MixtureSource",
     "PackedRecallTask",
     "RecallTask",
     "TokenFile",
     "TokenFileError",
     "TokenFileSource",
+    "UpsampledSource",
     "check_same_tokenizer",
     "folder_tokenizer_fingerprint",
     "tokenizer_fingerprint",
@@ -45,4 +49,5 @@ __getattr__ = lazy_attributes(__name__, _LAZY)
 if TYPE_CHECKING:
     from loongtrain.data.batch import Microbatch
     from loongtrain.data.loader import BatchLoader, LengthGroupedSource, TokenFileSource
+    from loongtrain.data.mixture import MixtureSource, UpsampledSource
     from loongtrain.data.recall import IGNORE_INDEX, PackedRecallTask, RecallTask

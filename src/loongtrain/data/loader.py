@@ -13,6 +13,8 @@ boundaries are a function of the sample too, so they need no loader state.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -31,6 +33,21 @@ class Source(Protocol):
     seq_len: int
 
     def sample(self, index: int, split: str = "train") -> Sample: ...
+
+
+class TaggedSource(Source, Protocol):
+    """A source whose samples come from named sources (a mixture): the loader fills
+    ``Microbatch.sources`` with the id (an index into ``names``) of each sample's source."""
+
+    names: tuple[str, ...]
+
+    def tagged_sample(self, index: int, split: str = "train") -> tuple[int, Sample]: ...
+
+
+def data_fingerprint(fields: dict) -> str:
+    """16 hex digits of SHA-256 over ``fields`` (JSON, keys sorted): a data config's identity."""
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def document_boundaries(inputs: torch.Tensor, labels: torch.Tensor, eos: int) -> torch.Tensor:
@@ -77,6 +94,14 @@ class TokenFileSource:
     the documents longer than ``seq_len`` (an index of the kept ranges is built once;
     ``dropped_documents`` and ``dropped_tokens`` count what was left out).
 
+    ``lengths = (lo, hi)``: the stream is made of the documents of at least ``lo`` and fewer
+    than ``hi`` tokens only (``hi`` None: no upper bound), through the same kept-ranges index:
+    how a mixture's source is split into its long documents and the rest
+    (:mod:`loongtrain.data.mixture`). ``name``: a mixture source's name, which seeds its
+    order of sequences (None: the order a single token file has always had). ``starts``: the
+    file's document starts when the caller has them already (one scan of the file for two
+    sub-streams).
+
     Files with flags: a sequence none of whose labels is a target (a chat prompt longer than
     ``seq_len``) is never drawn. The sequences with targets are indexed once (one pass over the
     flags), and sample indices address that index, so a sample is still a function of its
@@ -94,10 +119,15 @@ class TokenFileSource:
         eos: int | None = None,
         pack: bool | None = None,
         long_documents: str = "split",
+        *,
+        name: str | None = None,
+        lengths: tuple[int, int | None] = (0, None),
+        starts: np.ndarray | None = None,
     ) -> None:
         if long_documents not in LONG_DOCUMENTS:
             raise ValueError(f"long_documents={long_documents!r}: use one of {', '.join(LONG_DOCUMENTS)}")
-        self.file, self.seq_len, self.seed = file, seq_len, seed
+        self.file, self.seq_len, self.seed, self.name = file, seq_len, seed, name
+        self.lengths, self.eval_fraction = (int(lengths[0]), lengths[1]), eval_fraction
         self.pack = eos is not None if pack is None else pack
         self.eos = eos if eos is not None else file.eos
         if self.pack and file.flags is None and self.eos is None:
@@ -109,15 +139,17 @@ class TokenFileSource:
         self.dropped_documents = self.dropped_tokens = 0
         self._runs: tuple[np.ndarray, np.ndarray] | None = None  # (file start, virtual start) of kept ranges
         length = file.count
-        if long_documents == "drop":
-            length = self._keep_short_documents()
+        if long_documents == "drop" or self.lengths != (0, None):
+            length = self._keep_documents(starts)
         self.stream_tokens = length  # tokens the sequences are cut from
-        sequences = (length - 1) // seq_len
+        sequences = max(0, (length - 1) // seq_len)
         dropped = (
             f" after dropping {self.dropped_documents} document(s) longer than {seq_len}"
             if self.dropped_documents
             else ""
         )
+        if self.lengths != (0, None):
+            dropped = f" in documents of {self.length_label()} tokens{dropped}"
         if sequences < 2:
             raise TokenFileError(
                 f"{file.path}: {length} tokens{dropped} make {sequences} sequence(s) of {seq_len}+1 tokens; need at "
@@ -161,6 +193,8 @@ class TokenFileSource:
     def describe(self) -> str:
         """One line for the trainer's start-up: the file, its targets and what was left out."""
         text = f"{self.file.path} ({self.file.count:,} tokens"
+        if self.lengths != (0, None):
+            text += f", its {self.stream_tokens:,} in documents of {self.length_label()} tokens"
         if self.target_tokens is not None:
             text += f", {self.target_tokens:,} loss targets"
         text += (
@@ -176,14 +210,41 @@ class TokenFileSource:
             )
         return text
 
-    def _keep_short_documents(self) -> int:
-        """Index the maximal runs of consecutive documents of at most ``seq_len`` tokens;
-        returns their total length."""
-        starts = self.file.document_starts(self.eos)
+    def length_label(self) -> str:
+        """The documents this stream holds, in words (``"at least 4096"``, ``"fewer than 4096"``)."""
+        lo, hi = self.lengths
+        parts = ([f"at least {lo}"] if lo else []) + ([f"fewer than {hi}"] if hi is not None else [])
+        return " and ".join(parts) or "any number of"
+
+    def fingerprint(self) -> str:
+        """A digest of what decides this source's samples: the file's identity (header and
+        sampled content, not its path: a copied file matches), ``seq_len``, seed, name, packing,
+        the end-of-document token, the long-document policy, the document lengths kept and
+        the held-out fraction. Equal fingerprints give equal samples for every index."""
+        return data_fingerprint({
+            "kind": "tokens", "file": self.file.identity(), "seq_len": self.seq_len, "seed": self.seed,
+            "name": self.name, "pack": self.pack, "eos": self.eos, "long_documents": self.long_documents,
+            "lengths": list(self.lengths), "eval_fraction": self.eval_fraction,
+        })  # fmt: skip
+
+    def document_mask(self, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For the file's documents of ``lengths`` (in file order): which this stream holds,
+        and which its range would hold but ``long_documents="drop"`` leaves out."""
+        lo, hi = self.lengths
+        chosen = (lengths >= lo) & (lengths < hi if hi is not None else True)
+        keep = chosen & (lengths <= self.seq_len) if self.long_documents == "drop" else chosen
+        return keep, chosen & ~keep
+
+    def _keep_documents(self, starts: np.ndarray | None) -> int:
+        """Index the maximal runs of consecutive documents this stream keeps (their length in
+        ``lengths`` and, with ``long_documents="drop"``, at most ``seq_len``); returns their
+        total length."""
+        if starts is None:
+            starts = self.file.document_starts(self.eos)
         lengths = np.diff(np.append(starts, self.file.count))
-        keep = lengths <= self.seq_len
-        self.dropped_documents = int((~keep).sum())
-        self.dropped_tokens = int(lengths[~keep].sum())
+        keep, dropped = self.document_mask(lengths)
+        self.dropped_documents = int(dropped.sum())
+        self.dropped_tokens = int(lengths[dropped].sum())
         edges = np.flatnonzero(np.diff(np.concatenate([[0], keep.astype(np.int8), [0]])))
         first, last = edges[0::2], edges[1::2]  # kept runs: documents first[r] .. last[r] - 1
         run_start = starts[first]
@@ -230,7 +291,8 @@ class TokenFileSource:
             return self._usable(self.train_sequences + index % self.eval_sequences)
         epoch, pos = divmod(index, self.train_sequences)
         if self._perm is None or self._perm[0] != epoch:
-            gen = torch.Generator().manual_seed(sample_seed("tokens", self.seed, epoch))
+            parts = ("tokens", self.seed, epoch) if self.name is None else ("tokens", self.seed, self.name, epoch)
+            gen = torch.Generator().manual_seed(sample_seed(*parts))
             self._perm = (epoch, torch.randperm(self.train_sequences, generator=gen))
         return self._usable(int(self._perm[1][pos]))
 
@@ -250,6 +312,11 @@ class LengthGroupedSource:
     """
 
     def __init__(self, source: TokenFileSource, window_steps: int, global_batch: int) -> None:
+        if not isinstance(source, TokenFileSource):
+            raise ValueError(
+                f"data.group_by_length orders the sequences of one token file, not a {type(source).__name__}; "
+                "set data.group_by_length=0"
+            )
         if not source.pack:
             raise ValueError(
                 "data.group_by_length groups sequences by their documents: it needs packed documents "
@@ -269,6 +336,13 @@ class LengthGroupedSource:
 
     def describe(self) -> str:
         return f"{self.source.describe()}; steps grouped by longest document in windows of {self.window_steps} steps"
+
+    def fingerprint(self) -> str:
+        """The wrapped source's :meth:`TokenFileSource.fingerprint` with the grouping's windows."""
+        return data_fingerprint({
+            "kind": "group_by_length", "source": self.source.fingerprint(), "window_steps": self.window_steps,
+            "global_batch": self.global_batch,
+        })  # fmt: skip
 
     def window_order(self, index: int) -> tuple[int, list[int]]:
         """The first index of ``index``'s window and the source indices its positions take."""
@@ -329,13 +403,20 @@ class BatchLoader:
 
     def _rows(self, base: int, split: str) -> list[Microbatch]:
         out = []
+        tagged = getattr(self.source, "names", None) is not None
         for m in range(self.micro_batches):
             first = base + (m * self.dp + self.dp_rank) * self.rows
-            samples = [self.source.sample(first + r, split) for r in range(self.rows)]
-            if len(samples[0]) == 3:
-                out.append(pack_rows(samples, self.mask_documents))
+            if tagged:
+                drawn = [self.source.tagged_sample(first + r, split) for r in range(self.rows)]
+                ids, samples = [d for d, _ in drawn], [sample for _, sample in drawn]
             else:
-                out.append(Microbatch(torch.stack([t for t, _ in samples]), torch.stack([lab for _, lab in samples])))
+                ids, samples = None, [self.source.sample(first + r, split) for r in range(self.rows)]
+            if len(samples[0]) == 3:
+                out.append(pack_rows(samples, self.mask_documents, ids))
+                continue
+            tokens, labels = torch.stack([t for t, _ in samples]), torch.stack([lab for _, lab in samples])
+            tags = None if ids is None else torch.tensor(ids, dtype=torch.int64)[:, None].expand_as(labels).clone()
+            out.append(Microbatch(tokens, labels, sources=tags))
         return out
 
     def next(self) -> list[Microbatch]:
@@ -343,6 +424,12 @@ class BatchLoader:
         batch = self._rows(self.next_index, "train")
         self.next_index += self.global_batch
         return batch
+
+    def step_batch(self, step: int) -> list[Microbatch]:
+        """This replica's microbatches of training step ``step`` (0-based: global samples
+        ``step * global_batch`` onwards), without moving the loader: what :meth:`next`
+        returns at that step, on any layout and after any resume."""
+        return self._rows(step * self.global_batch, "train")
 
     def eval_batch(self, i: int) -> list[Microbatch]:
         """Held-out global batch ``i`` (same split over replicas as training)."""
@@ -355,4 +442,4 @@ class BatchLoader:
         self.next_index = int(state["next_index"])
 
 
-__all__ = ["IGNORE_INDEX", "BatchLoader", "LengthGroupedSource", "RecallTask", "TokenFileSource"]
+__all__ = ["IGNORE_INDEX", "BatchLoader", "LengthGroupedSource", "RecallTask", "TaggedSource", "TokenFileSource"]

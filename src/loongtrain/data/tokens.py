@@ -16,6 +16,7 @@ end after the recorded end-of-document token. A 128K vocabulary needs uint32;
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import struct
@@ -34,6 +35,7 @@ HAS_FLAGS, HAS_FINGERPRINT = 1, 2  # header features bits
 TARGET, DOC_START = 1, 2  # per-token flag bits
 SCAN_CHUNK = 1 << 24  # tokens per chunk when scanning a whole file
 COPY_CHUNK = 1 << 20  # bytes per read when appending the flags to the ids
+IDENTITY_SAMPLE = 1 << 16  # bytes read at the start, middle and end of a file for its identity
 
 
 class TokenFileError(ValueError):
@@ -206,6 +208,22 @@ class TokenFile:
         # to another process as its path (opened and checked again there), never its tokens:
         # a memmap would be pickled as a copy of the whole array
         return (TokenFile, (self.path,))
+
+    def identity(self, sample_bytes: int = IDENTITY_SAMPLE) -> dict:
+        """What identifies the file's content without reading all of it: its header fields and
+        the SHA-256 of ``sample_bytes`` read at its start, middle and end (not its path or
+        modification time: a copy of the file on another machine matches)."""
+        size = self.path.stat().st_size
+        digest = hashlib.sha256()
+        with open(self.path, "rb") as f:
+            for offset in sorted({0, max(0, size // 2 - sample_bytes // 2), max(0, size - sample_bytes)}):
+                f.seek(offset)
+                digest.update(f.read(sample_bytes))
+        return {
+            "version": self.version, "count": self.count, "width": self.width, "vocab_size": self.vocab_size,
+            "eos": self.eos, "tokenizer": self.tokenizer_fingerprint, "flags": self.flags is not None,
+            "size": size, "sample_sha256": digest.hexdigest(),
+        }  # fmt: skip
 
     def max_token(self, chunk: int = SCAN_CHUNK) -> int:
         """Largest token id in the file (scanned in chunks)."""

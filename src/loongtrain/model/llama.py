@@ -163,11 +163,14 @@ def lm_head(
     chunk: int,
     sink: GradientSink | None,
     norm: RMSNorm | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
+    groups: Tensor | None = None,
+    n_groups: int = 0,
+) -> Tensor | tuple[Tensor, ...]:
     """The output layer: logits ``h W^T`` without ``labels``; with them the loss
-    (:func:`~loongtrain.model.loss.lm_loss`, ``reduction="sum"``) or per-token scores
-    (``"none"``), ``chunk`` tokens of logits at a time. ``norm``: the final norm, applied
-    here first (the training loss applies it chunk by chunk)."""
+    (:func:`~loongtrain.model.loss.lm_loss`, ``reduction="sum"``; with ``groups`` also the
+    loss summed per group, ``[n_groups]``) or per-token scores (``"none"``), ``chunk`` tokens
+    of logits at a time. ``norm``: the final norm, applied here first (the training loss
+    applies it chunk by chunk)."""
     if norm is not None and (labels is None or reduction != "sum"):
         h, norm = norm(h), None
     if labels is None:
@@ -176,7 +179,7 @@ def lm_head(
         return token_scores(h, weight, labels, chunk)
     if reduction != "sum":
         raise ValueError(f"reduction={reduction!r}: use 'sum' (training) or 'none' (per-token scores)")
-    return lm_loss(h, weight, labels, chunk, sink, norm)
+    return lm_loss(h, weight, labels, chunk, sink, norm, groups, n_groups)
 
 
 class Embedding(nn.Embedding):
@@ -215,8 +218,10 @@ class OutputLayer(nn.Linear):
         reduction: str = "sum",
         chunk: int = 0,
         norm: RMSNorm | None = None,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        return lm_head(h, self.weight, labels, reduction, chunk, self.sink, norm)
+        groups: Tensor | None = None,
+        n_groups: int = 0,
+    ) -> Tensor | tuple[Tensor, ...]:
+        return lm_head(h, self.weight, labels, reduction, chunk, self.sink, norm, groups, n_groups)
 
     def head(
         self,
@@ -225,14 +230,16 @@ class OutputLayer(nn.Linear):
         reduction: str = "sum",
         chunk: int = 0,
         norm: RMSNorm | None = None,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+        groups: Tensor | None = None,
+        n_groups: int = 0,
+    ) -> Tensor | tuple[Tensor, ...]:
         """:meth:`forward`, or for the chunked loss where the sink holds the whole float32
         master matrix on this device, the loss reading it a vocabulary slice at a time: not
         through the module, whose sharding layer would gather a copy of the matrix."""
         master = None if self.sink is None or labels is None or chunk <= 0 else self.sink.master()
         if master is None:
-            return self(h, labels, reduction, chunk, norm)
-        return lm_head(h, master, labels, reduction, chunk, self.sink, norm)
+            return self(h, labels, reduction, chunk, norm, groups=groups, n_groups=n_groups)
+        return lm_head(h, master, labels, reduction, chunk, self.sink, norm, groups, n_groups)
 
 
 class Transformer(nn.Module):
@@ -244,6 +251,8 @@ class Transformer(nn.Module):
     loss instead of the logits, ``loss_chunk`` tokens of logits at a time
     (:mod:`loongtrain.model.loss`): ``reduction="sum"`` gives ``(summed loss, correct
     predictions)``, ``"none"`` per-token ``(loss, correct)`` without gradients (evaluation).
+    With ``groups`` (int64 like ``labels``, in ``[0, n_groups)``: e.g. ``Microbatch.sources``)
+    the sum also gives the float32 loss summed per group ``[n_groups]`` (detached), third.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -285,13 +294,17 @@ class Transformer(nn.Module):
         layout: SequenceLayout | None = None,
         labels: Tensor | None = None,
         reduction: str = "sum",
-    ) -> Tensor | tuple[Tensor, Tensor]:
+        groups: Tensor | None = None,
+        n_groups: int = 0,
+    ) -> Tensor | tuple[Tensor, ...]:
         # the output layer applies the final norm (the chunked training loss: chunk by chunk)
         x = self.residual_stream(tokens, positions, layout)
         if self.output is None:  # tied: the embedding's matrix (and its gradient sink)
             embedding = self.tok_embeddings
-            return lm_head(x, embedding.weight, labels, reduction, self.loss_chunk, embedding.sink, self.norm)
-        return self.output.head(x, labels, reduction, self.loss_chunk, self.norm)
+            return lm_head(
+                x, embedding.weight, labels, reduction, self.loss_chunk, embedding.sink, self.norm, groups, n_groups
+            )
+        return self.output.head(x, labels, reduction, self.loss_chunk, self.norm, groups, n_groups)
 
 
 def _param_seed(seed: int, name: str) -> int:

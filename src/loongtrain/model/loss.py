@@ -81,13 +81,23 @@ def _input_gradient(grad: Tensor, weight: Tensor, out: Tensor) -> None:
 
 
 def _chunk(
-    h_c: Tensor, weight: Tensor, y_c: Tensor, grad_h_c: Tensor | None, grad_w: Tensor | None
+    h_c: Tensor,
+    weight: Tensor,
+    y_c: Tensor,
+    grad_h_c: Tensor | None,
+    grad_w: Tensor | None,
+    groups_c: Tensor | None = None,
+    group_sums: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Loss and correct count of one chunk; with ``grad_h_c`` / ``grad_w`` also its gradients
-    (written into ``grad_h_c``, added to ``grad_w``; either may be None). Its ``[chunk,
-    vocab]`` temporaries are freed when it returns, before the next chunk allocates its own."""
+    (written into ``grad_h_c``, added to ``grad_w``; either may be None); with ``groups_c``
+    its rows' losses added into ``group_sums`` by group. Its ``[chunk, vocab]`` temporaries
+    are freed when it returns, before the next chunk allocates its own."""
     probs, lse, picked, correct, scored = _chunk_rows(h_c, weight, y_c)
-    loss = torch.where(scored, lse - picked, 0.0).sum()
+    rows = torch.where(scored, lse - picked, 0.0)
+    loss = rows.sum()
+    if groups_c is not None:
+        group_sums.index_add_(0, groups_c, rows)
     if grad_h_c is not None or grad_w is not None:
         # d(sum of losses)/d(logits) = softmax - one_hot(target), zero on ignored rows
         targets = torch.where(scored, y_c, 0)
@@ -104,8 +114,9 @@ def _chunk(
 
 
 class _ChunkedLoss(torch.autograd.Function):
-    """Summed cross entropy of ``F.linear(h, weight)`` and the count of correct argmaxes,
-    gradients computed in forward chunk by chunk."""
+    """Summed cross entropy of ``F.linear(h, weight)``, the count of correct argmaxes and the
+    loss sums per group (``[n_groups]``, empty without ``groups``), gradients computed in
+    forward chunk by chunk."""
 
     @staticmethod
     def forward(
@@ -117,9 +128,12 @@ class _ChunkedLoss(torch.autograd.Function):
         sink: GradientSink | None,
         norm_weight: Tensor | None,
         eps: float,
-    ) -> tuple[Tensor, Tensor]:
+        groups: Tensor | None = None,
+        n_groups: int = 0,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         correct = torch.zeros((), dtype=torch.int64, device=h.device)
+        group_sums = torch.zeros(n_groups if groups is not None else 0, dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         grad_w = grad_norm = None
         if ctx.needs_input_grad[1]:
@@ -127,13 +141,14 @@ class _ChunkedLoss(torch.autograd.Function):
         for start in range(0, h.shape[0], chunk):
             rows = slice(start, start + chunk)
             x_c = h[rows]
+            groups_c = None if groups is None else groups[rows]
             if norm_weight is None:
                 grad_h_c = grad_h[rows] if grad_h is not None else None
-                loss_c, correct_c = _chunk(x_c, weight, labels[rows], grad_h_c, grad_w)
+                loss_c, correct_c = _chunk(x_c, weight, labels[rows], grad_h_c, grad_w, groups_c, group_sums)
             else:  # the final norm, chunk by chunk: its output and gradient exist for one chunk
                 h_c, rstd = rms_norm(x_c, norm_weight, eps)
                 grad_h_c = torch.empty_like(h_c) if grad_h is not None else None
-                loss_c, correct_c = _chunk(h_c, weight, labels[rows], grad_h_c, grad_w)
+                loss_c, correct_c = _chunk(h_c, weight, labels[rows], grad_h_c, grad_w, groups_c, group_sums)
                 del h_c
                 if grad_h_c is not None:
                     grad_h[rows], part = rms_norm_backward(grad_h_c, x_c, norm_weight, rstd, ctx.needs_input_grad[5])
@@ -146,11 +161,11 @@ class _ChunkedLoss(torch.autograd.Function):
         ctx.weight_dtype = weight.dtype
         ctx.norm_dtype = None if norm_weight is None else norm_weight.dtype
         ctx.sink = sink
-        ctx.mark_non_differentiable(correct)
-        return loss, correct
+        ctx.mark_non_differentiable(correct, group_sums)
+        return loss, correct, group_sums
 
     @staticmethod
-    def backward(ctx, grad_loss: Tensor, _grad_correct: Tensor):
+    def backward(ctx, grad_loss: Tensor, _grad_correct: Tensor, _grad_groups: Tensor):
         if ctx.grads is None:
             raise RuntimeError(
                 "lm_loss: the chunked loss's gradients were made in forward and handed over by the first "
@@ -168,7 +183,7 @@ class _ChunkedLoss(torch.autograd.Function):
             grad_w = None
         elif grad_w is not None:
             grad_w = grad_w.mul_(grad_loss).to(ctx.weight_dtype)  # no copy when the weight is float32
-        return grad_h, grad_w, None, None, None, grad_norm, None
+        return grad_h, grad_w, None, None, None, grad_norm, None, None, None
 
 
 def lm_loss(
@@ -178,9 +193,12 @@ def lm_loss(
     chunk: int = 0,
     sink: GradientSink | None = None,
     norm: RMSNorm | None = None,
-) -> tuple[Tensor, Tensor]:
+    groups: Tensor | None = None,
+    n_groups: int = 0,
+) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """Summed next-token cross entropy (float32 scalar, differentiable in ``h`` and ``weight``)
-    and the number of targets whose argmax prediction is right (int64 scalar).
+    and the number of targets whose argmax prediction is right (int64 scalar); with ``groups``
+    also the loss summed per group.
 
     ``h`` [..., dim] final hidden states, ``weight`` [vocab, dim] the output matrix (with
     ``chunk`` > 0 it may be a float32 master with ``h`` in a lower precision: read in ``h``'s
@@ -192,18 +210,34 @@ def lm_loss(
     here to ``h`` (then the last block's output), chunk by chunk with ``chunk`` > 0: the
     normed hidden states and their gradient never exist for the whole shard, only ``h``'s
     gradient (made in forward) does.
+
+    ``groups`` (int64 shaped like ``labels``, values in ``[0, n_groups)``: e.g. the source of
+    each token, ``Microbatch.sources``): then a third value, the float32 loss summed per group
+    ``[n_groups]`` (detached; its sum is the summed loss up to float32 rounding), made in the
+    same pass over the logits. Without ``groups`` the two values as ever.
     """
+    if groups is not None:
+        if groups.shape != labels.shape:
+            raise ValueError(f"groups {tuple(groups.shape)} must be shaped like the labels {tuple(labels.shape)}")
+        if n_groups < 1:
+            raise ValueError(f"n_groups={n_groups}: give the number of groups (ids lie in [0, n_groups))")
+        groups = groups.reshape(-1)
     if norm is not None and chunk <= 0:
         h, norm = norm(h), None
     h, labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
-    if norm is not None:
-        return _ChunkedLoss.apply(h, weight, labels, chunk, sink, norm.weight, norm.eps)
-    if chunk <= 0:
-        logits = F.linear(h, weight)
+    if norm is not None or chunk > 0:
+        norm_weight, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
+        loss, correct, group_sums = _ChunkedLoss.apply(h, weight, labels, chunk, sink, norm_weight, eps, groups,
+                                                       n_groups)  # fmt: skip
+        return (loss, correct) if groups is None else (loss, correct, group_sums)
+    logits = F.linear(h, weight)
+    correct = ((logits.detach().argmax(dim=-1) == labels) & (labels != IGNORE_INDEX)).sum()
+    if groups is None:
         loss = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
-        correct = ((logits.detach().argmax(dim=-1) == labels) & (labels != IGNORE_INDEX)).sum()
         return loss, correct
-    return _ChunkedLoss.apply(h, weight, labels, chunk, sink, None, 0.0)
+    rows = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="none")  # 0 where ignored
+    group_sums = torch.zeros(n_groups, dtype=torch.float32, device=h.device).index_add_(0, groups, rows.detach())
+    return rows.sum(), correct, group_sums
 
 
 @torch.no_grad()

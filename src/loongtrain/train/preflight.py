@@ -17,6 +17,7 @@ from loongtrain.attention.sharding import check_sequence_length
 from loongtrain.config import ConfigError, ModelSection, OptimSection, TrainConfig
 from loongtrain.data import (
     LengthGroupedSource,
+    MixtureSource,
     PackedRecallTask,
     RecallTask,
     TokenFile,
@@ -25,6 +26,7 @@ from loongtrain.data import (
     check_same_tokenizer,
 )
 from loongtrain.data.loader import rows_per_microbatch
+from loongtrain.data.mixture import repeat_notices
 from loongtrain.launch import resolve_device, under_torchrun
 from loongtrain.model import ModelConfig
 from loongtrain.options import AUTO_CHECKPOINT, check_kernel_device, checkpointed_count
@@ -144,6 +146,13 @@ def preflight(cfg: TrainConfig, world_size: int, local_world_size: int | None = 
         )
     if isinstance(source, TokenFileSource | LengthGroupedSource):
         notices += check_token_file(source.file, cfg.model, mcfg)
+    if isinstance(source, MixtureSource):
+        for name, file in source.files().items():
+            try:
+                notices += check_token_file(file, cfg.model, mcfg)
+            except TokenFileError as e:
+                raise TokenFileError(f"data.sources.{name}: {e}") from None
+        notices += repeat_notices(source, cfg.run.steps * cfg.data.global_batch)  # sources drawn past 4 epochs
     if cfg.model.init_from:
         check_finite_weights(cfg.model.init_from)
     run_dir = Path(cfg.run.output_dir)

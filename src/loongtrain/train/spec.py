@@ -12,7 +12,16 @@ from dataclasses import dataclass
 import torch
 
 from loongtrain.config import ConfigError, OptimSection, TrainConfig
-from loongtrain.data import LengthGroupedSource, PackedRecallTask, RecallTask, TokenFile, TokenFileSource
+from loongtrain.data import (
+    LengthGroupedSource,
+    MixtureSource,
+    PackedRecallTask,
+    RecallTask,
+    TokenFile,
+    TokenFileError,
+    TokenFileSource,
+)
+from loongtrain.data.mixture import check_same_tokenizers, token_source
 from loongtrain.model import ModelConfig
 from loongtrain.options import MemoryOptions
 from loongtrain.parallel import ParallelConfig
@@ -20,7 +29,7 @@ from loongtrain.train.model_setup import model_config_for
 
 PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-Source = RecallTask | PackedRecallTask | TokenFileSource | LengthGroupedSource
+Source = RecallTask | PackedRecallTask | TokenFileSource | LengthGroupedSource | MixtureSource
 
 
 @dataclass(frozen=True)
@@ -54,7 +63,10 @@ def model_spec(cfg: TrainConfig, source: Source | None = None) -> RunSpec:
 
 def make_source(cfg: TrainConfig) -> Source:
     """The configured data source (a token file is memory-mapped; its sequences are indexed
-    once, here)."""
+    once, here): the recall task, one token file (``data.path``) or a
+    :class:`~loongtrain.data.mixture.MixtureSource` of the ``[data.sources.NAME]`` tables.
+    Every source's sample ``i`` is ``source.sample(i)``; the loader draws step ``s`` from
+    samples ``s * data.global_batch`` onwards."""
     d = cfg.data
     if d.source == "recall":
         recall = dict(
@@ -62,6 +74,8 @@ def make_source(cfg: TrainConfig) -> Source:
             queries=d.recall_queries, filler=d.recall_filler, seed=d.seed,
         )  # fmt: skip
         return PackedRecallTask(doc_len=d.doc_len, **recall) if d.pack else RecallTask(**recall)
+    if d.sources:
+        return make_mixture(cfg)
     file = TokenFile(d.path)
     eos = d.eos_id if d.eos_id >= 0 else None  # None: the file's (documents come from its flags when it has them)
     if d.pack and file.flags is None and eos is None and file.eos is None:
@@ -72,6 +86,49 @@ def make_source(cfg: TrainConfig) -> Source:
         )
     source = TokenFileSource(file, d.seq_len, d.seed, eos=eos, pack=d.pack, long_documents=d.long_documents)
     return LengthGroupedSource(source, d.group_by_length, d.global_batch) if d.group_by_length else source
+
+
+def open_source_file(name: str, path: str) -> TokenFile:
+    """Source ``name``'s token file, memory-mapped; a missing, unreadable or malformed file is
+    one TokenFileError line naming the source."""
+    try:
+        return TokenFile(path)
+    except TokenFileError as e:
+        raise TokenFileError(f"data.sources.{name}.path: {e}") from None
+    except OSError as e:
+        raise TokenFileError(
+            f"data.sources.{name}.path={path!r} cannot be read ({e.strerror or e}); fix the path or the file's "
+            f"permissions"
+        ) from None
+
+
+def make_mixture(cfg: TrainConfig) -> MixtureSource:
+    """The mixture of the ``[data.sources.NAME]`` tables: every file opened and checked (one
+    tokenizer for all, document boundaries where packing, dropping or upsampling needs them,
+    enough tokens for a sequence and a held-out one, upsampling targets a file can give);
+    each source's order of sequences seeded by ``data.seed`` and its name."""
+    d = cfg.data
+    eos = d.eos_id if d.eos_id >= 0 else None
+    files = {name: open_source_file(name, s.path) for name, s in d.sources.items()}
+    check_same_tokenizers(files)
+    parts = {}
+    for name, s in d.sources.items():
+        file, policy = files[name], s.long_documents or d.long_documents
+        needs = "data.pack=true" if d.pack else "long_documents='drop'" if policy == "drop" else ""
+        if needs and file.flags is None and eos is None and file.eos is None:
+            raise TokenFileError(
+                f"data.sources.{name}: {needs} needs document boundaries, but {s.path} has no per-token flags and "
+                f"records no end-of-document token; set data.eos_id or re-create it with `loongtrain prepare`"
+            )
+        try:
+            parts[name] = token_source(
+                file, d.seq_len, name=name, seed=d.seed, eos=eos, pack=d.pack, long_documents=policy,
+                upsample_length=s.upsample_length, upsample_share=s.upsample_share,
+            )  # fmt: skip
+        except TokenFileError as e:
+            text = str(e)
+            raise TokenFileError(text if text.startswith("data.sources.") else f"data.sources.{name}: {text}") from None
+    return MixtureSource(parts, {name: s.weight for name, s in d.sources.items()})
 
 
 def model_shape(mcfg: ModelConfig) -> dict:
