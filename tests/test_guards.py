@@ -350,7 +350,8 @@ def test_a_spike_rolls_back_and_trains_as_a_run_that_never_saw_its_batch(dist_po
     run_dir, ref_dir = tmp_path / "run", tmp_path / "ref"
     pool.run(_train, [*common, "run.steps=6", f"run.output_dir={run_dir}"])
     _corrupt_samples(data, range(9 * gb, 10 * gb), seq, seed)  # the batch of step 10
-    resumed = pool.run(_train, [*common, "run.steps=12", f"run.output_dir={run_dir}"])[0]
+    changed = "checkpoint.allow_data_change=true"  # the data changed under the run on purpose
+    resumed = pool.run(_train, [*common, "run.steps=12", changed, f"run.output_dir={run_dir}"])[0]
     assert resumed["stopped"] is None, resumed["stopped"]
     rollback = [r for r in _records(run_dir) if r["kind"] == "rollback"]
     assert len(rollback) == 1, rollback

@@ -335,6 +335,20 @@ class CheckpointSection:
         "a damaged or incomplete newest checkpoint: fallback (resume from the newest intact one) or stop",
         choices=("fallback", "stop"),
     )
+    init_from: str = option(
+        "",
+        "start a new stage from another run: its run folder (the newest intact checkpoint) or one step-N folder; "
+        "its weights (and with init_optimizer its optimizer state) are loaded, the steps, schedule and data start "
+        "afresh, and length, layout, mixture and RoPE (model.rope_*) may change; the model's shape may not",
+    )
+    init_optimizer: bool = option(
+        False, "init_from: also load the optimizer state (AdamW's moments and step count); false: a fresh AdamW"
+    )
+    allow_data_change: bool = option(
+        False,
+        "resume even if the data (token files, mixture, seq_len, seed) differs from what the checkpoint was "
+        "written with; the samples from the resumed step on then come from the new data",
+    )
 
 
 EVAL_TASKS = ("auto", "recall", "text")
@@ -614,6 +628,13 @@ def validate(cfg: TrainConfig) -> None:
             f"documents: set data.source='tokens' and data.pack=true, or data.group_by_length=0"
         )
     _validate_model_section(cfg.model)
+    if cfg.checkpoint.init_from and cfg.model.init_from:
+        raise ConfigError(
+            f"checkpoint.init_from={cfg.checkpoint.init_from!r} (a run's checkpoint) and model.init_from="
+            f"{cfg.model.init_from!r} (a Hugging Face folder) both give the initial weights: keep one"
+        )
+    if cfg.checkpoint.init_optimizer and not cfg.checkpoint.init_from:
+        raise ConfigError("checkpoint.init_optimizer=true loads the optimizer of checkpoint.init_from: set that too")
     if cfg.eval.lengths:
         parse_lengths(cfg.eval.lengths)
     if cfg.data.recall_facts > cfg.data.recall_keys:

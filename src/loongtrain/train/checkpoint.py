@@ -83,6 +83,20 @@ def check_model_shape(path: Path, trainer_state: dict, model_shape: dict) -> Non
         )
 
 
+def check_data_fingerprint(path: Path, trainer_state: dict, fingerprint: str | None, allow_change: bool) -> None:
+    """Raise CheckpointError if the checkpoint at ``path`` was written on other data than the
+    source whose fingerprint is ``fingerprint`` (the samples from the resumed step on would not
+    be the ones the run would have seen); nothing to compare when either is unknown."""
+    saved = (trainer_state.get("data") or {}).get("fingerprint")
+    if allow_change or saved is None or fingerprint is None or saved == fingerprint:
+        return
+    raise CheckpointError(
+        f"checkpoint {path} was written on other data (fingerprint {saved}, now {fingerprint}: the token files, "
+        f"the mixture, seq_len or data.seed changed); restore them, set checkpoint.allow_data_change=true to go "
+        f"on with the new data, or start a new stage from it (checkpoint.init_from in another run.output_dir)"
+    )
+
+
 def file_sha256(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()

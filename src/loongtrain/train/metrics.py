@@ -140,6 +140,15 @@ def plot_curves(records: list[dict], path: Path, chance: float | None = None) ->
     ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train", lw=1)
     if evals:
         ax_loss.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="eval")
+    # a mixture: each source's loss (records with loss/NAME), train thin, eval dotted, one colour each
+    names = list(dict.fromkeys(k.split("/", 1)[1] for r in train + evals for k in r if k.startswith("loss/")))
+    for i, name in enumerate(names):
+        colour, key = f"C{i + 2}", f"loss/{name}"
+        rows = [r for r in train if key in r]
+        ax_loss.plot([r["step"] for r in rows], [r[key] for r in rows], color=colour, lw=0.6, alpha=0.8, label=name)
+        rows = [r for r in evals if key in r]
+        if rows:
+            ax_loss.plot([r["step"] for r in rows], [r[key] for r in rows], ":o", color=colour, ms=3)
     ax_loss.set(xlabel="step", ylabel="loss per target token", title="loss")
     ax_loss.legend()
     ax_acc.plot([r["step"] for r in train], [r["accuracy"] for r in train], label="train", lw=1)

@@ -30,10 +30,11 @@ from loongtrain.data.mixture import repeat_notices
 from loongtrain.launch import resolve_device, under_torchrun
 from loongtrain.model import ModelConfig
 from loongtrain.options import AUTO_CHECKPOINT, check_kernel_device, checkpointed_count
-from loongtrain.train.checkpoint import CheckpointManager, check_model_shape
+from loongtrain.train.checkpoint import CheckpointManager, check_data_fingerprint, check_model_shape
 from loongtrain.train.memory_policy import check_auto_budget
 from loongtrain.train.model_setup import check_pretrained_context
-from loongtrain.train.spec import RunSpec, build_optimizer, make_source, model_shape, model_spec
+from loongtrain.train.spec import RunSpec, build_optimizer, data_fingerprint, make_source, model_shape, model_spec
+from loongtrain.train.stages import check_stage_shape, stage_checkpoint
 
 # a model folder with any of these has a tokenizer to check a token file against
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -157,8 +158,11 @@ def preflight(cfg: TrainConfig, world_size: int, local_world_size: int | None = 
         check_finite_weights(cfg.model.init_from)
     run_dir = Path(cfg.run.output_dir)
     check_run_dir(run_dir)
+    if cfg.checkpoint.init_from:  # a new stage: the checkpoint it starts from holds this model
+        check_stage_shape(stage_checkpoint(cfg.checkpoint.init_from), model_shape(mcfg))
     if cfg.checkpoint.resume:
         newest = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep).newest_readable()
         if newest is not None:
             check_model_shape(newest[1], newest[2], model_shape(mcfg))
+            check_data_fingerprint(newest[1], newest[2], data_fingerprint(source), cfg.checkpoint.allow_data_change)
     return dataclasses.replace(spec, source=source, notices=tuple(n for n in notices if n))

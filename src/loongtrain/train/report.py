@@ -35,14 +35,20 @@ class StepMetrics:
     zero_all_gather_mib: float = 0.0
     zero_reduce_mib: float = 0.0
     guard: str = ""  # the guard's mark: "skipped: non-finite loss", "skipped: spike", "spike" (trained on)
+    sources: tuple = ()  # a mixture: each source's SourceNumbers (name, loss, targets, tokens)
 
     def record(self) -> dict:
-        return {"kind": "train", **self.__dict__}
+        record = {"kind": "train", **{k: v for k, v in self.__dict__.items() if k != "sources"}}
+        for numbers in self.sources:
+            record.update(source_fields(numbers.name, numbers.loss, numbers.targets, numbers.tokens))
+        return record
 
     def line(self) -> str:
         return (
             (f"[{self.guard.upper()}] " if self.guard else "")
-            + f"loss {self.loss:.4f} acc {self.accuracy:.3f} | gnorm {self.grad_norm:.2f} lr {self.lr:.2e} | "
+            + f"loss {self.loss:.4f}"
+            + _by_source({n.name: n.loss for n in self.sources if n.targets})
+            + f" acc {self.accuracy:.3f} | gnorm {self.grad_norm:.2f} lr {self.lr:.2e} | "
             f"{self.tokens_per_s_per_device:,.0f} tok/s/dev {self.tflops_per_device:.3f} TFLOP/s"
             + (f" MFU {self.mfu:.1%}" if self.mfu is not None else "")
             + f" | mem {self.peak_memory_gib:.2f} GiB"
@@ -57,6 +63,16 @@ class StepMetrics:
                 else ""
             )
         )
+
+
+def source_fields(name: str, loss: float, targets: int | None = None, tokens: int | None = None) -> dict:
+    """A source's numbers as flat ``metrics.jsonl`` keys: ``loss/NAME``, ``targets/NAME``, ``tokens/NAME``."""
+    out = {f"loss/{name}": loss}
+    if targets is not None:
+        out[f"targets/{name}"] = targets
+    if tokens is not None:
+        out[f"tokens/{name}"] = tokens
+    return out
 
 
 class _Progress:
@@ -133,20 +149,28 @@ class Reporter:
         if self.enabled:
             self._writer.write(record)
 
-    def evaluation(self, step: int, loss: float, accuracy: float, echo: bool = True) -> None:
-        """Record an evaluation (and print it, unless ``echo`` is False: the summary prints the final one)."""
+    def evaluation(
+        self, step: int, loss: float, accuracy: float, sources: dict[str, float] | None = None, echo: bool = True
+    ) -> None:
+        """Record an evaluation (and print it, unless ``echo`` is False: the summary prints the
+        final one); ``sources``: a mixture's held-out loss per source."""
         if self.enabled:
-            self._writer.write({"kind": "eval", "step": step, "loss": loss, "accuracy": accuracy})
+            record = {"kind": "eval", "step": step, "loss": loss, "accuracy": accuracy}
+            for name, value in (sources or {}).items():
+                record.update(source_fields(name, value))
+            self._writer.write(record)
             if echo:
                 self._progress.clear()
-                print(f"step {step:5d}/{self.total_steps} held-out loss {loss:.4f} acc {accuracy:.3f}", flush=True)
+                line = f"held-out loss {loss:.4f}{_by_source(sources)} acc {accuracy:.3f}"
+                print(f"step {step:5d}/{self.total_steps} {line}", flush=True)
 
     def finish(self, *, steps_run: int, wall_s: float, tokens_per_s: float, eval_batches: int, eval_loss: float,
-               eval_accuracy: float, chance: float | None) -> None:  # fmt: skip
+               eval_accuracy: float, chance: float | None, eval_sources: dict[str, float] | None = None,
+               ) -> None:  # fmt: skip
         if not self.enabled:
             return
         self._progress.clear()
-        self.evaluation(self.total_steps, eval_loss, eval_accuracy, echo=False)
+        self.evaluation(self.total_steps, eval_loss, eval_accuracy, eval_sources, echo=False)
         self.close()
         plot_curves(read_metrics(self.run_dir / "metrics.jsonl"), self.run_dir / "curves.png", chance)
         done = (
@@ -157,7 +181,7 @@ class Reporter:
         chance_text = f" (chance {chance:.3f})" if chance is not None else ""
         print(
             f"done: {done}\n"
-            f"final evaluation on {eval_batches} held-out batch(es): loss {eval_loss:.4f}, "
+            f"final evaluation on {eval_batches} held-out batch(es): loss {eval_loss:.4f}{_by_source(eval_sources)}, "
             f"accuracy {eval_accuracy:.3f}{chance_text}\n"
             f"run folder: {self.run_dir} (config.toml, metrics.jsonl, curves.png, checkpoints/)",
             flush=True,
@@ -168,3 +192,7 @@ class Reporter:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+def _by_source(sources: dict[str, float] | None) -> str:
+    return " (" + " ".join(f"{name} {loss:.3f}" for name, loss in sources.items()) + ")" if sources else ""

@@ -131,6 +131,13 @@ def make_mixture(cfg: TrainConfig) -> MixtureSource:
     return MixtureSource(parts, {name: s.weight for name, s in d.sources.items()})
 
 
+def data_fingerprint(source: object) -> str | None:
+    """The fingerprint of what decides a source's samples (token files, mixture, seq_len, seed),
+    which a checkpoint records; None for a synthetic task."""
+    fingerprint = getattr(source, "fingerprint", None)
+    return fingerprint() if callable(fingerprint) else None
+
+
 def model_shape(mcfg: ModelConfig) -> dict:
     """The model's shape as a checkpoint records it (``trainer_state["model_shape"]``)."""
     return dataclasses.asdict(mcfg)

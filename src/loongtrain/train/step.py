@@ -8,9 +8,11 @@ same layout, which it turns into document masks."""
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -30,6 +32,7 @@ class ShardedBatch:
     labels: torch.Tensor  # [B, S/sp]
     positions: torch.Tensor  # [1, S/sp] RoPE positions (restarting per document)
     layout: SequenceLayout  # how the whole sequence lies on the sp group (documents, sharding)
+    sources: torch.Tensor | None = None  # [B, S/sp] the source of each token (a mixture), or None
 
 
 def shard_microbatch(batch: Microbatch, state: ParallelState) -> ShardedBatch:
@@ -40,7 +43,8 @@ def shard_microbatch(batch: Microbatch, state: ParallelState) -> ShardedBatch:
     def shard(x: torch.Tensor) -> torch.Tensor:
         return shard_sequence(x, state, layout=layout)
 
-    return ShardedBatch(shard(batch.tokens), shard(batch.labels), shard(batch.positions()), layout)
+    sources = None if batch.sources is None else shard(batch.sources)
+    return ShardedBatch(shard(batch.tokens), shard(batch.labels), shard(batch.positions()), layout, sources)
 
 
 def _shard(index: int, batch: Microbatch, state: ParallelState, choose: Callable | None = None) -> ShardedBatch:
@@ -109,6 +113,25 @@ class StepResult:
     targets: int  # target tokens in the global batch
     layouts: tuple[str, ...] = ()  # this replica's hp x cp (and balance, where not the state's) per microbatch
     microbatch_losses: tuple[float, ...] = ()  # each microbatch's share of the loss (over every replica)
+    # a mixture (``source_names``): per source, the loss per target token (nan: no target), its target
+    # tokens and its tokens (in the global batch)
+    source_losses: tuple[float, ...] = ()
+    source_targets: tuple[int, ...] = ()
+    source_tokens: tuple[int, ...] = ()
+    source_names: tuple[str, ...] = ()
+
+    def source_numbers(self) -> tuple[SourceNumbers, ...]:
+        """Each source's numbers, by name."""
+        return tuple(map(SourceNumbers, self.source_names, self.source_losses, self.source_targets, self.source_tokens))
+
+
+class SourceNumbers(NamedTuple):
+    """One source's numbers in a step (a mixture): loss per target token, targets, tokens."""
+
+    name: str
+    loss: float
+    targets: int
+    tokens: int
 
 
 def as_microbatch(batch: Microbatch | tuple[torch.Tensor, torch.Tensor]) -> Microbatch:
@@ -123,6 +146,7 @@ def forward_backward(
     *,
     backward: bool = True,
     choose: Callable[[Microbatch], ParallelState] | None = None,
+    source_names: tuple[str, ...] = (),
 ) -> StepResult:
     """Forward (and backward) over this replica's ``microbatches`` of full sequences.
 
@@ -131,7 +155,9 @@ def forward_backward(
     gradients of the global mean loss accumulate in the parameters; without it
     (evaluation) no graph is built. ``choose`` gives each microbatch the state (an hp x cp
     split of the same ranks, :func:`~loongtrain.apply.parallelize`'s ``alternatives``) it
-    is sharded and attended on; None: ``state`` for all.
+    is sharded and attended on; None: ``state`` for all. ``source_names`` (a mixture,
+    whose microbatches carry ``sources``, ids into these names): each source's loss, targets and
+    tokens too, summed over the ranks in the step's one all-reduce.
     """
     batches = [as_microbatch(mb) for mb in microbatches]
     shards = [_shard(i, mb, state, choose) for i, mb in enumerate(batches)]
@@ -140,19 +166,33 @@ def forward_backward(
     total_targets = agree_and_count(batches, shards, state)
     if total_targets == 0:
         raise ValueError("the batch has no target tokens (every label is IGNORE_INDEX)")
-    # loss, correct predictions, then each microbatch's loss (the guard names the one that is not finite)
-    sums = torch.zeros(2 + len(shards), dtype=torch.float64, device=device)
+    # loss, correct predictions, each microbatch's loss (the guard names the one that is not finite),
+    # then per source its loss sum, its targets and its tokens: one vector, one all-reduce
+    m, g = len(shards), len(source_names)
+    sums = torch.zeros(2 + m + 3 * g, dtype=torch.float64, device=device)
     with torch.set_grad_enabled(backward):
         for i, sb in enumerate(shards):
-            loss_sum, correct = model(sb.tokens, sb.positions, sb.layout, labels=sb.labels)  # no full logits
+            if g:
+                if sb.sources is None:
+                    raise ValueError(f"{g} sources named but microbatch {i} carries no source ids (Microbatch.sources)")
+                loss_sum, correct, by_source = model(
+                    sb.tokens, sb.positions, sb.layout, labels=sb.labels, groups=sb.sources, n_groups=g
+                )  # fmt: skip
+                sums[2 + m : 2 + m + g] += by_source
+                sums[2 + m + g : 2 + m + 2 * g] += torch.bincount(sb.sources[sb.labels != IGNORE_INDEX], minlength=g)
+                sums[2 + m + 2 * g :] += torch.bincount(sb.sources.reshape(-1), minlength=g)
+            else:
+                loss_sum, correct = model(sb.tokens, sb.positions, sb.layout, labels=sb.labels)  # no full logits
             loss = loss_sum / total_targets
             if backward:
                 loss.backward()
             sums[2 + i] += loss.detach()
             sums[1] += correct
-    sums[0] = sums[2:].sum()
+    sums[0] = sums[2 : 2 + m].sum()
     dist.all_reduce(sums)
-    loss_sum, correct, *per_microbatch = sums.tolist()
+    loss_sum, correct, *rest = sums.tolist()
+    per_microbatch, source_sums = rest[:m], rest[m : m + g]
+    source_targets, source_tokens = rest[m + g : m + 2 * g], rest[m + 2 * g :]
     own = state.config.balance
     layouts = tuple(
         f"{sb.layout.hp}x{sb.layout.cp}" + ("" if sb.layout.balance == own else f" {sb.layout.balance}")
@@ -161,4 +201,7 @@ def forward_backward(
     return StepResult(
         loss=loss_sum, accuracy=correct / total_targets, targets=int(total_targets), layouts=layouts,
         microbatch_losses=tuple(per_microbatch),
+        source_losses=tuple(s / n if n else math.nan for s, n in zip(source_sums, source_targets)),
+        source_targets=tuple(int(n) for n in source_targets), source_tokens=tuple(int(n) for n in source_tokens),
+        source_names=tuple(source_names),
     )  # fmt: skip

@@ -12,11 +12,13 @@ returns the :class:`~loongtrain.train.spec.RunSpec` the run is built from.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -29,7 +31,7 @@ from loongtrain.model import build_model
 from loongtrain.options import checkpoint_label
 from loongtrain.parallel import ParallelState, init_parallel
 from loongtrain.planner.policy import CheckpointPolicy
-from loongtrain.train.checkpoint import CheckpointManager
+from loongtrain.train.checkpoint import CheckpointManager, check_data_fingerprint
 from loongtrain.train.collectives import broadcast_object
 from loongtrain.train.faults import restart_notice, say
 from loongtrain.train.guard import GuardStop, StepGuard, Verdict, first_nonfinite_gradient
@@ -55,8 +57,9 @@ from loongtrain.train.preflight import preflight
 from loongtrain.train.report import Reporter, StepMetrics
 from loongtrain.train.run_folder import METRICS_FILE, RunStart, start_run, trim_metrics
 from loongtrain.train.schedule import lr_at
-from loongtrain.train.spec import RunSpec, build_optimizer, model_shape
-from loongtrain.train.step import forward_backward
+from loongtrain.train.spec import RunSpec, build_optimizer, data_fingerprint, model_shape
+from loongtrain.train.stages import check_stage_shape, load_stage, stage_checkpoint
+from loongtrain.train.step import SourceNumbers, forward_backward
 
 __all__ = ["Run", "RunSpec", "StepOutput", "TrainResult", "build_run", "preflight", "train", "train_step"]
 
@@ -97,6 +100,7 @@ class Run:
     policy: CheckpointPolicy | None = None  # memory.activation_checkpoint = auto: what the planner chose
     # the guard's rollbacks so far and the sample ranges they skipped (kept in every checkpoint)
     guard_record: dict = field(default_factory=lambda: {"rollbacks": 0, "skipped_samples": []})
+    stage_from: Path | None = None  # checkpoint.init_from: the checkpoint this stage started from
 
     def save_due(self, done: int) -> bool:
         """Whether a checkpoint is due after ``done`` steps."""
@@ -106,9 +110,8 @@ class Run:
     def save(self, done: int) -> None:
         """Collective: checkpoint the model, optimizer and data position after ``done`` steps."""
         shape, layout = model_shape(self.spec.model), str(self.spec.parallel)
-        trainer_state = {
-            "data": self.loader.state_dict(), "model_shape": shape, "layout": layout, "guard": self.guard_record,
-        }  # fmt: skip
+        data = {**self.loader.state_dict(), "fingerprint": data_fingerprint(self.loader.source)}
+        trainer_state = {"data": data, "model_shape": shape, "layout": layout, "guard": self.guard_record}
         self.checkpoints.save(done, self.model, self.optimizer, trainer_state)
 
 
@@ -158,25 +161,33 @@ def build_run(device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat 
     )  # fmt: skip
     checkpoints = CheckpointManager(checkpoint_dir, cfg.checkpoint.keep, run_id=folder.run_id, say=say)
 
-    start, resumed_from = 0, None
+    start, resumed_from, stage_from = 0, None, None
     guard_record = {"rollbacks": 0, "skipped_samples": []}
     if folder.resuming:
         beat(0, "load")
         found = checkpoints.find_resumable(cfg.checkpoint.on_damaged)
         if found is not None:
             trainer_state = checkpoints.load(found[1], model, optimizer, model_shape(spec.model))
+            check_data_fingerprint(
+                found[1], trainer_state, data_fingerprint(loader.source), cfg.checkpoint.allow_data_change
+            )  # fmt: skip
             start, resumed_from = trainer_state["step"], found[1]
             loader.load_state_dict(trainer_state["data"])
             guard_record = trainer_state.get("guard", guard_record)
+    if resumed_from is None and cfg.checkpoint.init_from:  # a new stage: its first weights from another run
+        beat(0, "load")
+        stage_from = stage_checkpoint(cfg.checkpoint.init_from)
+        check_stage_shape(stage_from, model_shape(spec.model))
+        load_stage(stage_from, model, optimizer, cfg.checkpoint.init_optimizer)
     if rank == 0:
         trim_metrics(run_dir / METRICS_FILE, start)  # steps after the checkpoint are trained again
         (run_dir / "config.toml").write_text(to_toml(cfg))
     run = Run(
         cfg, spec, device, state, model, optimizer, loader, checkpoints, folder, start, resumed_from, choose, policy,
-        guard_record,
+        guard_record, stage_from,
     )  # fmt: skip
-    if resumed_from is not None:
-        refuse_nonfinite_weights(run, resumed_from)
+    if resumed_from is not None or stage_from is not None:
+        refuse_nonfinite_weights(run, resumed_from or stage_from)
     return run
 
 
@@ -200,12 +211,18 @@ def describe(run: Run) -> str:
     if run.choose is not None:
         splits = ", ".join(f"{c.hp}x{c.cp} (ring_window {c.ring_window})" for c in run.choose.configs)
         text += f"\nparallel.layout=per_batch: each microbatch on the fastest of hp x cp = {splits}"
-    if hasattr(run.loader.source, "describe"):  # a token file: its targets and what was left out
+    if source_names(run.loader.source):  # a mixture: one line per source
+        text += f"\ndata mixture of {len(source_names(run.loader.source))} sources:\n  "
+        text += run.loader.source.describe().replace("\n", "\n  ")
+    elif hasattr(run.loader.source, "describe"):  # a token file: its targets and what was left out
         text += f"\ntoken file {run.loader.source.describe()}"
     if run.folder.moved_to is not None:
         text += f"\nstarting a new run: the previous run in {cfg.run.output_dir} was moved to {run.folder.moved_to}"
     if run.folder.restarted:
         text += f"\n{restart_notice()}"
+    if run.stage_from is not None:
+        loaded = "weights and optimizer state" if cfg.checkpoint.init_optimizer else "weights"
+        text += f"\na new stage: {loaded} from {run.stage_from}; steps, schedule and data start afresh"
     if run.resumed_from is not None:
         text += f"\nresumed from {run.resumed_from} at step {run.start}"
         if run.start >= cfg.run.steps:
@@ -230,6 +247,7 @@ class StepOutput:
     verdict: Verdict = Verdict("apply")  # what the guard decided (no guard: applied)
     microbatch_losses: tuple[float, ...] = ()  # each microbatch's share of the loss
     nonfinite_gradient: str | None = None  # a stopped step: the first parameter whose gradient is not finite
+    sources: tuple[SourceNumbers, ...] = ()  # a mixture: each source's loss, targets and tokens
 
     @property
     def applied(self) -> bool:
@@ -258,15 +276,17 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
 def train_step(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: ParallelState, microbatches: list,
     *, lr: float, grad_clip: float, choose: Callable | None = None, guard: StepGuard | None = None,
+    source_names: tuple[str, ...] = (),
 ) -> StepOutput:  # fmt: skip
     """ONE optimizer step on this replica's ``microbatches`` (on the device; each is what
     :func:`~loongtrain.train.step.forward_backward` takes), at learning rate ``lr``;
     ``choose``: each microbatch's layout (``parallel.layout = per_batch``). ``guard`` judges
     the step from its loss and gradient norm before the update (:class:`StepGuard`): a step it
-    does not apply leaves the weights and the optimizer untouched (its gradients are dropped)."""
+    does not apply leaves the weights and the optimizer untouched (its gradients are dropped).
+    ``source_names``: a mixture's sources, whose losses the step also reports."""
     for group in optimizer.param_groups:
         group["lr"] = lr
-    result = forward_backward(model, state, microbatches, choose=choose)
+    result = forward_backward(model, state, microbatches, choose=choose, source_names=source_names)
     norm_tensor = gradient_norm(model)
     norm = _as_float(norm_tensor)  # the one host read of the norm, before any update
     verdict = guard.judge(result.loss, norm) if guard is not None else Verdict("apply")
@@ -280,19 +300,38 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     return StepOutput(
         loss=result.loss, accuracy=result.accuracy, grad_norm=norm, layouts=result.layouts, verdict=verdict,
-        microbatch_losses=result.microbatch_losses, nonfinite_gradient=culprit,
+        microbatch_losses=result.microbatch_losses, nonfinite_gradient=culprit, sources=result.source_numbers(),
     )  # fmt: skip
 
 
-def evaluate(run: Run, batches: int) -> tuple[float, float]:
-    """Mean loss and accuracy over ``batches`` held-out global batches."""
+class Evaluation(NamedTuple):
+    loss: float
+    accuracy: float
+    sources: dict[str, float]  # a mixture: each source's loss per target token over the batches
+
+
+def evaluate(run: Run, batches: int) -> Evaluation:
+    """Mean loss and accuracy over ``batches`` held-out global batches (and, for a mixture, the
+    loss of each source: its summed loss over its targets in those batches)."""
     loss = acc = 0.0
+    names = source_names(run.loader.source)
+    sums, targets = [0.0] * len(names), [0] * len(names)
     for i in range(batches):
         batch = to_device(run.loader.eval_batch(i), run.device)
-        result = forward_backward(run.model, run.state, batch, backward=False, choose=run.choose)
+        result = forward_backward(
+            run.model, run.state, batch, backward=False, choose=run.choose, source_names=names
+        )  # fmt: skip
         loss += result.loss / batches
         acc += result.accuracy / batches
-    return loss, acc
+        for g, (value, n) in enumerate(zip(result.source_losses, result.source_targets)):
+            sums[g] += value * n if n else 0.0
+            targets[g] += n
+    return Evaluation(loss, acc, {name: s / n if n else math.nan for name, s, n in zip(names, sums, targets)})
+
+
+def source_names(source: object) -> tuple[str, ...]:
+    """The names of a mixture's sources (ids index them), or () for one source."""
+    return tuple(getattr(source, "names", ()))
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -383,6 +422,7 @@ def train(
             after_step(run, 0, reporter, beat)
         check_replicas_due(run, run.start)
         wall0 = time.perf_counter()
+        names = source_names(run.loader.source)
         step = run.start
         while step < r.steps:
             beat(step, "train")
@@ -394,7 +434,7 @@ def train(
             batch = run.loader.next()
             out = train_step(
                 run.model, run.optimizer, run.state, to_device(batch, device), lr=lr, grad_clip=o.grad_clip,
-                choose=run.choose, guard=guard,
+                choose=run.choose, guard=guard, source_names=names,
             )  # fmt: skip
             if out.verdict.action == "stop":
                 raise GuardStop(stop_message(run, guard, step + 1, out, first_index))
@@ -415,7 +455,7 @@ def train(
                 step=step + 1, loss=out.loss, accuracy=out.accuracy, grad_norm=out.grad_norm, lr=lr, step_s=dt,
                 tokens_per_s_per_device=tps, tflops_per_device=tps * flops_tok / 1e12, mfu=mfu(tps, flops_tok, peak),
                 peak_memory_gib=peak_memory_gib(device), layouts=",".join(out.layouts),
-                guard=guard_note(out.verdict), **comm_mib_per_device(run.state, run.choose),
+                guard=guard_note(out.verdict), sources=out.sources, **comm_mib_per_device(run.state, run.choose),
             ))  # fmt: skip
             if out.verdict.reason == "spike" and reporter.enabled:
                 reporter.say(spike_line(guard, step + 1, out))
@@ -431,12 +471,13 @@ def train(
                 run.save(step)
         wall = time.perf_counter() - wall0
         beat(r.steps, "final evaluation")
-        ev_loss, ev_acc = evaluate(run, r.eval_batches)
+        ev_loss, ev_acc, ev_sources = evaluate(run, r.eval_batches)
         steady = step_times[1:] or step_times
         tps = tokens_per_step / (sum(steady) / len(steady)) / world if steady else 0.0
         reporter.finish(
             steps_run=max(0, r.steps - run.start), wall_s=wall, tokens_per_s=tps, eval_batches=r.eval_batches,
             eval_loss=ev_loss, eval_accuracy=ev_acc, chance=spec.task.chance if spec.task is not None else None,
+            eval_sources=ev_sources,
         )  # fmt: skip
     finally:
         reporter.close()
