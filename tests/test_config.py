@@ -202,20 +202,62 @@ def test_shipped_configs_fit_their_layout(name, tmp_path):
     (the GPU configs with synthetic data, since their token file is the user's)."""
     from loongtrain.train.trainer import preflight
 
-    overrides = [f"run.output_dir={tmp_path / 'run'}", "data.source=recall", "data.pack=false"]
+    overrides = [f"run.output_dir={tmp_path / 'run'}"]
     shipped = load_config(REPO / "configs" / name)
-    if shipped.data.long_documents != "split":
-        overrides.append("data.long_documents=split")
+    if shipped.data.sources:  # a mixture: stand-in token files at its sources' paths, long enough for it
+        overrides += _stand_in_sources(shipped, tmp_path)
+    else:
+        overrides += ["data.source=recall", "data.pack=false"]
+        if shipped.data.long_documents != "split":
+            overrides.append("data.long_documents=split")
     if shipped.model.init_from:  # a local HF folder: stand in a tiny one, pretrained for the config's context
         pytest.importorskip("transformers")
         from hf_tiny import make_hf_model
 
-        stand_in = make_hf_model("llama", tmp_path / "hf", max_position_embeddings=shipped.data.seq_len)
+        heads = max(4, shipped.parallel.hp)
+        stand_in = make_hf_model(
+            "llama", tmp_path / "hf", max_position_embeddings=shipped.data.seq_len, num_attention_heads=heads,
+            num_key_value_heads=heads,
+        )  # fmt: skip
         overrides.append(f"model.init_from={stand_in}")
+    if shipped.checkpoint.init_from:  # a stage: the previous stage's checkpoint stands in, of this model
+        overrides.append(f"checkpoint.init_from={_stand_in_stage(shipped, tmp_path)}")
     cfg = load_config(REPO / "configs" / name, overrides)
     p = cfg.parallel
     spec = preflight(cfg, p.hp * p.cp * max(p.dp, 1))
     assert spec.parallel.sp == p.hp * p.cp
+
+
+def _stand_in_sources(cfg, folder) -> list[str]:
+    """Token files for each source of ``cfg``'s mixture: at least two sequences of documents of
+    each kind it draws (long ones where it upsamples), in ids every model has."""
+    import numpy as np
+
+    from loongtrain.data import write_tokens
+
+    seq, out = cfg.data.seq_len, []
+    for name, source in cfg.data.sources.items():
+        long = max(source.upsample_length, 2)
+        lengths = [seq] * 3 + [max(1, long - 1)] * (3 * seq // max(1, long - 1) + 1 if source.upsample_length else 0)
+        tokens = np.concatenate([np.r_[np.full(n - 1, 5, dtype=np.int64), 1] for n in lengths])
+        write_tokens(folder / f"{name}.tok", tokens, vocab_size=96, eos=1)
+        out.append(f"data.sources.{name}.path={folder / f'{name}.tok'}")
+    return out
+
+
+def _stand_in_stage(cfg, folder):
+    """A checkpoint of ``cfg``'s model (its trainer state; the stage's checks read no weights)."""
+    import json
+
+    from loongtrain.train.model_setup import model_config_for
+    from loongtrain.train.spec import model_shape
+
+    step = folder / "stage" / "checkpoints" / "step-1"
+    step.mkdir(parents=True)
+    state = {"step": 1, "model_shape": model_shape(model_config_for(cfg.model))}
+    (step / "trainer_state.json").write_text(json.dumps(state))
+    (step / "checksums.json").write_text("{}")
+    return folder / "stage"
 
 
 def test_device_and_optimizer_checked_before_spawning(tmp_path):
@@ -266,3 +308,29 @@ def test_the_launcher_passes_a_shutdown_timeout_only_to_a_torch_that_takes_one()
     taken = {f.name for f in fields(LaunchConfig)}
     assert _shutdown_timeout(LaunchConfig, 5) == ({"shutdown_timeout": 5} if "shutdown_timeout" in taken else {})
     LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, **_shutdown_timeout(LaunchConfig, 5))  # accepted
+
+
+@pytest.mark.parametrize("name", ["prolong_llama3_8b_64k.toml", "prolong_llama3_8b_512k.toml"])
+def test_the_8_gpu_stage_configs_are_the_planners_first_row(name, capsys):
+    """Each stage's layout and memory options, priced by the planner at the stage's length and
+    batch on one node of 8 GPUs, fit and rank first (the configs say which command chose them)."""
+    import argparse
+    import json
+
+    from loongtrain import plan_cli
+
+    cfg = load_config(REPO / "configs" / name)
+    p, m, d = cfg.parallel, cfg.memory, cfg.data
+    layout = (
+        f"hp={p.hp},cp={p.cp},zero={p.zero},ckpt={m.activation_checkpoint},loss_chunk={m.loss_chunk},"
+        f"mlp_tile={m.mlp_tile},head_groups={m.head_groups}"
+    )
+    argv = [
+        "--cluster", "h100", "--model", "llama3-8b", "--devices", "8", "--seq-len", str(d.seq_len),
+        "--global-batch", str(d.global_batch * d.seq_len), "--layout", layout, "--json",
+    ]  # fmt: skip
+    parser = argparse.ArgumentParser(prog="loongtrain plan")
+    plan_cli.add_arguments(parser)
+    plan_cli.main(parser.parse_args(argv))
+    priced = json.loads(capsys.readouterr().out)["layout"]
+    assert priced["fits"] and priced["rank"] == 1, priced["standing"]

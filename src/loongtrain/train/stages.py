@@ -14,6 +14,7 @@ before any process starts); :func:`load_stage` is the collective load ``build_ru
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ from loongtrain.train.checkpoint import (
     read_state,
     structure_problem,
 )
+from loongtrain.train.model_setup import SOURCE_DIR
 
 #: model settings a stage may change (the weights do not depend on them)
 STAGE_FIELDS = ("rope_theta", "rope_scaling", "max_positions", "sliding_window")
@@ -81,3 +83,12 @@ def load_stage(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
         manager.load(path, model, optimizer, None)
     else:
         manager.load_model(path, model)
+
+
+def keep_stage_source(checkpoint: Path, run_dir: str | Path) -> None:
+    """Copy the previous stage's ``hf-source`` (an imported model's config and tokenizer files)
+    into this run's folder, so that ``loongtrain export`` and ``eval`` find them here too."""
+    source = Path(checkpoint).parent.parent / SOURCE_DIR
+    dest = Path(run_dir) / SOURCE_DIR
+    if source.is_dir() and not dest.exists():
+        shutil.copytree(source, dest)

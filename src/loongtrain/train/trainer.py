@@ -58,7 +58,7 @@ from loongtrain.train.report import Reporter, StepMetrics
 from loongtrain.train.run_folder import METRICS_FILE, RunStart, start_run, trim_metrics
 from loongtrain.train.schedule import lr_at
 from loongtrain.train.spec import RunSpec, build_optimizer, data_fingerprint, model_shape
-from loongtrain.train.stages import check_stage_shape, load_stage, stage_checkpoint
+from loongtrain.train.stages import check_stage_shape, keep_stage_source, load_stage, stage_checkpoint
 from loongtrain.train.step import SourceNumbers, forward_backward
 
 __all__ = ["Run", "RunSpec", "StepOutput", "TrainResult", "build_run", "preflight", "train", "train_step"]
@@ -179,6 +179,8 @@ def build_run(device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat 
         stage_from = stage_checkpoint(cfg.checkpoint.init_from)
         check_stage_shape(stage_from, model_shape(spec.model))
         load_stage(stage_from, model, optimizer, cfg.checkpoint.init_optimizer)
+        if rank == 0:
+            keep_stage_source(stage_from, run_dir)  # an imported model's config and tokenizer, for export and eval
     if rank == 0:
         trim_metrics(run_dir / METRICS_FILE, start)  # steps after the checkpoint are trained again
         (run_dir / "config.toml").write_text(to_toml(cfg))
