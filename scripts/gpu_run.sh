@@ -56,7 +56,7 @@ cap() {  # a log keeps its last 4 MiB (a file comes back up to 16 MiB)
     tail -c 4194304 "$1" > "$1.tmp" && mv "$1.tmp" "$1"
   fi
 }
-echo "gpu_run on $device: stages '${parts# }' within $total s"
+echo "gpu_run on $device: stages '$(echo $parts)' within $total s"
 nvidia-smi > "$out/nvidia_smi.txt" 2>&1 || echo "no nvidia-smi here ($device run)" > "$out/nvidia_smi.txt"
 if [[ $parts == *" check "* ]]; then
   start=$SECONDS

@@ -287,7 +287,7 @@ def test_cuda_profile_fits_one_h200_by_the_planner():
     pred = predict_step(h200, p.train_model, p.offload_case, torch.bfloat16)
     assert pred["fits"] and pred["memory_gib"] < 0.9 * 139
     predicted_s += 2 * p.offload_steps * pred["step_s"]
-    assert predicted_s < 150  # the training rows' share of the 8 minutes, by the planner
+    assert predicted_s < 150  # the training rows' share of the check's 300 s budget (run alone), by the planner
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -574,3 +574,18 @@ def test_the_gpu_run_budgets_are_sized_from_its_rows_estimates():
     for stage in ("GPU_CHECK", "PEER_32K", "PEER_128K"):
         assert default[f"{stage}_BUDGET"] + 10 <= default[f"{stage}_TIMEOUT"]
     assert sum(default[f"{stage}_TIMEOUT"] for stage in ("GPU_CHECK", "PEER_32K", "PEER_128K")) <= 360
+
+
+def test_a_row_the_verdict_cannot_read_costs_only_its_part():
+    """A training row whose numbers are not numbers: the training goals become one FAIL line naming
+    the error; the correctness, peer and speed goals are still judged."""
+    from loongtrain.tools.gpucheck.verdict import verdict
+
+    odd = {"section": "training", "case": "S=32K auto", "result": "", "target": "", "status": "measured",
+           "values": {"seq": 32768, "checkpoint": "auto", "compiled": False, "tokens_per_s": "fast"}}  # fmt: skip
+    check = {"header": {"environment": {"device": "cuda"}}, "rows": [odd], "end": {"elapsed_s": 5.0}, "t_s": 5.0}
+    goals = {g.goal: g for g in verdict(check, None)}
+    assert goals["training goals"].verdict == "FAIL" and "verdict error: ValueError" in goals["training goals"].measured
+    assert goals["GPU check ran to its end"].verdict == "met"
+    assert goals["loongtrain auto / transformers ckpt, 32K"].verdict == "not run"
+    assert goals["replay overhead, 32K (worst)"].verdict == "not run"

@@ -345,12 +345,15 @@ def verdict(check: dict | None, peer: dict | None) -> list[Goal]:
     None or cut short by a kill): judged on a GPU, shown as measured elsewhere."""
     judged = JUDGED_ON in (_device(check), _device(peer).split(":")[0])
     lengths = _Lengths(judged)
-    return (
-        _correctness(check)
-        + _training_goals(check, peer, lengths)
-        + _peer_goals(peer, lengths)
-        + _speed(check, lengths)
-    )
+    goals: list[Goal] = []
+    parts = (("correctness", lambda: _correctness(check)), ("training", lambda: _training_goals(check, peer, lengths)),
+             ("peer", lambda: _peer_goals(peer, lengths)), ("speed", lambda: _speed(check, lengths)))  # fmt: skip
+    for name, part in parts:
+        try:
+            goals += part()
+        except Exception as exc:  # noqa: BLE001 - a row shaped unlike the code expects: said, the rest still judged
+            goals.append(Goal(f"{name} goals", f"verdict error: {type(exc).__name__}: {exc}"[:60], "-", FAILED))
+    return goals
 
 
 def format_verdict(goals: list[Goal], width: int = 60) -> str:
