@@ -12,6 +12,8 @@
 - The kernel table on synthetic records: summing, both orders, the top N, the kinds.
 - Bad input is a one-line SystemExit before anything runs; without the new options the
   command is the multi-rank benchmark as before.
+- ``--jsonl`` and ``--budget-s``: each row a JSON line when it ends; a row whose estimate ends past
+  the budget is a skipped row saying so.
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
+from loongtrain.apply import MemoryOptions
 from loongtrain.cli import _worker_modules
 from loongtrain.cli import main as cli_main
+from loongtrain.config import OptimSection
 from loongtrain.model import model_config
 from loongtrain.tools.bench.kernel_table import format_kernel_table, kernel_table, kind_of
 from loongtrain.tools.bench.peer import add_ratios, format_rows
@@ -66,7 +71,8 @@ def peer_run(tmp_path_factory):
     return stdout, json.loads(report.read_text()), profile
 
 
-ROWS = ["loongtrain sc++", "loongtrain none", "loongtrain auto (none)", "transformers ckpt", "transformers no ckpt"]
+# the first mode, transformers with and without checkpointing, then the other modes
+ROWS = ["loongtrain sc++", "transformers ckpt", "transformers no ckpt", "loongtrain none", "loongtrain auto (none)"]
 
 
 @pytest.mark.e2e  # the command end to end (in this process)
@@ -79,6 +85,7 @@ def test_peer_rows_train_the_same_model(peer_run):
     for r in rows:
         assert r["error"] is None and r["finite"] and r["tokens_per_s"] > 0, r
         assert len(r["losses"]) == 3  # warm-up, timed, profiled
+        assert r["wall_s"] > 0 and r["estimate_s"] == 0.0  # no budget: nothing estimated
         # same weights, tokens and model: the same first loss; same AdamW and clip: the same second
         assert r["losses"][:2] == pytest.approx(ours[:2], abs=1e-4), r["who"]
         flops = model_config("debug", **TINY).flops_per_token(SEQ)
@@ -86,7 +93,7 @@ def test_peer_rows_train_the_same_model(peer_run):
         assert r["tokens_per_s"] == pytest.approx(SEQ / r["step_s"])
     by_who = {r["who"]: r for r in rows}
     ckpt, no_ckpt = by_who["transformers ckpt"], by_who["transformers no ckpt"]
-    for r in rows[:3]:
+    for r in (r for r in rows if r["who"].startswith("loongtrain")):
         assert r["vs_transformers_ckpt"] == pytest.approx(r["tokens_per_s"] / ckpt["tokens_per_s"])
         assert r["vs_transformers_no_ckpt"] == pytest.approx(r["tokens_per_s"] / no_ckpt["tokens_per_s"])
     env = report["environment"]
@@ -206,3 +213,53 @@ def test_without_the_new_options_bench_train_is_unchanged(monkeypatch):
     assert _worker_modules(["bench", "train", "--peer", "transformers"]) is None
     assert _worker_modules(["bench", "train", "--profile=out"]) is None
     assert _worker_modules(["bench", "train"]) == ["loongtrain.tools.bench.train"]
+
+
+@pytest.mark.unit
+def test_rows_are_written_as_they_finish_and_started_only_within_the_budget(monkeypatch, tmp_path):
+    """With a 70 s budget and rows estimated at 30 s that take 30 s: the first two rows run, the
+    others are skipped rows naming their estimate; when the second row starts, the first is already
+    a line of --jsonl (a timeout then would lose only the row in flight)."""
+    import loongtrain.tools.bench.peer as peer
+    import loongtrain.tools.gpucheck.check as check
+
+    clock = [0.0]
+
+    class FakeBudget(check.Budget):
+        def elapsed(self) -> float:
+            return clock[0]
+
+    jsonl = tmp_path / "rows.jsonl"
+    seen_at_start: list[list[str]] = []
+
+    def fake_measure(*args, profile_step=None, **kwargs) -> dict:
+        seen_at_start.append([json.loads(line)["row"]["who"] for line in jsonl.read_text().splitlines()[1:]])
+        clock[0] += 30.0
+        return {"step_s": 0.5, "tokens_per_s": 128.0, "mfu": 0.1, "peak_memory_gib": 1.0, "losses": [4.8, 4.7],
+                "finite": True}  # fmt: skip
+
+    monkeypatch.setattr(check, "Budget", FakeBudget)
+    monkeypatch.setattr(peer, "measure_training_step", fake_measure)
+    monkeypatch.setattr(peer, "measure_hf_step", fake_measure)
+    monkeypatch.setattr(peer, "row_seconds", lambda *args, **kwargs: 30.0)
+    monkeypatch.setattr(peer, "one_rank_state", lambda: None)
+    monkeypatch.setattr(peer, "launch", lambda fn, nproc, *args, device: fn(torch.device(device), *args))
+    plan = peer.PeerPlan(
+        model=model_config("debug", **TINY), model_name="tiny", lengths=(SEQ,), checkpoints=("sc++", "none"),
+        memory=MemoryOptions(), optim=OptimSection(), device="cpu", dtype="float32", steps=1, warmup=1,
+        peer="transformers", peak_tflops=PEAK, jsonl=jsonl, budget_s=70.0,
+    )  # fmt: skip
+    result = peer.run_peer(plan)
+    assert [r["who"] for r in result.rows] == ["loongtrain sc++", "transformers ckpt", "transformers no ckpt",
+                                               "loongtrain none"]  # fmt: skip
+    assert seen_at_start == [[], ["loongtrain sc++"]]
+    ran, skipped = result.rows[:2], result.rows[2:]
+    assert all(r["tokens_per_s"] == 128.0 and r["estimate_s"] == 30.0 for r in ran)
+    assert all(r["skipped"] == "estimated 30 s, 10 s of the time budget of 70 s left" for r in skipped)
+    lines = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert lines[0]["environment"]["budget_s"] == 70.0
+    # as written when each row ended: before the ratios to the transformers rows were added
+    assert [line["row"] for line in lines[1:]] == [{k: v for k, v in r.items() if not k.startswith("vs_")}
+                                                   for r in result.rows]  # fmt: skip
+    assert [line["t_s"] for line in lines[1:]] == [30.0, 60.0, 60.0, 60.0]
+    assert "skipped: estimated 30 s" in format_rows(result.rows).splitlines()[3]

@@ -1,15 +1,21 @@
-"""The GPU check (``scripts/gpu_check.sh``) kept from rotting without a GPU.
+"""The GPU check (``scripts/gpu_check.sh``) and the GPU run (``scripts/gpu_run.sh``) kept from
+rotting without a GPU.
 
-- The whole command runs with ``--device cpu`` (tiny sizes, every section, the compiled
-  training row too, 2 gloo ranks for the distributed part): no row fails or is skipped;
-  every kernel of the grid is within the float64 bounds written here; the replay's
-  overhead ratio is a number; each training row's MFU equals tokens/s x FLOPs/token
-  (counted here by hand from the model's shape) over the peak the table states; the
-  table printed and the JSON agree.
+- The GPU run runs with ``--device cpu`` (the check at tiny sizes, every section, the compiled
+  training row too, 2 gloo ranks for the distributed part; the peer benchmark at 64 and 128
+  tokens; the verdict): no row fails or is skipped; every kernel of the grid is within the
+  float64 bounds written here; the replay's overhead ratio is a number; each training row's MFU
+  equals tokens/s x FLOPs/token (counted here by hand from the model's shape) over the peak the
+  table states; the table printed and the JSON agree; the correctness rows come first; every
+  row was written as a JSON line; what it leaves in OUT and prints fits what comes back from the
+  GPU machine (at most 8 files, 16 MiB each, 64 MiB in all, two folders deep, plain names, 12,000
+  characters of output), ending with the verdict table.
 - The CUDA profile's kernel calls fit PyTorch's op schemas (meta device), its training
   rows fit one H200 by the planner, and its distributed sizes are valid for 2 to 8 GPUs.
 - What cannot run is a ``skipped`` row with the reason; ``--device cuda`` without a GPU is
-  a one-line error.
+  a one-line error; the GPU run on a machine whose Python has no CUDA torch is a one-line error
+  that installs nothing; its stages' timeouts add up to at most 6 minutes.
+- The verdict of a killed check: read from its JSON lines, its report rebuilt.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import importlib.util
 import json
 import math
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,10 +49,12 @@ BOUND = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 4e-3}
 LSE_BOUND = {"float32": 1e-5, "bfloat16": 1e-3, "float16": 1e-3}
 
 
-def _run_script(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "LOONGTRAIN_PYTHON": sys.executable}
+def _run_script(
+    *args: str, timeout: float = 300, script: str = "gpu_check.sh", env: dict | None = None
+) -> subprocess.CompletedProcess:
+    env = {**os.environ, "LOONGTRAIN_PYTHON": sys.executable, **(env or {})}
     return subprocess.run(
-        ["bash", str(REPO / "scripts" / "gpu_check.sh"), *args],
+        ["bash", str(REPO / "scripts" / script), *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -63,11 +73,21 @@ def _hand_flops_per_token(cfg, seq: int) -> float:
 
 
 @pytest.fixture(scope="module")
-def cpu_run(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gpu_check") / "report.json"
-    proc = _run_script("--device", "cpu", "--compile", "extra", "--json", str(path))
+def gpu_run(tmp_path_factory):
+    """``scripts/gpu_run.sh --device cpu OUT``: its output and OUT."""
+    out = tmp_path_factory.mktemp("gpu_run") / "out"
+    traces = out.parent / "traces"
+    env = {"GPU_RUN_TRACES": str(traces)}
+    proc = _run_script("--device", "cpu", str(out), script="gpu_run.sh", timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc.stdout, json.loads(path.read_text())
+    return proc.stdout + proc.stderr, out
+
+
+@pytest.fixture(scope="module")
+def cpu_run(gpu_run):
+    """The GPU check's printed table (its log) and its JSON report, from the GPU run."""
+    _, out = gpu_run
+    return (out / "gpu_check.log").read_text(), json.loads((out / "gpu_check.json").read_text())
 
 
 def _rows(report: dict, section: str) -> list[dict]:
@@ -154,7 +174,8 @@ def test_cpu_run_replay_ratio_is_a_number(cpu_run):
 def test_cpu_run_mfu_is_computed_against_the_stated_peak(cpu_run):
     stdout, report = cpu_run
     peak = report["environment"]["peak_tflops"]
-    assert peak > 0 and f"MFU peak {peak:.4g} TFLOP/s" in stdout.splitlines()[0]
+    (title,) = [line for line in stdout.splitlines() if line.startswith("loongtrain GPU check, cpu profile")]
+    assert peak > 0 and f"MFU peak {peak:.4g} TFLOP/s" in title
     cfg = PROFILES["cpu"].train_model
     for row in _rows(report, "training"):
         v = row["values"]
@@ -266,7 +287,7 @@ def test_cuda_profile_fits_one_h200_by_the_planner():
     pred = predict_step(h200, p.train_model, p.offload_case, torch.bfloat16)
     assert pred["fits"] and pred["memory_gib"] < 0.9 * 139
     predicted_s += 2 * p.offload_steps * pred["step_s"]
-    assert predicted_s < 150  # the training rows' share of the 8 minutes, by the planner
+    assert predicted_s < 150  # the training rows' share of the check's 300 s budget (run alone), by the planner
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -339,3 +360,232 @@ def test_the_cuda_backends_checked_on_a_hopper_gpu(monkeypatch):
     assert [name for name, _ in backends] == ["sdpa", "flash", "cudnn"]
     assert missing == [("flash-attn", "attention kernel 'flash-attn': flash_attn>=2.7 is not installed (pip install "
                                       "flash-attn to use it)")]  # fmt: skip
+
+
+# -- the GPU run: what comes back, in what order, and the verdict ------------------------------
+
+MiB = 2**20
+RUN_FILES = ["gpu_check.json", "gpu_check.jsonl", "gpu_check.log", "nvidia_smi.txt", "peer.jsonl", "peer.log",
+             "top_kernels.txt"]  # fmt: skip
+
+
+@pytest.mark.e2e
+def test_gpu_run_leaves_only_what_comes_back_from_the_gpu_machine(gpu_run):
+    """At most 8 plain files, each at most 16 MiB, 64 MiB in all, no deeper than OUT/a/b/file,
+    names of letters, digits, '.', '_', '-'; at most 12,000 characters of output. The Chrome traces
+    stay outside OUT (one per profiled row: the 4 rows of the short length)."""
+    output, out = gpu_run
+    files = [p for p in out.rglob("*") if not p.is_dir()]
+    assert sorted(p.relative_to(out).as_posix() for p in files) == RUN_FILES
+    assert len(files) <= 8 and all(p.is_file() and not p.is_symlink() for p in files)
+    sizes = [p.stat().st_size for p in files]
+    assert max(sizes) <= 16 * MiB and sum(sizes) <= 64 * MiB
+    for p in files:
+        parts = p.relative_to(out).parts
+        assert len(parts) <= 3 and all(re.fullmatch(r"[A-Za-z0-9._-]+", part) for part in parts), p
+    assert len(output) <= 12_000, len(output)
+    traces = [t.name for t in (out.parent / "traces").glob("*.json") if t.name != "top_kernels.json"]
+    assert len(traces) == 4 and all(name.startswith("64-") for name in traces)
+
+
+@pytest.mark.e2e
+def test_gpu_run_writes_every_row_as_a_json_line_correctness_first(gpu_run):
+    """The check's JSON lines hold every row of its report, in the order measured: the kernels, then
+    the offload and packed-documents rows, before any calibration, training, speed or replay row.
+    The peer benchmark's lines: per length the loongtrain auto row, transformers with and without
+    checkpointing, then sc++; each with its wall time."""
+    _, out = gpu_run
+    lines = [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()]
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert lines[0]["profile"] == "cpu" and lines[0]["environment"]["device"] == "cpu"
+    assert lines[-1]["end"]["rows"] == len(report["rows"]) and report["complete"]
+    rows = [line for line in lines if "row" in line]
+    assert [line["row"] for line in rows] == report["rows"]
+    times = [line["t_s"] for line in rows]
+    assert times == sorted(times) and times[-1] <= lines[-1]["end"]["elapsed_s"] + 0.1
+    sections = [r["section"] for r in report["rows"]]
+    first = {s: sections.index(s) for s in dict.fromkeys(sections)}
+    assert sections[: first["memory"]] == ["kernels"] * first["memory"]
+    assert sections[first["memory"] : first["memory"] + 2] == ["memory", "memory"]
+    assert first["memory"] < first["calibrate"] < first["training"] < first["speed"] < first["replay"]
+    peer = [json.loads(line) for line in (out / "peer.jsonl").read_text().splitlines()]
+    peer_rows = [line["row"] for line in peer if "row" in line]
+    for length in (64, 128):
+        who = [r["who"].split(" (")[0] for r in peer_rows if r["length"] == length]
+        assert who == ["loongtrain auto", "transformers ckpt", "transformers no ckpt", "loongtrain sc++"]
+    assert all(r["error"] is None and r["wall_s"] > 0 and r["tokens_per_s"] > 0 for r in peer_rows)
+    assert (out / "top_kernels.txt").read_text().count("by time:") == 4
+
+
+@pytest.mark.e2e
+def test_gpu_run_ends_with_the_verdict_table(gpu_run):
+    """The last lines printed are the verdict: every goal with what was measured (the numbers of the
+    rows), its target and met or not (on CPU: measured, not judged; correctness: met)."""
+    output, out = gpu_run
+    lines = output.rstrip().splitlines()
+    start = max(i for i, line in enumerate(lines) if line.startswith("verdict: "))
+    table = lines[start + 3 :]  # the count, the header, the rule
+    report = json.loads((out / "gpu_check.json").read_text())
+    goals = {line.split("  ")[0]: line for line in table}
+    assert len(table) == 20  # both packed-documents goals stand on the one CPU length
+    for name in ("GPU check ran to its end", "correctness rows of the GPU check", "kernels vs float64",
+                 "offload: every step's loss (step-3 NaN)", "packed documents: loss = separate"):  # fmt: skip
+        assert goals[name].endswith("  met"), goals[name]
+    passed = sum(r["status"] == "pass" for r in report["rows"])
+    assert f"{passed} pass, 0 FAIL, 0 skipped" in goals["correctness rows of the GPU check"]
+    auto = next(
+        r["values"]
+        for r in _rows(report, "training")
+        if (r["values"]["seq"], r["values"]["checkpoint"], r["values"]["compiled"]) == (64, "auto", False)
+    )
+    assert f"{auto['tokens_per_s']:,.0f} (check" in goals["tok/s auto, 64"]  # fmt: skip
+    peer = [json.loads(line)["row"] for line in (out / "peer.jsonl").read_text().splitlines() if '"row"' in line]
+    ours = next(r for r in peer if r["length"] == 128 and r["who"].startswith("loongtrain auto"))
+    theirs = next(r for r in peer if r["length"] == 128 and r["who"] == "transformers ckpt")
+    ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
+    assert f"{ratio:.2f}x" in goals["loongtrain auto / transformers ckpt, 128"]
+    assert all(line.endswith(("  met", "  measured")) for line in table)
+
+
+def test_a_killed_check_keeps_its_rows_and_still_gets_a_verdict(tmp_path, capsys):
+    """Rows written as they are measured, a last line cut by the kill: the verdict reads every whole
+    row, rebuilds the JSON report (marked incomplete), names where the check stopped, lists the
+    failed row and marks the goals whose rows never came as not run."""
+    from loongtrain.tools.gpucheck.check import Row, RowLog
+    from loongtrain.tools.gpucheck.verdict import main as verdict_main
+
+    out = tmp_path / "out"
+    log = RowLog(out / "gpu_check.jsonl", {"profile": "cuda", "environment": {"device": "cuda"}}, clock=lambda: 12.5)
+    log.append(Row("kernels", "cudnn: bf16 causal", "out 1e-3", "<= 2e-2", "pass", {"errors": {"out": 1e-3}}))
+    log.append(Row("kernels", "flash: bf16 causal", "RuntimeError: boom", "runs", "FAIL"))
+    offload = {"max_rel_diff": 3e-4, "losses": [10.4, 10.3, 10.1, 9.9], "finite": True}
+    log.append(Row("memory", "1.1B llama S=32K sc++ offload activations+states", "...", "...", "pass", offload))
+    # the kill: the packed row's line only half written, no end line
+    with open(out / "gpu_check.jsonl", "a") as f:
+        f.write('{"row": {"section": "memory", "case": "1.1B llama S=32K sc++ packed')
+    assert verdict_main([str(out)]) == 1  # a failed row
+    printed = capsys.readouterr().out
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["complete"] is False and report["failures"] == 1 and len(report["rows"]) == 3
+    assert report["environment"] == {"device": "cuda"}
+    assert "FAIL kernels flash: bf16 causal: RuntimeError: boom" in printed
+    goals = {line.split("  ")[0]: line for line in printed.splitlines()}
+    assert "killed after '1.1B llama S=32K sc++ offload activa' at 12 s" in goals["GPU check ran to its end"]
+    assert goals["GPU check ran to its end"].endswith("MISSED")
+    assert goals["correctness rows of the GPU check"].endswith("FAIL")
+    assert "2 pass, 1 FAIL, 0 skipped" in goals["correctness rows of the GPU check"]
+    assert goals["kernels vs float64"].endswith("FAIL") and "1 of 2 rows" in goals["kernels vs float64"]
+    assert "max rel diff 3.0e-04 over 4 steps" in goals["offload: every step's loss (step-3 NaN)"]
+    assert goals["offload: every step's loss (step-3 NaN)"].endswith("  met")
+    assert goals["packed documents: loss = separate"].endswith("not run")
+    assert goals["tok/s auto, 32K"].endswith("not run")  # judged on cuda, never measured
+    assert printed.rstrip().splitlines()[-1].startswith("replay overhead, 32K")  # the table ends the output
+
+
+def test_what_would_not_come_back_is_named(tmp_path):
+    """Too many files, a file over 16 MiB, one three folders deep, a name with a space."""
+    from loongtrain.tools.gpucheck.verdict import return_problems
+
+    for i in range(7):
+        (tmp_path / f"f{i}.txt").write_text("x")
+    (tmp_path / "a" / "b" / "c").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "c" / "deep.txt").write_text("x")
+    (tmp_path / "a" / "b" / "ok.txt").write_text("x")
+    (tmp_path / "bad name.txt").write_text("x")
+    with open(tmp_path / "big.bin", "wb") as f:
+        f.truncate(17 * MiB)
+    problems = return_problems(tmp_path)
+    assert any(p.startswith("a/b/c/deep.txt: deeper than 2 folders") for p in problems)
+    assert any(p.startswith("bad name.txt: a name with") for p in problems)
+    assert any(p.startswith("big.bin: 17.0 MiB, over 16 MiB") for p in problems)
+    assert "11 files, over 8" in problems and not any("ok.txt" in p for p in problems)
+    assert return_problems(tmp_path / "a") == []
+
+
+def _fake_gpu_machine(tmp_path: Path) -> tuple[Path, dict]:
+    """A copy of the scripts (no .venv beside them) and a PATH whose nvidia-smi answers and whose
+    python3 imports no torch (and refuses ``-m``: no virtual environment, no pip)."""
+    root = tmp_path / "repo"
+    shutil.copytree(REPO / "scripts", root / "scripts")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA H200'\n")
+    refuse_m = 'case "$1" in -m) echo "python3 -m refused here" >&2; exit 1;; esac'
+    (bin_dir / "python3").write_text(f'#!/bin/sh\n{refuse_m}\nexec {sys.executable} -S "$@"\n')
+    for exe in bin_dir.iterdir():
+        exe.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    return root, env
+
+
+@pytest.mark.e2e  # bash and a Python start-up; no torch import
+def test_gpu_run_without_cuda_torch_is_one_line_and_installs_nothing(tmp_path):
+    root, env = _fake_gpu_machine(tmp_path)
+    proc = subprocess.run(["bash", str(root / "scripts" / "gpu_run.sh"), str(tmp_path / "out")], env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1, lines
+    assert "no Python here imports torch with CUDA" in lines[0] and "No module named 'torch'" in lines[0]
+    assert "LOONGTRAIN_PYTHON" in lines[0]
+    assert not (root / ".venv").exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.e2e
+def test_gpu_run_stages_add_up_to_at_most_six_minutes(tmp_path):
+    """The default timeouts pass (the run stops at the Python check, later); one raised past 360 s in
+    all is refused in one line before anything runs."""
+    root, env = _fake_gpu_machine(tmp_path)
+    script = str(root / "scripts" / "gpu_run.sh")
+    proc = subprocess.run(["bash", script, str(tmp_path / "out")], env={**env, "GPU_CHECK_TIMEOUT": "200"},
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, lines
+    assert "timeouts add up to 370 s, over the 360 s a run may take on cuda" in lines[0]
+    proc = subprocess.run(["bash", script, str(tmp_path / "out")], env={**env, "GPU_RUN_PARTS": "peer",
+                          "PEER_128K_TIMEOUT": "295"}, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert "add up" not in proc.stderr and "no Python here imports torch" in proc.stderr  # a rerun of one part
+
+
+def test_the_gpu_run_budgets_are_sized_from_its_rows_estimates():
+    """On one H200 by the planner (times the measured factors, plus the build): the offload and packed
+    rows fit the check's budget; at 32K the comparison rows (loongtrain auto, transformers with and
+    without checkpointing, each profiled) fit the 32K peer budget, at 128K loongtrain auto and
+    transformers ckpt fit the 128K one; each budget leaves its timeout some room."""
+    from loongtrain.tools.gpucheck.train import PEER_STEP_FACTOR, PLANNER_OPTIMISM, row_seconds
+
+    text = (REPO / "scripts" / "gpu_run.sh").read_text()
+    default = {name: int(value) for name, value in re.findall(r"\$\{(\w+):-(\d+)\}", text.split("else")[0])}
+    p, h200, bf16 = PROFILES["cuda"], cluster_spec("h200"), torch.bfloat16
+    model = p.train_model
+    plain = TrainCase(p.offload_case.seq, "sc++")
+    memory = (row_seconds(h200, model, p.offload_case, bf16, p.offload_steps, PLANNER_OPTIMISM)
+              + row_seconds(h200, model, plain, bf16, p.offload_steps)
+              + row_seconds(h200, model, p.packed_case, bf16, p.train_steps + p.train_warmup + 2))  # fmt: skip
+    assert memory < default["GPU_CHECK_BUDGET"] / 2
+    auto = {seq: resolve_auto_case(TrainCase(seq, "auto"), model, bf16, h200.usable_memory_bytes, True)[0]
+            for seq in (32768, 131072)}  # fmt: skip
+    peer32 = row_seconds(h200, model, auto[32768], bf16, 4) + sum(
+        row_seconds(h200, model, TrainCase(32768, mode), bf16, 4, PEER_STEP_FACTOR) for mode in ("full", "none")
+    )
+    peer128 = row_seconds(h200, model, auto[131072], bf16, 2) + row_seconds(
+        h200, model, TrainCase(131072, "full"), bf16, 2, PEER_STEP_FACTOR
+    )
+    assert peer32 <= default["PEER_32K_BUDGET"] and peer128 <= default["PEER_128K_BUDGET"]
+    for stage in ("GPU_CHECK", "PEER_32K", "PEER_128K"):
+        assert default[f"{stage}_BUDGET"] + 10 <= default[f"{stage}_TIMEOUT"]
+    assert sum(default[f"{stage}_TIMEOUT"] for stage in ("GPU_CHECK", "PEER_32K", "PEER_128K")) <= 360
+
+
+def test_a_row_the_verdict_cannot_read_costs_only_its_part():
+    """A training row whose numbers are not numbers: the training goals become one FAIL line naming
+    the error; the correctness, peer and speed goals are still judged."""
+    from loongtrain.tools.gpucheck.verdict import verdict
+
+    odd = {"section": "training", "case": "S=32K auto", "result": "", "target": "", "status": "measured",
+           "values": {"seq": 32768, "checkpoint": "auto", "compiled": False, "tokens_per_s": "fast"}}  # fmt: skip
+    check = {"header": {"environment": {"device": "cuda"}}, "rows": [odd], "end": {"elapsed_s": 5.0}, "t_s": 5.0}
+    goals = {g.goal: g for g in verdict(check, None)}
+    assert goals["training goals"].verdict == "FAIL" and "verdict error: ValueError" in goals["training goals"].measured
+    assert goals["GPU check ran to its end"].verdict == "met"
+    assert goals["loongtrain auto / transformers ckpt, 32K"].verdict == "not run"
+    assert goals["replay overhead, 32K (worst)"].verdict == "not run"

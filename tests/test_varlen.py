@@ -193,8 +193,10 @@ def test_cuda_packed_documents_calls_fit_the_kernels_and_build_no_mask(monkeypat
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_dense_blocks_on_cudnn_and_bands_on_the_flash_window(monkeypatch, dtype):
-    """cuDNN runs dense blocks (causal squares and rectangles, GQA) with its lse layout; a band goes to
-    FlashAttention's window; both within the kernels' argument rules (meta device)."""
+    """cuDNN runs the dense calls of a block's standard shapes (the causal square, the whole block
+    against its first key half, its second query half against the whole block; GQA) with its lse
+    layout; any other dense shape (a rectangle of 200 x 300, a decoded token) and a band go to
+    FlashAttention (its window for the band); all within the kernels' argument rules (meta device)."""
     import loongtrain.attention.kernels as kernels
     from loongtrain.attention.backends import Band, CudnnBackend
     from loongtrain.attention.kernels import block_backward, block_forward
@@ -202,12 +204,20 @@ def test_cuda_dense_blocks_on_cudnn_and_bands_on_the_flash_window(monkeypatch, d
     monkeypatch.setattr(kernels, "backend_for", lambda device, dtype: CudnnBackend())
     q = torch.empty(2, 200, 16, 128, device="meta", dtype=dtype)
     k = torch.empty(2, 300, 4, 128, device="meta", dtype=dtype)
-    for causal, kk, band in ((True, q[:, :, :4], None), (False, k, None), (False, k, Band(100, 64, True))):
+    half = q[:, 100:, :4]
+    cases = (  # (q, k, causal, band, block, kernel)
+        (q, q[:, :, :4], True, None, None, "_scaled_dot_product_cudnn_attention"),
+        (q, half, False, None, None, "_scaled_dot_product_cudnn_attention"),
+        (q[:, 100:], q[:, :, :4], False, None, 200, "_scaled_dot_product_cudnn_attention"),
+        (q, k, False, None, None, "_flash_attention"),
+        (q[:, :1], k, False, None, None, "_flash_attention"),
+        (q, k, False, Band(100, 64, True), None, "_flash_attention"),
+    )
+    for qq, kk, causal, band, block, expected in cases:
         with CudaArgumentRules() as rules:
-            out, lse = block_forward(q, kk, kk, causal=causal, scale=0.1, band=band)
-            assert out.shape == q.shape and lse.shape == (2, 200, 16) and lse.dtype == torch.float32
-            dq, dk, dv = block_backward(out, q, kk, kk, out, lse, causal=causal, scale=0.1, band=band)
-            assert dq.shape == q.shape and dk.shape == kk.shape == dv.shape
-        expected = "_flash_attention" if band is not None else "_scaled_dot_product_cudnn_attention"
-        assert rules.calls[0].startswith(expected) and rules.calls[1].startswith(expected), rules.calls
+            out, lse = block_forward(qq, kk, kk, causal=causal, scale=0.1, band=band, block=block)
+            assert out.shape == qq.shape and lse.shape == qq.shape[:3] and lse.dtype == torch.float32
+            dq, dk, dv = block_backward(out, qq, kk, kk, out, lse, causal=causal, scale=0.1, band=band, block=block)
+            assert dq.shape == qq.shape and dk.shape == kk.shape == dv.shape
+        assert rules.calls[0].startswith(expected) and rules.calls[1].startswith(expected), (qq.shape, kk.shape)
         assert rules.calls[0].endswith(("_forward", "_attention")) and rules.calls[1].endswith("_backward")

@@ -42,7 +42,10 @@ class OutputAccumulator:
     """Running ``(out, lse)`` of one query shard in :func:`accum_dtype`, merged block by block.
 
     Rows that no block has reached yet hold ``out = 0`` and ``lse = -inf``, which the merge
-    treats as "nothing seen" (the first real block replaces them exactly).
+    treats as "nothing seen" (the first real block replaces them exactly). A first block that
+    covers every row is kept as the kernel returned it, in its own dtype, until a second block
+    merges into it: a shard of one call (one device, one causal block) never round-trips its
+    output through float32.
     """
 
     def __init__(self, q: Tensor | None = None) -> None:
@@ -55,12 +58,18 @@ class OutputAccumulator:
         if self.out is None:
             covers_all = row_start == 0 and (self._q is None or out_b.shape[1] == self._q.shape[1])
             if covers_all:  # kernel outputs are fresh tensors: take ownership instead of copying
-                dtype = accum_dtype(out_b.dtype)
-                self.out = out_b.to(dtype)
-                self.lse = lse_b.to(dtype)
+                self.out = out_b
+                self.lse = lse_b.to(accum_dtype(out_b.dtype))
                 return
             self._allocate()
+        self._accumulating()
         merge_into(self.out[:, rows], self.lse[:, rows], out_b, lse_b)
+
+    def _accumulating(self) -> None:
+        """The output in :func:`accum_dtype` before a merge (a first block kept in its own dtype)."""
+        dtype = accum_dtype(self.out.dtype)
+        if self.out.dtype != dtype:
+            self.out = self.out.to(dtype)
 
     def _allocate(self) -> None:
         """Rows that nothing has reached: ``out = 0``, ``lse = -inf``."""
@@ -77,6 +86,7 @@ class OutputAccumulator:
             return
         if self.out is None:
             self._allocate()
+        self._accumulating()
         index = p.row_index
         out, lse = self.out[0].index_select(0, index), self.lse[0].index_select(0, index)
         merge_into(out, lse, out_b, lse_b)
@@ -84,7 +94,8 @@ class OutputAccumulator:
         self.lse[0].index_copy_(0, index, lse)
 
     def result(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """``(out in dtype, lse)``; rows that saw nothing (only possible for an empty mask) are 0."""
+        """``(out in dtype, lse)``; rows that saw nothing (only possible for an empty mask) are 0. A
+        shard of one block's output comes back as the kernel returned it (no copy)."""
         return self.out.to(dtype), self.lse
 
 
@@ -119,7 +130,8 @@ def forward_calls(
         return
     for call in calls:
         rows, cols, band = _call_inputs(call, causal, sliding_window)
-        out, lse = block_forward(q[:, rows], k[:, cols], v[:, cols], causal=call.kind == CAUSAL, scale=scale, band=band)
+        out, lse = block_forward(q[:, rows], k[:, cols], v[:, cols], causal=call.kind == CAUSAL, scale=scale, band=band,
+                                 block=q.shape[1])  # fmt: skip
         acc.add(call.row0, out, lse, call.row1)
 
 
@@ -155,7 +167,7 @@ def backward_calls(
         rows, cols, band = _call_inputs(call, causal, sliding_window)
         dq, dk, dv = block_backward(
             dout[:, rows], q[:, rows], k[:, cols], v[:, cols], out[:, rows], lse[:, rows],
-            causal=call.kind == CAUSAL, scale=scale, band=band,
+            causal=call.kind == CAUSAL, scale=scale, band=band, block=q.shape[1],
         )  # fmt: skip
         dq_acc[:, rows] += dq
         grads.append((cols, dk, dv))

@@ -35,6 +35,7 @@ from loongtrain.attention.backends import (
     VarlenCall,
     Window,
     backend_for,
+    repeating_shape,
 )
 from loongtrain.attention.backends.flash_attn import (
     FLASH_BACKWARD_ARGS,
@@ -52,8 +53,8 @@ __all__ = [
     "EFFICIENT_LSE_ALIGN", "FLASH_BACKWARD_ARGS", "FLASH_FORWARD_ARGS", "Band", "BlockBackend", "CpuFlashBackend",
     "CudaSdpaBackend", "CudnnBackend", "Fa2Backend", "FlashAttnBackend", "Packed", "VarlenCall", "Window",
     "backend_for", "band_inputs", "band_tile", "block_backward", "block_forward", "check_supported",
-    "efficient_lse", "flash_attn_incompatibility", "flash_attn_unavailable", "parameter_names", "varlen_backward",
-    "varlen_forward",
+    "dense_backend", "efficient_lse", "flash_attn_incompatibility", "flash_attn_unavailable", "host_to_device",
+    "parameter_names", "varlen_backward", "varlen_forward",
 ]  # fmt: skip
 
 Tensor = torch.Tensor
@@ -98,6 +99,19 @@ def band_inputs(
     return band.mask(sq, sk, dtype, device), None
 
 
+def dense_backend(q: Tensor, k: Tensor, block: int | None = None) -> BlockBackend:
+    """The kernel pair of one dense call of ``q``'s rows against ``k``'s, cut from a block of
+    ``block`` rows (None: the call is the whole block): the chosen kernel's, except that a kernel
+    that builds a graph per new shape (cuDNN) gets only the block's standard shapes
+    (:func:`~loongtrain.attention.backends.repeating_shape`) and every other call goes to its
+    ``other_shapes`` pair. Decided from the shapes alone, on the host."""
+    backend = backend_for(q.device, q.dtype)
+    rows, cols = q.shape[1], k.shape[1]
+    if backend.other_shapes is not None and not repeating_shape(rows, cols, rows if block is None else block):
+        return backend.other_shapes
+    return backend
+
+
 def block_forward(
     q: Tensor,
     k: Tensor,
@@ -107,10 +121,13 @@ def block_forward(
     scale: float,
     band: Band | None = None,
     mask: Tensor | None = None,
+    block: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of a query block against a key/value block: ``(out, lse)``; under a sliding-
-    window ``band`` or an arbitrary additive ``mask`` [Sq, Sk] (one of them)."""
-    backend = backend_for(q.device, q.dtype)
+    window ``band`` or an arbitrary additive ``mask`` [Sq, Sk] (one of them). ``block``: the rows
+    of the block the call is cut from (None: the call is the whole block), for
+    :func:`dense_backend`."""
+    backend = dense_backend(q, k, block)
     mask, window = band_inputs(backend, band, q.shape[1], k.shape[1], q.dtype, q.device, mask)
     return backend.forward(q, k, v, causal, scale, mask, window)
 
@@ -128,9 +145,11 @@ def block_backward(
     band: Band | None = None,
     mask: Tensor | None = None,
     stacked: bool = False,
+    block: int | None = None,
 ) -> tuple[Tensor, ...]:
     """Gradients ``(dq, dk, dv)`` of one block given the *final* ``out`` and ``lse`` rows;
-    with ``stacked``, ``(dq, dkv)``: dk and dv as one ``[2, *k.shape]`` tensor.
+    with ``stacked``, ``(dq, dkv)``: dk and dv as one ``[2, *k.shape]`` tensor; ``block`` as for
+    :func:`block_forward` (the same kernel pair runs both).
 
     With ``out``/``lse`` of the full (merged) attention, the block's probabilities are
     the global ones, so summing the returned gradients over blocks gives the exact
@@ -140,7 +159,7 @@ def block_backward(
     groups each call's dk/dv go straight into their place in the stacked tensor (one call
     returns them apart, and stacking copies them).
     """
-    backend = backend_for(q.device, q.dtype)
+    backend = dense_backend(q, k, block)
     b, rows, heads, _ = q.shape
     groups = k.shape[2]
     mask, window = band_inputs(backend, band, rows, k.shape[1], q.dtype, q.device, mask)
@@ -188,18 +207,25 @@ def over_head_groups(call, q: Tensor, k: Tensor, per_call: int, stacked: bool) -
 
 class Packed:
     """Where a variable-length call's packed rows come from in a block (batch 1): each side a
-    contiguous ``span`` (a view, no copy) or an ``index`` (a gather), with the int32 offsets."""
+    contiguous ``span`` (a view, no copy) or an ``index`` (a gather), with the int32 offsets.
+
+    Made on the host and sent with at most two copies that do not block it (:func:`host_to_device`):
+    both sides' offsets in one int32 tensor, both sides' indices in one int64 tensor."""
 
     def __init__(self, call: VarlenCall, device: torch.device) -> None:
         rows = [(p.row0, p.row1) for p in call.pieces]
         cols = [(p.col0, p.col1) for p in call.pieces]
         self.row_span, self.col_span = contiguous_span(rows), contiguous_span(cols)
-        self.row_index = None if self.row_span else _index(rows, device)
-        self.col_index = None if self.col_span else _index(cols, device)
         q_lens, k_lens = [b - a for a, b in rows], [b - a for a, b in cols]
-        self.cu_q = _offsets(q_lens, device)
-        self.cu_k = _offsets(k_lens, device)
+        offsets = [0, *itertools.accumulate(q_lens), 0, *itertools.accumulate(k_lens)]
+        cu = host_to_device(torch.tensor(offsets, dtype=torch.int32), device)
+        self.cu_q, self.cu_k = cu[: len(rows) + 1], cu[len(rows) + 1 :]
         self.max_q, self.max_k = max(q_lens), max(k_lens)
+        gathers = [r for r, span in ((rows, self.row_span), (cols, self.col_span)) if span is None]
+        index = host_to_device(torch.cat([_index(r) for r in gathers]), device) if gathers else None
+        n_rows = sum(q_lens) if self.row_span is None else 0
+        self.row_index = None if self.row_span else index[:n_rows]
+        self.col_index = None if self.col_span else index[n_rows:]
 
     def rows(self, x: Tensor) -> Tensor:
         """The packed query-side rows of ``x`` [1, S, ...] -> [T, ...]."""
@@ -210,12 +236,27 @@ class Packed:
         return _take(x, self.col_span, self.col_index)
 
 
-def _index(ranges: list[tuple[int, int]], device: torch.device) -> Tensor:
-    return torch.cat([torch.arange(a, b) for a, b in ranges]).to(device)
+def _index(ranges: list[tuple[int, int]]) -> Tensor:
+    return torch.cat([torch.arange(a, b) for a, b in ranges])
 
 
-def _offsets(lengths: list[int], device: torch.device) -> Tensor:
-    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).to(device)
+def pins_for(device: torch.device) -> bool:
+    """Whether host tensors bound for ``device`` go through pinned memory: ``device`` is this
+    process's accelerator (CUDA here); never without one."""
+    if device.type in ("cpu", "meta") or not torch.accelerator.is_available():
+        return False
+    return torch.accelerator.current_accelerator().type == device.type
+
+
+def host_to_device(x: Tensor, device: torch.device) -> Tensor:
+    """``x``, a new host tensor, on ``device`` without blocking the host: copied from pinned memory
+    with ``non_blocking=True`` where ``device`` is the accelerator (the caching host allocator keeps
+    the pinned block until the copy is done); ``x`` itself on the CPU."""
+    if device.type == "cpu":
+        return x
+    if pins_for(device):
+        x = x.pin_memory()
+    return x.to(device, non_blocking=True)
 
 
 def _take(x: Tensor, span: tuple[int, int] | None, index: Tensor | None) -> Tensor:

@@ -2,8 +2,8 @@
 
 =============  ==========================================================================
 ``cpu``        ``aten._scaled_dot_product_flash_attention_for_cpu``: every dtype; bands as masks
-``cudnn``      cuDNN's fused attention for dense fp16/bf16 blocks; windows and packed documents
-               on ``flash``
+``cudnn``      cuDNN's fused attention for the dense fp16/bf16 blocks of standard shapes (it builds
+               a graph per new shape); windows, packed documents and other shapes on ``flash``
 ``flash``      PyTorch's FlashAttention-2 (``aten._flash_attention_*``): fp16/bf16, bands as
                its window, packed documents in one variable-length call per block
 ``sdpa``       PyTorch's SDPA ops: the flash kernel for unmasked fp16/bf16 calls, the
@@ -31,7 +31,7 @@ import torch
 
 from loongtrain.attention.backends.base import Band, BlockBackend, Piece, VarlenCall, VarlenKernel, Window
 from loongtrain.attention.backends.cpu import CpuFlashBackend
-from loongtrain.attention.backends.cudnn import CudnnBackend
+from loongtrain.attention.backends.cudnn import CudnnBackend, repeating_shape
 from loongtrain.attention.backends.flash import Fa2Backend
 from loongtrain.attention.backends.flash_attn import FlashAttnBackend, flash_attn_unavailable, load_flash_attn
 from loongtrain.attention.backends.sdpa import CudaSdpaBackend
@@ -40,7 +40,7 @@ from loongtrain.options import ATTENTION_KERNELS
 __all__ = [
     "KERNELS", "Band", "BlockBackend", "CpuFlashBackend", "CudaSdpaBackend", "CudnnBackend", "Fa2Backend",
     "FlashAttnBackend", "Piece", "VarlenCall", "VarlenKernel", "Window", "auto_kernel", "backend_for",
-    "chosen_kernel", "kernel_unavailable", "set_attention_kernel",
+    "chosen_kernel", "kernel_unavailable", "repeating_shape", "set_attention_kernel",
 ]  # fmt: skip
 
 #: The names ``[attention] kernel`` takes.

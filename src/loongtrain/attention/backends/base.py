@@ -79,12 +79,15 @@ class VarlenCall(NamedTuple):
 class BlockBackend(Protocol):
     """A kernel pair for one device family. ``takes_window``: ``forward``/``backward`` take a
     ``window`` (a band as FlashAttention's window sizes) in place of its mask. ``varlen``: the
-    variable-length kernel pair (packed pieces of one block in one call), or None."""
+    variable-length kernel pair (packed pieces of one block in one call), or None.
+    ``other_shapes``: for a kernel that builds a graph per new shape (cuDNN), the pair that runs
+    the dense calls whose shapes do not repeat; None: this pair takes every shape."""
 
     name: str
     dtypes: tuple[torch.dtype, ...]
     takes_window: bool
     varlen: VarlenKernel | None
+    other_shapes: BlockBackend | None
 
     def forward(
         self,

@@ -15,6 +15,7 @@ class CpuFlashBackend:
     dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
     takes_window = False
     varlen = None
+    other_shapes = None
 
     def forward(self, q, k, v, causal, scale, mask=None, window=None):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(

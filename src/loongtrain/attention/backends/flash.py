@@ -56,6 +56,7 @@ class Fa2Backend:
     dtypes = (torch.float16, torch.bfloat16)
     takes_window = True
     varlen = Fa2Varlen()
+    other_shapes = None
 
     def forward(self, q, k, v, causal, scale, mask=None, window=None):
         if mask is not None:

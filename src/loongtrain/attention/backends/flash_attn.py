@@ -24,6 +24,7 @@ class FlashAttnBackend:
     dtypes = (torch.float16, torch.bfloat16)
     takes_window = True
     varlen = None
+    other_shapes = None
 
     def __init__(self, module) -> None:
         self._fa = module

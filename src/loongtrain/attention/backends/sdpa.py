@@ -4,7 +4,9 @@ band's mask as its additive bias; key/value heads expanded to the query heads: i
 
 Called as PyTorch's own context parallelism calls them
 (``torch/distributed/tensor/experimental/_context_parallel/_attention.py``): the CUDA kernels
-check what the CPU kernels and the meta device do not (``tests/cuda_rules.py`` lists them).
+check what the CPU kernels and the meta device do not (``tests/cuda_rules.py`` lists them), and
+each backward gets the philox seed and offset its forward returned (what autograd passes back; read
+only with dropout, which is 0 here).
 """
 
 from __future__ import annotations
@@ -57,9 +59,17 @@ def efficient_lse(lse: Tensor) -> Tensor:
     return padded
 
 
-def unused_rng(device: torch.device) -> Tensor:
-    """A philox seed / offset for a flash backward: read only with dropout, which is 0 here."""
-    return torch.empty(0, dtype=torch.int64, device=device)
+def flash_rng_like_forward(device: torch.device) -> tuple[Tensor, Tensor]:
+    """A philox ``(seed, offset)`` pair shaped as the flash forward returns it on CUDA (``uint64``
+    ``[2]`` and ``[]``: torch's meta registration of ``_scaled_dot_product_flash_attention``), for a
+    backward that runs before any forward on ``device``; read only with dropout, which is 0 here."""
+    return torch.zeros(2, dtype=torch.uint64, device=device), torch.zeros((), dtype=torch.uint64, device=device)
+
+
+def efficient_rng_like_forward(device: torch.device) -> tuple[Tensor, Tensor]:
+    """The memory-efficient kernel's philox ``(seed, offset)`` shaped as its forward returns them
+    (``int64`` ``[]`` each), for a backward before any forward; read only with dropout."""
+    return torch.zeros((), dtype=torch.int64, device=device), torch.zeros((), dtype=torch.int64, device=device)
 
 
 class CudaSdpaBackend:
@@ -69,6 +79,13 @@ class CudaSdpaBackend:
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
     takes_window = False
     varlen = None
+    other_shapes = None
+
+    def __init__(self) -> None:
+        # the philox (seed, offset) each kernel's forward last returned on each device (key: the device,
+        # or (device, "efficient")): its backward gets them back, as autograd and PyTorch's context
+        # parallelism hand a forward's outputs to its backward
+        self._rng: dict[object, tuple[Tensor, Tensor]] = {}
 
     @staticmethod
     def _use_flash(q: Tensor, mask: Tensor | None) -> bool:
@@ -81,12 +98,14 @@ class CudaSdpaBackend:
                 bhsd(q), bhsd(k), bhsd(v), 0.0, causal, False, scale=scale
             )
             out, lse = res[0], res[1]
+            self._rng[q.device] = (res[6], res[7])
         else:
             b, _, heads, _ = q.shape
             bias = None if mask is None else aligned_bias(mask, b, heads, q.dtype)
-            out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+            out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
                 bhsd(q), bhsd(expand_kv(k, heads)), bhsd(expand_kv(v, heads)), bias, True, 0.0, causal, scale=scale
             )
+            self._rng[(q.device, "efficient")] = (seed, offset)
         return out.transpose(1, 2), lse[..., :sq].transpose(1, 2)
 
     def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None, window=None):
@@ -94,19 +113,21 @@ class CudaSdpaBackend:
         if self._use_flash(q, mask):
             # dense inputs: cum_seq_q/k None, as the forward returns them for dense inputs and as
             # PyTorch's own context parallelism hands them back (a defined tensor there selects the
-            # variable-length kernel, which wants int32 offsets)
+            # variable-length kernel, which wants int32 offsets); philox seed and offset as the forward
+            # returned them
+            seed, offset = self._rng.get(q.device) or flash_rng_like_forward(q.device)
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
                 bhsd(dout), bhsd(q), bhsd(k), bhsd(v), bhsd(out), lse.transpose(1, 2).contiguous(),
-                None, None, sq, sk, 0.0, causal, unused_rng(q.device), unused_rng(q.device), scale=scale,
+                None, None, sq, sk, 0.0, causal, seed, offset, scale=scale,
             )  # fmt: skip
             return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
         b, _, heads, _ = q.shape
         groups = k.shape[2]
         bias = None if mask is None else aligned_bias(mask, b, heads, q.dtype)
-        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+        seed, offset = self._rng.get((q.device, "efficient")) or efficient_rng_like_forward(q.device)
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             bhsd(dout.contiguous()), bhsd(q), bhsd(expand_kv(k, heads)), bhsd(expand_kv(v, heads)), bias,
             bhsd(out.contiguous()),  # the kernel reads out with a fixed row stride (heads x head dim)
-            efficient_lse(lse), seed, seed, 0.0, [True, True, True, False], causal, scale=scale,
+            efficient_lse(lse), seed, offset, 0.0, [True, True, True, False], causal, scale=scale,
         )  # fmt: skip
         return dq.transpose(1, 2), sum_kv_grad(dk.transpose(1, 2), groups), sum_kv_grad(dv.transpose(1, 2), groups)

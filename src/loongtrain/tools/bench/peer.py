@@ -13,15 +13,26 @@ For each length, the rows are
   checkpointing on and off, AdamW with the config's ``[optim]`` values (fused on CUDA) and
   ``clip_grad_norm_`` with the same clip.
 
+The rows of a length run in this order: loongtrain's first ``--checkpoint`` mode, transformers
+with and without checkpointing, then loongtrain's other modes (the comparison the run exists for
+first, so that a budget cuts the extras).
+
 Each row: median step time over ``--steps`` after a warm-up step, tokens/s, MFU (loongtrain's
 :meth:`ModelConfig.flops_per_token` over the same peak for every row), peak memory, every
-step's loss; loongtrain rows add their tokens/s over each transformers row's (same run). A
-row that fails (out of memory) is a row with its error; the next row starts from freed memory.
+step's loss, its estimated and its wall seconds (loongtrain rows also the planner's prediction);
+loongtrain rows add their tokens/s over each transformers row's (same run). A row that fails (out
+of memory) is a row with its error; the next row starts from freed memory.
+
+``--jsonl FILE``: each row as one JSON line the moment it is measured (after a first line with the
+environment), so a run killed by a timeout keeps every finished row. ``--budget-s``: a row starts
+only where its estimate (the planner's step times a measured factor, plus the build:
+:func:`~loongtrain.tools.gpucheck.train.row_seconds`) ends inside the budget; else it is a skipped
+row saying so.
 
 ``--profile DIR``: one more step of each row under ``torch.profiler`` (CPU, and CUDA on a
 GPU), its Chrome trace in ``DIR/<length>-<row>.json`` and the top kernels by time and by calls
-(:mod:`loongtrain.tools.bench.kernel_table`) printed and written to ``DIR/top_kernels.txt``
-and ``DIR/top_kernels.json``.
+(:mod:`loongtrain.tools.bench.kernel_table`) printed and written to ``DIR/top_kernels.txt`` (a
+row's table the moment it is measured) and ``DIR/top_kernels.json``.
 """
 
 from __future__ import annotations
@@ -49,13 +60,17 @@ from loongtrain.model import ModelConfig, build_model, init_value
 from loongtrain.options import ACTIVATION_CHECKPOINT_CHOICES
 from loongtrain.tools.bench.kernel_table import KernelTable, format_kernel_table, kernel_table, profiler_records
 from loongtrain.tools.gpucheck.train import (
+    PEER_STEP_FACTOR,
     Peak,
     TrainCase,
     auto_budget_bytes,
     measure_training_step,
     one_rank_state,
+    planner_cluster,
+    predict_step,
     random_tokens,
     resolve_auto_case,
+    row_seconds,
     stated_peak,
     timed_steps,
 )
@@ -65,7 +80,8 @@ from loongtrain.train.spec import build_optimizer
 from loongtrain.train.trainer import clip_grad_norm
 
 PEERS = ("transformers",)
-#: ``--model`` names: the GPU check's ~1.1B Llama (the config's ``[model]`` when not given)
+#: ``--model`` names: the GPU check's training model on this device (the ~1.1B Llama on CUDA, the
+#: debug Llama on CPU, with that profile's auto budget); the config's ``[model]`` when not given
 MODELS = ("gpu-check",)
 STEPS = 3  # timed steps per row unless --steps says otherwise
 WARMUP = 1
@@ -92,6 +108,8 @@ class PeerPlan:
     profile_top: int = 15
     peak_tflops: float | None = None  # None: the GPU's spec sheet, else a measured matmul
     auto_budget_gib: float = 0.0  # the auto row's memory.device_memory_gib (0: 90% of the GPU's)
+    jsonl: Path | None = None  # each row as a JSON line the moment it is measured
+    budget_s: float = 0.0  # rows whose estimate ends past this are skipped (0: no budget)
 
 
 @dataclass
@@ -202,55 +220,141 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:200]
 
 
+class _Lines:
+    """``path`` written one flushed JSON line at a time (nothing without a path)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self._file = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "w")  # noqa: SIM115 - written line by line for the whole run
+
+    def write(self, obj: dict) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(obj, default=str) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def _work(plan: PeerPlan, seq: int, dtype: torch.dtype, device: torch.device, state, peak: Peak, cluster) -> list:
+    """A length's rows in their order: ``(who, checkpoint, estimate s, planner's prediction, measure)``."""
+    profiled = 1 if plan.profile_dir is not None else 0
+    steps = plan.warmup + plan.steps + profiled
+    ours = []
+    for mode in plan.checkpoints:
+        case = TrainCase(seq, mode, memory=dataclasses.replace(plan.memory, activation_checkpoint=mode))
+        if mode == "auto":  # the planner's policy for this length and device, as the trainer resolves it
+            budget_bytes = auto_budget_bytes(device, plan.auto_budget_gib)
+            case, _ = resolve_auto_case(case, plan.model, dtype, budget_bytes, device.type == "cuda")
+        measure = functools.partial(measure_training_step, state, plan.model, case, dtype, device, plan.steps,
+                                    plan.warmup, peak, optim=plan.optim)  # fmt: skip
+        pred = predict_step(cluster, plan.model, case, dtype) if cluster is not None else None
+        estimate = row_seconds(cluster, plan.model, case, dtype, steps) if plan.budget_s else 0.0
+        who = f"loongtrain {mode}" + (f" ({case.policy})" if case.policy else "")
+        ours.append((who, mode, estimate, pred, measure))
+    theirs = []
+    if plan.peer == "transformers":
+        for who, on in ((HF_CKPT, True), (HF_NO_CKPT, False)):
+            measure = functools.partial(measure_hf_step, plan.model, seq, on, dtype, device, plan.steps,
+                                        plan.warmup, peak, plan.optim)  # fmt: skip
+            # loongtrain's plan with the same checkpointing: its step and (a lower bound of) transformers' peak
+            same = TrainCase(seq, "full" if on else "none")
+            pred = predict_step(cluster, plan.model, same, dtype) if cluster is not None else None
+            estimate = row_seconds(cluster, plan.model, same, dtype, steps, PEER_STEP_FACTOR) if plan.budget_s else 0.0
+            theirs.append((who, same.checkpoint, estimate, pred, measure))
+    return ours[:1] + theirs + ours[1:]
+
+
+def _skip_reason(budget, estimate: float, pred: dict | None, device: torch.device, transformers: bool) -> str | None:
+    """Why a row does not start: its estimate ends past the budget, or (on a GPU) the planner's peak
+    for it (for transformers, of loongtrain with its checkpointing: less than theirs) exceeds the
+    device's memory."""
+    if budget.exhausted(estimate):
+        left = max(0.0, budget.seconds - budget.elapsed())
+        return f"estimated {estimate:.0f} s, {left:.0f} s of the time budget of {budget.seconds:.0f} s left"
+    if device.type == "cuda" and transformers and pred is not None:
+        total = torch.cuda.get_device_properties(device).total_memory / 2**30
+        if pred["memory_gib"] > total:
+            return f"does not fit: the planner's peak for loongtrain so checkpointed is {pred['memory_gib']:.0f} GiB"
+    return None
+
+
 def _rows_on_one_rank(device: torch.device, plan: PeerPlan, result: PeerResult) -> None:
-    """Body run in a one-rank process group (``launch`` with ``nproc=1``): fills ``result``."""
+    """Body run in a one-rank process group (``launch`` with ``nproc=1``): fills ``result``, each row
+    written to ``plan.jsonl`` (and its kernel table to ``top_kernels.txt``) as it finishes."""
+    from loongtrain.tools.gpucheck.check import Budget
+
+    budget = Budget(plan.budget_s)
     state = one_rank_state()
     dtype = getattr(torch, plan.dtype)
     peak = stated_peak(device, dtype, plan.peak_tflops, MATMUL_N.get(device.type, 512))
+    cluster, planner_note = planner_cluster(device, None)
     result.environment.update(
         device=str(device), gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         torch=torch.__version__, dtype=plan.dtype, peak_tflops=peak.tflops, peak_source=peak.source,
         model=plan.model_name, model_shape=dataclasses.asdict(plan.model), params=plan.model.num_params(),
-        steps=plan.steps, warmup=plan.warmup, optim=dataclasses.asdict(plan.optim),
+        steps=plan.steps, warmup=plan.warmup, optim=dataclasses.asdict(plan.optim), planner_cluster=planner_note,
+        budget_s=plan.budget_s,
     )  # fmt: skip
     if plan.peer == "transformers":
         import transformers
 
         result.environment["transformers"] = transformers.__version__
-    for seq in plan.lengths:
-        work: list[tuple[str, str, Callable]] = []  # (row, checkpoint, measure(profile_step=...))
-        for mode in plan.checkpoints:
-            case = TrainCase(seq, mode, memory=dataclasses.replace(plan.memory, activation_checkpoint=mode))
-            if mode == "auto":  # the planner's policy for this length and device, as the trainer resolves it
-                budget_bytes = auto_budget_bytes(device, plan.auto_budget_gib)
-                case, _ = resolve_auto_case(case, plan.model, dtype, budget_bytes, device.type == "cuda")
-            ours = functools.partial(measure_training_step, state, plan.model, case, dtype, device, plan.steps,
-                                     plan.warmup, peak, optim=plan.optim)  # fmt: skip
-            work.append((f"loongtrain {mode}" + (f" ({case.policy})" if case.policy else ""), mode, ours))
-        if plan.peer == "transformers":
-            for who, on in ((HF_CKPT, True), (HF_NO_CKPT, False)):
-                theirs = functools.partial(measure_hf_step, plan.model, seq, on, dtype, device, plan.steps,
-                                           plan.warmup, peak, plan.optim)  # fmt: skip
-                work.append((who, "full" if on else "none", theirs))
-        for who, checkpoint, measure in work:
-            _say(f"{who} at {seq} tokens ...")
-            row: dict = {"length": seq, "who": who, "checkpoint": checkpoint, "error": None}
-            tables: list[KernelTable] = []
-            profile_step, trace = None, None
-            if plan.profile_dir is not None:
-                trace = plan.profile_dir / f"{seq}-{_slug(who)}.json"
-                profile_step = _profiler(device, trace, plan.profile_top, tables)
-            try:
-                row.update(measure(profile_step=profile_step))
-            except Exception as exc:  # noqa: BLE001 - a failed row (out of memory included) is reported
-                row["error"] = _error(exc)
-                _say(f"{who} at {seq} tokens: {row['error']}")
-            finally:
-                release_memory(device)
-            if tables:
-                result.profiles.append({"length": seq, "who": who, "trace": str(trace), "table": tables[0]})
-            result.rows.append(row)
+    lines = _Lines(plan.jsonl)
+    lines.write({"environment": result.environment})
+    tables_path = plan.profile_dir / "top_kernels.txt" if plan.profile_dir is not None else None
+    try:
+        for seq in plan.lengths:
+            for who, checkpoint, estimate, pred, measure in _work(plan, seq, dtype, device, state, peak, cluster):
+                row: dict = {"length": seq, "who": who, "checkpoint": checkpoint, "error": None,
+                             "estimate_s": estimate}  # fmt: skip
+                if who.startswith("loongtrain"):
+                    row["planner"] = pred
+                why = _skip_reason(budget, estimate, pred, device, not who.startswith("loongtrain"))
+                profiled = len(result.profiles)
+                if why is not None:
+                    row["skipped"] = why
+                    _say(f"{who} at {seq} tokens: skipped ({why})")
+                else:
+                    t0 = time.perf_counter()
+                    _measure_row(row, measure, plan, device, seq, who, result)
+                    row["wall_s"] = time.perf_counter() - t0
+                result.rows.append(row)
+                lines.write({"row": row, "t_s": round(budget.elapsed(), 1)})
+                if tables_path is not None and len(result.profiles) > profiled:
+                    with open(tables_path, "a") as f:
+                        f.write(("\n\n" if profiled else "") + _table_text(result.profiles[-1]))
+    finally:
+        lines.close()
     add_ratios(result.rows)
+
+
+def _measure_row(row: dict, measure, plan: PeerPlan, device: torch.device, seq: int, who: str, result) -> None:
+    """Measure one row into ``row`` (its error where it fails), profiled where ``plan`` says."""
+    _say(f"{who} at {seq} tokens ...")
+    tables: list[KernelTable] = []
+    profile_step, trace = None, None
+    if plan.profile_dir is not None:
+        trace = plan.profile_dir / f"{seq}-{_slug(who)}.json"
+        profile_step = _profiler(device, trace, plan.profile_top, tables)
+    try:
+        row.update(measure(profile_step=profile_step))
+    except Exception as exc:  # noqa: BLE001 - a failed row (out of memory included) is reported
+        row["error"] = _error(exc)
+        _say(f"{who} at {seq} tokens: {row['error']}")
+    finally:
+        release_memory(device)
+    if tables:
+        result.profiles.append({"length": seq, "who": who, "trace": str(trace), "table": tables[0]})
+
+
+def _table_text(profile: dict) -> str:
+    """A profiled row's kernel table as text, titled with the row and its trace."""
+    title = f"{profile['who']} at {profile['length']} tokens (trace {profile['trace']})"
+    return format_kernel_table(profile["table"], title)
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -271,6 +375,7 @@ def run_peer(plan: PeerPlan) -> PeerResult:
     """Measure ``plan``'s rows in a one-rank process group in this process."""
     if plan.profile_dir is not None:
         plan.profile_dir.mkdir(parents=True, exist_ok=True)
+        (plan.profile_dir / "top_kernels.txt").write_text("")  # each profiled row's table goes here as it ends
     result = PeerResult(rows=[], environment={}, profiles=[])
     launch(_rows_on_one_rank, 1, plan, result, device=plan.device)
     return result
@@ -281,7 +386,7 @@ def _num(value: float | None, fmt: str) -> str:
 
 
 def format_rows(rows: list[dict]) -> str:
-    """The rows as a fixed-width table (a failed row shows its error)."""
+    """The rows as a fixed-width table (a failed row shows its error, a skipped one why)."""
     peers = [HF_CKPT, HF_NO_CKPT] if any(r["who"].startswith("transformers") for r in rows) else []
     keys = [f"vs_{_slug(p).replace('-', '_')}" for p in peers]
     head = f"{'length':>8s} {'who':20s} {'step s':>8s} {'tok/s':>9s} {'MFU':>6s} {'peak GiB':>8s} {'loss 1':>7s}"
@@ -289,6 +394,9 @@ def format_rows(rows: list[dict]) -> str:
     lines = [head]
     for r in rows:
         line = f"{r['length']:8d} {r['who']:20s} "
+        if r.get("skipped"):
+            lines.append(line + f"skipped: {r['skipped']}")
+            continue
         if r["error"] is not None:
             lines.append(line + f"failed: {r['error']}")
             continue
@@ -329,17 +437,22 @@ def plan_from_args(args: argparse.Namespace) -> PeerPlan:
         raise SystemExit(f"bench train: unknown --model {args.model!r}; choose one of {list(MODELS)}")
     if under_torchrun():
         raise SystemExit("bench train: --peer/--profile run on one device in one process; run them without torchrun")
+    if args.budget_s < 0:
+        raise SystemExit(f"bench train: --budget-s={args.budget_s} must be 0 (no budget) or more")
     try:
         cfg = load_config(args.config)
-        if args.model == "gpu-check":
-            from loongtrain.tools.gpucheck.check import GPU_MODEL
-
-            model, name = GPU_MODEL, f"the GPU check's {GPU_MODEL.num_params() / 1e9:.1f}B llama"
-        else:
-            model, name = model_config_for(cfg.model), f"{Path(args.config).name}'s model"
         if args.device == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"--device cuda but no CUDA device is visible (torch {torch.__version__}); use cpu")
         device = resolve_device(args.device, 1)
+        auto_gib = cfg.memory.device_memory_gib
+        if args.model == "gpu-check":  # the GPU check's training model on this device, with its auto budget
+            from loongtrain.tools.gpucheck.check import PROFILES
+
+            profile = PROFILES["cuda" if device == "cuda" else "cpu"]
+            model, name = profile.train_model, f"the GPU check's {profile.train_model_name}"
+            auto_gib = auto_gib or profile.auto_budget_gib
+        else:
+            model, name = model_config_for(cfg.model), f"{Path(args.config).name}'s model"
     except (ConfigError, HFFormatError, ValueError) as e:
         raise SystemExit(f"bench train: {e}") from None
     if args.peer == "transformers":
@@ -350,7 +463,7 @@ def plan_from_args(args: argparse.Namespace) -> PeerPlan:
     dtype = args.dtype if args.dtype != "auto" else "bfloat16" if device == "cuda" else "float32"
     memory = cfg.memory.options()
     checkpoints = tuple(args.checkpoint or (memory.activation_checkpoint,))
-    if "auto" in checkpoints and device != "cuda" and not memory.device_memory_gib:
+    if "auto" in checkpoints and device != "cuda" and not auto_gib:
         raise SystemExit(
             f"bench train: --checkpoint auto fills the device's memory, and on {device} there is none to read: set "
             f"memory.device_memory_gib in {args.config} or name full, sc++ or none"
@@ -358,10 +471,10 @@ def plan_from_args(args: argparse.Namespace) -> PeerPlan:
     memory = dataclasses.replace(memory, activation_checkpoint="none", device_memory_gib=0.0)  # each row sets its own
     return PeerPlan(
         model=model, model_name=name, lengths=tuple(args.lengths),
-        checkpoints=checkpoints, memory=memory, optim=cfg.optim, auto_budget_gib=cfg.memory.device_memory_gib,
+        checkpoints=checkpoints, memory=memory, optim=cfg.optim, auto_budget_gib=auto_gib,
         device=device, dtype=dtype, steps=args.steps or STEPS, warmup=WARMUP, peer=args.peer,
         profile_dir=Path(args.profile) if args.profile else None, profile_top=args.profile_top,
-        peak_tflops=args.peak_tflops,
+        peak_tflops=args.peak_tflops, jsonl=Path(args.jsonl) if args.jsonl else None, budget_s=args.budget_s,
     )  # fmt: skip
 
 
@@ -372,11 +485,7 @@ def main(args: argparse.Namespace) -> None:
     print(_header(plan, result.environment))
     print(format_rows(result.rows), flush=True)
     if plan.profile_dir is not None:
-        texts = [
-            format_kernel_table(p["table"], f"{p['who']} at {p['length']} tokens (trace {p['trace']})")
-            for p in result.profiles
-        ]
-        text = "\n\n".join(texts)
+        text = "\n\n".join(_table_text(p) for p in result.profiles)
         print(f"\ntop {plan.profile_top} kernels of one profiled step per row\n{text}")
         (plan.profile_dir / "top_kernels.txt").write_text(text + "\n")
         tables = [{**p, "table": p["table"].as_dict()} for p in result.profiles]
@@ -384,5 +493,5 @@ def main(args: argparse.Namespace) -> None:
         print(f"wrote {len(result.profiles)} trace(s), top_kernels.txt and top_kernels.json to {plan.profile_dir}")
     if args.json:
         report = {"environment": result.environment, "rows": result.rows}
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str) + "\n")
         print(f"wrote {args.json}")

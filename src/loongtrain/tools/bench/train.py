@@ -201,11 +201,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     one.add_argument("--profile-top", type=int, default=15, help="kernels listed by time and by calls")
     one.add_argument(
+        "--jsonl", default=None, metavar="FILE",
+        help="each row as one JSON line the moment it is measured (a run killed by a timeout keeps them)",
+    )  # fmt: skip
+    one.add_argument(
+        "--budget-s", type=float, default=0.0,
+        help="skip the rows whose estimate (the planner's step x a measured factor + the build) ends past this "
+        "many seconds (0: no budget)",
+    )  # fmt: skip
+    one.add_argument(
         "--lengths", type=int, nargs="+", default=[32768, 131072], help="tokens per sequence, rows each (%(default)s)"
     )
     one.add_argument(
         "--model", default=None,
-        help="gpu-check: the GPU check's 1.1B Llama (dim 2048, 16 layers, 16/4 heads); default: --config's [model]",
+        help="gpu-check: the GPU check's training model on this device (on CUDA its 1.1B Llama: dim 2048, 16 layers, "
+        "16/4 heads; on CPU the debug Llama) and its auto budget; default: --config's [model]",
     )  # fmt: skip
     one.add_argument(
         "--checkpoint", nargs="+", default=None, metavar="MODE",

@@ -1,22 +1,32 @@
 """``loongtrain gpu-check`` (``scripts/gpu_check.sh``): one command that runs every
 device path of loongtrain and prints one table (also written as JSON).
 
+In this order, correctness first, so that a time budget cuts measurements, not proofs:
+
 1. kernels: every installed block-attention backend (CUDA: PyTorch's SDPA flash and
-   memory-efficient kernels, ``flash_attn``; CPU: the aten flash op) in bf16, fp16 and
-   fp32, causal and not, MHA and GQA, with and without a sliding-window mask: out, lse,
-   dq, dk, dv against float64, and the lse convention through the merge;
-2. replay: the double ring's blocks and merges replayed in one process against one fused
-   call (the decomposition overhead), for cp 4 and 8, ring windows 1 and 2;
-3. training: per length first the ceiling (the step from the measured matmul and attention
-   rates alone: no elementwise work, no launches), then timed steps of a Llama with the
-   planner's checkpointing for this device (``auto``) and with Selective Checkpoint++ on every
-   layer: tokens/s, model TFLOP/s, MFU against a stated peak, the fraction of the ceiling of
-   the row's policy, peak memory, and the planner's prediction for the same step; every memory
-   option on (activations and states offloaded) beside the same run without offload, step by
-   step; packed documents under a sliding window, their loss beside that of the same documents
-   run as separate sequences; the longest sequence the planner says fits;
-4. distributed (2+ GPUs, or gloo processes on CPU): the 2D attention under the standard
+   memory-efficient kernels, FlashAttention-2, cuDNN, ``flash_attn``; CPU: the aten flash op) in
+   bf16, fp16 and fp32, causal and not, MHA and GQA, with and without a sliding-window mask: out,
+   lse, dq, dk, dv against float64, and the lse convention through the merge;
+2. memory: every memory option on (activations and states offloaded) beside the same run without
+   offload, step by step; packed documents under a sliding window, their loss beside that of the
+   same documents run as separate sequences;
+3. calibration and training: the rates the planner is calibrated with; per length first the
+   ceiling (the step from the measured matmul and attention rates alone: no elementwise work, no
+   launches), then timed steps of a Llama with the planner's checkpointing for this device
+   (``auto``) and with Selective Checkpoint++ on every layer: tokens/s, model TFLOP/s, MFU against
+   a stated peak, the fraction of the ceiling of the row's policy, peak memory, and the planner's
+   prediction for the same step;
+4. speed and replay: the chosen kernel against SDPA's backends, packed documents against one
+   sequence; the double ring's blocks and merges replayed in one process against one fused call
+   (the decomposition overhead), for cp 4 and 8, ring windows 1 and 2;
+5. the compiled training row, the longest sequence the planner says fits;
+6. distributed (2+ GPUs, or gloo processes on CPU): the 2D attention under the standard
    layouts against float64, and parallel training against the unsharded model.
+
+Each row goes to ``--jsonl`` as one JSON line the moment it is measured (a check killed by a
+timeout keeps every finished row), and an item starts only where its estimate (the planner's step
+times a measured factor, plus the build: :func:`~loongtrain.tools.gpucheck.train.row_seconds`)
+ends inside ``--budget-s``.
 
 ``--device cuda`` uses the sizes of one H200 (a ~1.1B model at 32K and 128K tokens) and
 a time budget; ``--device cpu`` runs every path at tiny sizes in well under a minute (the
@@ -53,6 +63,16 @@ from loongtrain.tools.bench.attention import decomposition_overhead
 from loongtrain.tools.gpucheck.calibration import calibration
 from loongtrain.tools.gpucheck.ceiling import measure_ceiling
 from loongtrain.tools.gpucheck.dist import DistSizes, run_dist_checks
+from loongtrain.tools.gpucheck.goals import (
+    DENSE_GOAL,
+    DOCUMENTS_GOAL,
+    PEAK_GIB_GOAL,
+    PLANNER_GOAL,
+    POLICY_MEMORY_GOAL,
+    REPLAY_GOAL,
+    SAME_LOSS_RTOL,
+    TOKENS_GOAL,
+)
 from loongtrain.tools.gpucheck.kernels import (
     check_case,
     check_documents_case,
@@ -64,7 +84,8 @@ from loongtrain.tools.gpucheck.kernels import (
 )
 from loongtrain.tools.gpucheck.speed import dense_speed, documents_speed
 from loongtrain.tools.gpucheck.train import (
-    SAME_LOSS_RTOL,
+    PLANNER_OPTIMISM,
+    STEP_FACTOR,
     Peak,
     TrainCase,
     auto_budget_bytes,
@@ -76,24 +97,15 @@ from loongtrain.tools.gpucheck.train import (
     planner_cluster,
     predict_step,
     resolve_auto_case,
+    row_seconds,
     stated_peak,
 )
 from loongtrain.tools.harness import release_memory
 
 GiB = 2**30
 PASS, FAIL, SKIP, MEASURED, MET, MISSED = "pass", "FAIL", "skipped", "measured", "goal met", "below goal"
-# goals of the issue, judged on CUDA only
-REPLAY_GOAL = 1.10  # replayed / fused time at S >= 32K
-DENSE_GOAL = 1.10  # the chosen kernel / the fastest SDPA backend, dense causal, S >= 32K
-DOCUMENTS_GOAL = {32768: 3.0, 131072: 11.0}  # one sequence / packed documents (lognormal, median 2K)
-# one H200, the 1.1B model (issue 43): tokens/s of the planner's policy (auto) and of sc++ forced,
-# the peak memory of sc++ forced (0.75x the plain PyTorch step's), and the auto rows' peak beside
-# the planner's prediction
-TOKENS_GOAL = {(32768, "auto"): 40_600, (131072, "auto"): 14_500, (32768, "sc++"): 35_700}
-PEAK_GIB_GOAL = {(32768, "sc++"): 24.0, (131072, "sc++"): 65.0}
-POLICY_MEMORY_GOAL = 0.05  # |measured / predicted peak - 1| of the auto rows
-PLANNER_GOAL = 0.20  # |predicted / measured - 1|
 LONGEST_SHARE_S = 100.0  # the longest row's part of a time budget, at most
+CEILING_S = 10.0  # a length's ceiling (matmul and attention rates), measured before its first training row
 
 
 @dataclass(frozen=True)
@@ -295,6 +307,53 @@ class Budget:
         return self.seconds > 0 and self.elapsed() + reserve > self.seconds
 
 
+class RowLog(list):
+    """The rows so far. With a ``path``, every row is also written there the moment it is added, as
+    one flushed JSON line (``{"row": ..., "t_s": seconds since the start}``), after a first line
+    ``{"profile": ..., "environment": ...}``; :meth:`close` writes ``{"end": ...}``. A check killed by
+    a timeout keeps every row it finished (:mod:`~loongtrain.tools.gpucheck.verdict` reads them)."""
+
+    def __init__(self, path: str | Path | None = None, header: dict | None = None, clock=None) -> None:
+        super().__init__()
+        self._clock = clock or (lambda: 0.0)
+        self._file = None
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "w")  # noqa: SIM115 - written line by line until close()
+            self._write(header or {})
+
+    def _write(self, obj: dict) -> None:
+        self._file.write(json.dumps(obj, default=str) + "\n")
+        self._file.flush()
+
+    def append(self, row: Row) -> None:
+        super().append(row)
+        if self._file is not None:
+            self._write({"row": asdict(row), "t_s": round(self._clock(), 1)})
+
+    def extend(self, rows) -> None:
+        for row in rows:
+            self.append(row)
+
+    def __iadd__(self, rows):
+        self.extend(rows)
+        return self
+
+    def close(self, end: dict) -> None:
+        """Write the last line (``{"end": end}``) and close the file."""
+        if self._file is not None:
+            self._write({"end": end})
+            self._file.close()
+            self._file = None
+
+
+def _new_rows(rows: list | None) -> tuple[list, int]:
+    """``(rows, where the new ones start)``: a section appends to the caller's rows (a
+    :class:`RowLog` writes each as it comes) or to a list of its own, and returns its new rows."""
+    rows = [] if rows is None else rows
+    return rows, len(rows)
+
+
 def _progress(message: str) -> None:
     print(f"[gpu-check] {message}", file=sys.stderr, flush=True)
 
@@ -309,15 +368,21 @@ def _skip_row(section: str, case: str, why: str) -> Row:
     return Row(section, case, why, "-", SKIP)
 
 
-def _budget_row(section: str, case: str, budget: Budget) -> Row:
+def _budget_row(section: str, case: str, budget: Budget, estimate_s: float = 0.0) -> Row:
+    if estimate_s:
+        why = (f"estimated {estimate_s:.0f} s, {max(0.0, budget.seconds - budget.elapsed()):.0f} s of the time "
+               f"budget of {budget.seconds:.0f} s left (--budget-s)")  # fmt: skip
+        return Row(section, case, why, "-", SKIP, {"estimate_s": estimate_s})
     return _skip_row(section, case, f"time budget of {budget.seconds:.0f} s spent (--budget-s)")
 
 
-def _measure(rows: list[Row], section: str, label: str, budget: Budget, fn, *args, release: torch.device | None = None):
-    """``fn(*args)``'s result, or None with a row appended to ``rows``: skipped past the budget,
-    failed on an exception; ``release``: free that device's memory afterwards."""
-    if budget.exhausted():
-        rows.append(_budget_row(section, label, budget))
+def _measure(rows: list[Row], section: str, label: str, budget: Budget, fn, *args, release: torch.device | None = None,
+             estimate_s: float = 0.0):  # fmt: skip
+    """``fn(*args)``'s result, or None with a row appended to ``rows``: skipped where it would end
+    past the budget (``estimate_s``: its estimated seconds), failed on an exception; ``release``: free
+    that device's memory afterwards."""
+    if budget.exhausted(estimate_s):
+        rows.append(_budget_row(section, label, budget, estimate_s))
         return None
     try:
         return fn(*args)
@@ -338,14 +403,15 @@ def _fmt_errors(errors: dict[str, float]) -> str:
     return " ".join(f"{name} {value:.1e}" for name, value in errors.items())
 
 
-def kernel_rows(profile: Profile, device: torch.device, budget: Budget) -> list[Row]:
-    """Section 1: every installed backend over the kernel grid."""
+def kernel_rows(profile: Profile, device: torch.device, budget: Budget, rows: list | None = None) -> list[Row]:
+    """Section 1: every installed backend over the kernel grid (appended to ``rows``; the new rows)."""
     p = profile
+    rows, start = _new_rows(rows)
     cases = kernel_grid(
         p.kernel_dtypes, p.kernel_batch, p.kernel_seq, p.kernel_heads, p.kernel_kv_heads, p.kernel_head_dim
     )
     backends, missing = installed_backends(device)
-    rows = [_skip_row("kernels", name, why) for name, why in missing]
+    rows += [_skip_row("kernels", name, why) for name, why in missing]
     documents = documents_grid(p.kernel_dtypes, p.kernel_seq, p.kernel_heads, p.kernel_kv_heads, p.kernel_head_dim)
     for name, backend in backends:
         dtypes = [str(d).removeprefix("torch.") for d in backend.dtypes]
@@ -356,16 +422,16 @@ def kernel_rows(profile: Profile, device: torch.device, budget: Budget) -> list[
             r = _measure(rows, "kernels", label, budget, check, name, backend, case, device)
             if r is not None:
                 rows.append(_kernel_row(label, r))
-    _progress(f"kernels: {len(rows)} rows, {budget.elapsed():.0f} s")
-    return rows
+    _progress(f"kernels: {len(rows) - start} rows, {budget.elapsed():.0f} s")
+    return rows[start:]
 
 
-def replay_rows(profile: Profile, device: torch.device, budget: Budget) -> list[Row]:
-    """Section 2: the ring replayed in one process vs one fused call."""
+def replay_rows(profile: Profile, device: torch.device, budget: Budget, rows: list | None = None) -> list[Row]:
+    """The ring replayed in one process vs one fused call."""
     heads, kv_heads, head_dim = profile.replay_heads
     dtype = getattr(torch, profile.replay_dtype)
     tol, _ = tolerance(device.type, profile.replay_dtype)
-    rows = []
+    rows, start = _new_rows(rows)
     for seq in profile.replay_seqs:
         for cp in profile.replay_cps:
             for ring_window in profile.replay_ring_windows:
@@ -387,19 +453,19 @@ def replay_rows(profile: Profile, device: torch.device, budget: Budget) -> list[
                 )
                 target, status = replay_status(r, tol, profile.goals)
                 rows.append(Row("replay", case, result, target, status, r))
-    _progress(f"replay: {len(rows)} rows, {budget.elapsed():.0f} s")
-    return rows
+    _progress(f"replay: {len(rows) - start} rows, {budget.elapsed():.0f} s")
+    return rows[start:]
 
 
-def calibration_rows(profile: Profile, device: torch.device, budget: Budget) -> list[Row]:
+def calibration_rows(profile: Profile, device: torch.device, budget: Budget, rows: list | None = None) -> list[Row]:
     """The rates ``loongtrain plan --calibrate-gpu`` fits the planner's cluster with, measured here."""
     label = f"{profile.train_model_name} S={format_length(profile.train_cases[0].seq)} {profile.train_dtype}"
     dtype = getattr(torch, profile.train_dtype)
-    rows: list[Row] = []
+    rows, start = _new_rows(rows)
     r = _measure(rows, "calibrate", label, budget, calibration, profile.train_model, profile.train_cases[0].seq,
                  profile.calibration_seqs, dtype, device, profile.calibration_sizes, release=device)  # fmt: skip
     if r is None:
-        return rows
+        return rows[start:]
     parts = [f"matmul {r['matmul']['tflops']:.4g} TFLOP/s"]
     parts += [f"{a['kernel']} S={format_length(a['seq'])} fwd {a['fwd_s'] * 1e3:.2f} ms, fwd+bwd "
               f"{a['fwd_bwd_s'] * 1e3:.2f} ms" for a in r["attention"]]  # fmt: skip
@@ -408,14 +474,15 @@ def calibration_rows(profile: Profile, device: torch.device, budget: Budget) -> 
         parts.append(f"host link {r['host_link']['h2d_gbs']:.3g} / {r['host_link']['d2h_gbs']:.3g} GB/s in / out")
     parts.append(f"CPU AdamW {r['cpu_adamw']['params'] / r['cpu_adamw']['seconds'] / 1e6:.4g} M params/s")
     _progress(f"calibrate: {budget.elapsed():.0f} s")
-    return [Row("calibrate", label, "; ".join(parts), "loongtrain plan --calibrate-gpu", MEASURED, r)]
+    rows.append(Row("calibrate", label, "; ".join(parts), "loongtrain plan --calibrate-gpu", MEASURED, r))
+    return rows[start:]
 
 
-def speed_rows(profile: Profile, device: torch.device, budget: Budget) -> list[Row]:
+def speed_rows(profile: Profile, device: torch.device, budget: Budget, rows: list | None = None) -> list[Row]:
     """The kernel speed section: dense against SDPA's backends, packed documents against one sequence."""
     heads, kv_heads, head_dim = profile.replay_heads
     dtype = getattr(torch, profile.replay_dtype)
-    rows: list[Row] = []
+    rows, start = _new_rows(rows)
     for seq in profile.speed_seqs:
         case = f"dense causal S={format_length(seq)} H{heads}/G{kv_heads} {profile.replay_dtype}"
         r = _measure(rows, "speed", case, budget, dense_speed, seq, heads, kv_heads, head_dim, dtype, device,
@@ -447,8 +514,8 @@ def speed_rows(profile: Profile, device: torch.device, budget: Budget) -> list[R
         target = f">= {goal:.1f}x, peak <= one sequence's" if goal else "-"
         status = MEASURED if not goal else (MET if r["speedup"] >= goal and memory_ok else MISSED)
         rows.append(Row("speed", case, result, target, status, r))
-    _progress(f"speed: {len(rows)} rows, {budget.elapsed():.0f} s")
-    return rows
+    _progress(f"speed: {len(rows) - start} rows, {budget.elapsed():.0f} s")
+    return rows[start:]
 
 
 def replay_status(r: dict, tol: float, goals: bool) -> tuple[str, str]:
@@ -571,16 +638,14 @@ def _training_on_one_rank(
     ceilings: dict,
 ) -> None:
     """Body run in a one-rank process group (``launch`` with ``nproc=1``): appends to ``rows``;
-    ``ceilings`` holds each length's kernel rates, measured before its first row."""
+    ``ceilings`` holds each length's kernel rates, measured before its first row. A row starts only
+    where its estimate (:func:`~loongtrain.tools.gpucheck.train.row_seconds`, the length's ceiling
+    included when still to measure; at least ``reserve``) ends inside the budget."""
     state = one_rank_state()
     dtype = getattr(torch, profile.train_dtype)
     cluster, planner_note = planner_cluster(device, args.cluster)
     for case in cases:
         label = f"{profile.train_model_name} {case.label()}"
-        if budget.exhausted(reserve):
-            rows.append(_budget_row("training", label, budget))
-            continue
-        rates = _ceiling_rates(profile, case.seq, dtype, device, peak, ceilings, rows)
         try:
             budget_bytes = auto_budget_bytes(device, profile.auto_budget_gib)
             case, policy = resolve_auto_case(case, profile.train_model, dtype, budget_bytes, device.type == "cuda")
@@ -588,6 +653,14 @@ def _training_on_one_rank(
             rows.append(_error_row("training", label, exc))
             continue
         label = f"{profile.train_model_name} {case.label()}"
+        steps = profile.train_steps + profile.train_warmup
+        estimate = row_seconds(cluster, profile.train_model, case, dtype, steps) if budget.seconds else 0.0
+        if estimate and case.seq not in ceilings:
+            estimate += CEILING_S
+        if budget.exhausted(max(reserve, estimate)):
+            rows.append(_budget_row("training", label, budget, max(reserve, estimate)))
+            continue
+        rates = _ceiling_rates(profile, case.seq, dtype, device, peak, ceilings, rows)
         _progress(f"training {label} ...")
         try:
             m = measure_training_step(
@@ -608,25 +681,25 @@ def _training_on_one_rank(
         values = {**m, **asdict(case), "planner": pred, "planner_cluster": planner_note,
                   "policy": policy.describe() if policy is not None else None,
                   "ceiling": asdict(ceiling) if ceiling is not None else None,
-                  "of_ceiling": fraction_of_ceiling(m["tokens_per_s"], ceiling) if ceiling else None}  # fmt: skip
-        rows.append(Row("training", label, _train_result(m, pred, planner_note, ceiling), target, status, values))
+                  "of_ceiling": fraction_of_ceiling(m["tokens_per_s"], ceiling) if ceiling else None,
+                  "estimate_s": estimate}  # fmt: skip
+        row = Row("training", label, _train_result(m, pred, planner_note, ceiling), target, status, values)
+        rows.append(compiled_gain(row, rows))
 
 
-def compiled_gains(rows: list[Row]) -> None:
-    """Each compiled training row's tokens/s over the eager row of its length and policy (its
-    result and ``values['gain_over_eager']``), where both ran."""
-    eager = {
-        (r.values["seq"], r.values["checkpoint"]): r.values["tokens_per_s"]
-        for r in rows
-        if r.section == "training" and "tokens_per_s" in r.values and not r.values["compiled"]
-    }
+def compiled_gain(row: Row, rows: list[Row]) -> Row:
+    """A compiled training ``row`` with its tokens/s over the eager row of its length and policy
+    among ``rows`` (its result and ``values['gain_over_eager']``), where that ran; others as they are."""
+    if not row.values.get("compiled") or "tokens_per_s" not in row.values:
+        return row
+    key = (row.values["seq"], row.values["checkpoint"])
     for r in rows:
-        if r.section != "training" or not r.values.get("compiled") or "tokens_per_s" not in r.values:
-            continue
-        base = eager.get((r.values["seq"], r.values["checkpoint"]))
-        if base:
-            r.values["gain_over_eager"] = r.values["tokens_per_s"] / base
-            r.result = f"{r.values['gain_over_eager']:.2f}x the eager row; {r.result}"
+        if r.section == "training" and "tokens_per_s" in r.values and not r.values["compiled"]:
+            if (r.values["seq"], r.values["checkpoint"]) == key:
+                row.values["gain_over_eager"] = row.values["tokens_per_s"] / r.values["tokens_per_s"]
+                row.result = f"{row.values['gain_over_eager']:.2f}x the eager row; {row.result}"
+                break
+    return row
 
 
 def _longest_on_one_rank(device: torch.device, profile: Profile, peak: Peak, args, budget: Budget, rows: list) -> None:
@@ -638,6 +711,9 @@ def _longest_on_one_rank(device: torch.device, profile: Profile, peak: Peak, arg
     cluster, planner_note = planner_cluster(device, args.cluster)
     if cluster is None:
         rows.append(_skip_row("longest", profile.train_model_name, planner_note))
+        return
+    if budget.exhausted():
+        rows.append(_budget_row("longest", profile.train_model_name, budget))
         return
     left = min(LONGEST_SHARE_S, max(1.0, budget.seconds - budget.elapsed())) if budget.seconds else 0.0
     try:
@@ -671,16 +747,25 @@ def _longest_on_one_rank(device: torch.device, profile: Profile, peak: Peak, arg
                     FAIL, {"why": why}))  # fmt: skip
 
 
-def _memory_options_on_one_rank(device: torch.device, profile: Profile, peak: Peak, budget: Budget, rows: list) -> None:
+def _memory_options_on_one_rank(
+    device: torch.device, profile: Profile, peak: Peak, args, budget: Budget, rows: list
+) -> None:
     """The offload row (every memory option, beside the same run without offload) and the packed
-    documents row (a sliding window, beside the documents run as separate sequences)."""
+    documents row (a sliding window, beside the documents run as separate sequences); each starts
+    where its estimate ends inside the budget."""
     state = one_rank_state()
     dtype = getattr(torch, profile.train_dtype)
+    cluster, _ = planner_cluster(device, args.cluster) if budget.seconds else (None, "")
     name, case = profile.train_model_name, profile.offload_case
     label = f"{name} {case.label()}"
+    plain = TrainCase(case.seq, case.checkpoint, memory=dataclasses.replace(
+        case.options, offload_activations=False, offload_states=False))  # fmt: skip
+    estimate = row_seconds(cluster, profile.train_model, case, dtype, profile.offload_steps, PLANNER_OPTIMISM)
+    estimate += row_seconds(cluster, profile.train_model, plain, dtype, profile.offload_steps)
     _progress(f"memory: {label} ...")
     r = _measure(rows, "memory", label, budget, offload_pair, state, profile.train_model, case, dtype, device,
-                 profile.offload_steps, peak, functools.partial(release_memory, device), release=device)  # fmt: skip
+                 profile.offload_steps, peak, functools.partial(release_memory, device), release=device,
+                 estimate_s=estimate)  # fmt: skip
     if r is not None:
         base = r["baseline"]
         result = (
@@ -693,10 +778,15 @@ def _memory_options_on_one_rank(device: torch.device, profile: Profile, peak: Pe
         rows.append(Row("memory", label, result, target, PASS if r["same"] else FAIL, {**r, **asdict(case)}))
     case, window = profile.packed_case, profile.packed_window
     label = f"{name} {case.label()} packed documents (median {profile.packed_median}), window {window}"
+    # its two forwards at the initial weights (a second build) and its steps; the planner's step of one
+    # sequence bounds the packed one's
+    steps = profile.train_steps + profile.train_warmup + 1
+    estimate = row_seconds(cluster, profile.train_model, case, dtype, steps, STEP_FACTOR)
+    estimate += row_seconds(cluster, profile.train_model, case, dtype, 0)
     _progress(f"memory: {label} ...")
     r = _measure(rows, "memory", label, budget, packed_window_row, state, profile.train_model, case, window,
                  profile.packed_median, dtype, device, profile.train_steps, profile.train_warmup, peak,
-                 release=device)  # fmt: skip
+                 release=device, estimate_s=estimate)  # fmt: skip
     if r is not None:
         result = (
             f"{r['documents']} documents: loss {r['packed_loss']:.4f} packed vs {r['separate_loss']:.4f} as separate "
@@ -713,39 +803,52 @@ def _losses(values: list[float]) -> str:
     return "[" + ", ".join(f"{x:.4f}" for x in values) + "]"
 
 
-def memory_rows(profile: Profile, device: torch.device, peak: Peak, budget: Budget) -> list[Row]:
+def memory_rows(
+    profile: Profile, device: torch.device, peak: Peak, args, budget: Budget, rows: list | None = None
+) -> list[Row]:
     """The offload and packed-documents rows, in a one-rank process group."""
-    rows: list[Row] = []
-    launch(_memory_options_on_one_rank, 1, profile, peak, budget, rows, device=device.type)
-    _progress(f"memory: {len(rows)} rows, {budget.elapsed():.0f} s")
-    return rows
+    rows, start = _new_rows(rows)
+    launch(_memory_options_on_one_rank, 1, profile, peak, args, budget, rows, device=device.type)
+    _progress(f"memory: {len(rows) - start} rows, {budget.elapsed():.0f} s")
+    return rows[start:]
 
 
-def longest_rows(profile: Profile, device: torch.device, peak: Peak, args, budget: Budget) -> list[Row]:
+def longest_rows(
+    profile: Profile, device: torch.device, peak: Peak, args, budget: Budget, rows: list | None = None
+) -> list[Row]:
     """The longest-sequence row, in a one-rank process group."""
-    rows: list[Row] = []
+    rows, start = _new_rows(rows)
     launch(_longest_on_one_rank, 1, profile, peak, args, budget, rows, device=device.type)
-    return rows
+    return rows[start:]
 
 
 def training_rows(
-    profile: Profile, device: torch.device, peak: Peak, args, budget: Budget, compiled: bool, ceilings: dict
-) -> list:
-    """Section 3 (or the compiled rows at the end): training steps in a one-rank process group,
-    each length's ceiling first (``ceilings``: the kernel rates measured so far, by length)."""
+    profile: Profile, device: torch.device, peak: Peak, args, budget: Budget, compiled: bool, ceilings: dict,
+    rows: list | None = None,
+) -> list:  # fmt: skip
+    """The training steps (or the compiled rows) in a one-rank process group, each length's ceiling
+    first (``ceilings``: the kernel rates measured so far, by length)."""
     if compiled:
         cases, reserve = list(profile.compiled_cases), profile.compile_reserve_s
     else:
         cases = [dataclasses.replace(c, compiled=args.compile == "all") for c in profile.train_cases]
         reserve = 0.0
-    rows: list[Row] = []
+    rows, start = _new_rows(rows)
     launch(_training_on_one_rank, 1, profile, cases, peak, args, budget, reserve, rows, ceilings, device=device.type)
-    _progress(f"training: {len(rows)} rows, {budget.elapsed():.0f} s")
-    return rows
+    _progress(f"training: {len(rows) - start} rows, {budget.elapsed():.0f} s")
+    return rows[start:]
 
 
-def dist_rows(profile: Profile, device: torch.device, world: int, budget: Budget) -> list[Row]:
-    """Section 4: spawn ``world`` ranks (NCCL on GPUs, gloo on CPU) and collect their rows."""
+def dist_rows(
+    profile: Profile, device: torch.device, world: int, budget: Budget, rows: list | None = None
+) -> list[Row]:
+    """Spawn ``world`` ranks (NCCL on GPUs, gloo on CPU) and collect their rows."""
+    rows, start = _new_rows(rows)
+    rows += _dist_rows(profile, device, world, budget)
+    return rows[start:]
+
+
+def _dist_rows(profile: Profile, device: torch.device, world: int, budget: Budget) -> list[Row]:
     if world < 2:
         found = torch.cuda.device_count() if device.type == "cuda" else 0
         why = f"needs 2+ GPUs, {found} visible" if device.type == "cuda" else "--dist-world < 2"
@@ -841,20 +944,23 @@ def main(args: argparse.Namespace) -> None:
     env = environment(device, peak, profile.train_dtype)
     env["train_model"] = asdict(profile.train_model)
     _progress(f"{env}")
-    rows = kernel_rows(profile, device, budget)
-    rows += calibration_rows(profile, device, budget)
+    rows = RowLog(args.jsonl, {"profile": profile.name, "environment": env}, clock=budget.elapsed)
+    # correctness first (the kernels, then the offload run that proves the step-3 NaN gone and the
+    # packed documents), so that a budget or a timeout cuts measurements, not them; speed after
+    kernel_rows(profile, device, budget, rows)
+    memory_rows(profile, device, peak, args, budget, rows)
+    calibration_rows(profile, device, budget, rows)
     ceilings: dict = {}  # kernel rates by length, measured once for the eager and the compiled rows
-    rows += training_rows(profile, device, peak, args, budget, compiled=False, ceilings=ceilings)
+    training_rows(profile, device, peak, args, budget, compiled=False, ceilings=ceilings, rows=rows)
+    speed_rows(profile, device, budget, rows)
+    replay_rows(profile, device, budget, rows)
     if args.compile == "extra":  # beside the eager rows: the compiled path's gain is a goal of its own
-        rows += training_rows(profile, device, peak, args, budget, compiled=True, ceilings=ceilings)
-        compiled_gains(rows)
-    rows += memory_rows(profile, device, peak, budget)
-    rows += longest_rows(profile, device, peak, args, budget)
-    rows += speed_rows(profile, device, budget)
-    rows += replay_rows(profile, device, budget)
-    rows += dist_rows(profile, device, world, budget)
+        training_rows(profile, device, peak, args, budget, compiled=True, ceilings=ceilings, rows=rows)
+    longest_rows(profile, device, peak, args, budget, rows)
+    dist_rows(profile, device, world, budget, rows)
     failures = sum(r.status == FAIL for r in rows)
     env["elapsed_s"] = budget.elapsed()
+    rows.close({"failures": failures, "rows": len(rows), "elapsed_s": env["elapsed_s"]})
     print(
         f"loongtrain GPU check, {profile.name} profile: torch {env['torch']}, "
         f"{env.get('gpu', env.get('cpu'))}, flash_attn {env['flash_attn']}; "
@@ -864,8 +970,9 @@ def main(args: argparse.Namespace) -> None:
     print(f"{failures} failed, {sum(r.status == SKIP for r in rows)} skipped, {len(rows)} rows")
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
-    report = {"profile": profile.name, "environment": env, "failures": failures, "rows": [asdict(r) for r in rows]}
-    path.write_text(json.dumps(report, indent=1) + "\n")
+    report = {"profile": profile.name, "environment": env, "failures": failures, "complete": True,
+              "rows": [asdict(r) for r in rows]}  # fmt: skip
+    path.write_text(json.dumps(report, indent=1, default=str) + "\n")
     print(f"written to {path}")
     if failures:
         raise SystemExit(1)
@@ -879,6 +986,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cuda: one GPU's sizes; cpu: tiny sizes (what the tests run); auto: cuda if visible",
     )
     parser.add_argument("--json", default="runs/gpu_check.json", help="where the table is written as JSON")
+    parser.add_argument(
+        "--jsonl",
+        default=None,
+        help="also write each row to this file as a JSON line the moment it is measured (a killed check keeps them)",
+    )
     parser.add_argument(
         "--dist-world",
         type=int,
@@ -896,7 +1008,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--budget-s",
         type=float,
         default=None,
-        help="skip items that would start after this many seconds (default 360 on CUDA, none on CPU)",
+        help="skip items whose estimate ends after this many seconds (default 300 on CUDA, none on CPU)",
     )
     parser.add_argument(
         "--peak-tflops",

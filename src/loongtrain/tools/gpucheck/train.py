@@ -33,6 +33,7 @@ from loongtrain.planner.policy import CheckpointPolicy, auto_policy
 from loongtrain.planner.report import format_length
 from loongtrain.planner.specs import CLUSTER_PRESETS
 from loongtrain.tools.bench.documents import document_lengths
+from loongtrain.tools.gpucheck.goals import SAME_LOSS_RTOL
 from loongtrain.tools.harness import median_time, sync
 from loongtrain.train.memory_policy import USABLE_FRACTION
 from loongtrain.train.metrics import device_peak_tflops, mfu, reset_peak_memory
@@ -294,9 +295,27 @@ def longest_case(cluster: ClusterSpec, cfg: ModelConfig, dtype: torch.dtype, sec
     return TrainCase(seq, options.activation_checkpoint, memory=options), answer.seq_len, why
 
 
-#: Largest difference of a step's loss between two runs that should compute the same (bf16
-#: compute; nondeterministic kernels): relative to the loss.
-SAME_LOSS_RTOL = 2e-3
+#: What a row costs beside its steps on a GPU: building the model and optimizer and the warm-up's
+#: one-off work (kernel plans, the allocator's growth). A guess until a GPU run records it: every
+#: row of the check and of the peer benchmark carries its estimate and its wall time.
+BUILD_S = 10.0
+#: Measured / planned step time on one H200 (2026-12-04): loongtrain 1.8x without offload, 2.9x with
+#: every memory option (:data:`PLANNER_OPTIMISM`); transformers 1.2-1.35x of the planner's step
+#: with the same checkpointing.
+STEP_FACTOR = 2.0
+PEER_STEP_FACTOR = 1.5
+
+
+def row_seconds(
+    cluster: ClusterSpec | None, cfg: ModelConfig, case: TrainCase, dtype: torch.dtype, steps: int,
+    factor: float = STEP_FACTOR,
+) -> float:  # fmt: skip
+    """Estimated wall seconds of a row of ``steps`` steps (warm-up and profiled ones included) of
+    ``case``: :data:`BUILD_S` + ``steps`` x ``factor`` x the planner's step on one device of
+    ``cluster``; 0 without a cluster (nothing to estimate with: the row starts while any budget is left)."""
+    if cluster is None:
+        return 0.0
+    return BUILD_S + steps * factor * predict_step(cluster, cfg, case, dtype)["step_s"]
 
 
 def offload_pair(
