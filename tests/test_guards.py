@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -384,3 +385,28 @@ def test_a_checkpoint_holding_a_nan_is_refused_at_resume(dist_pool, tmp_path):
     print(out)
     assert out.startswith(f"CheckpointError: {tmp_path / 'checkpoints' / 'step-1'} holds non-finite weights")
     assert "in layers.1.attention.wo.weight" in out
+
+
+def _gpu_check_row(lr: float) -> str:
+    """A training row of the GPU check (``measure_training_step``) at a learning rate so large
+    that the loss overflows: its error, or "" if it trained."""
+    from loongtrain.config import OptimSection
+    from loongtrain.model import model_config
+    from loongtrain.parallel import ParallelConfig, init_parallel
+    from loongtrain.tools.gpucheck.train import Peak, TrainCase, measure_training_step
+
+    state = init_parallel(ParallelConfig(cp=2), device=torch.device("cpu"))
+    try:
+        measure_training_step(state, model_config("debug"), TrainCase(64, "none"), torch.float32,
+                              torch.device("cpu"), steps=3, warmup=1, peak=Peak(1.0, "test"),
+                              optim=OptimSection(lr=lr, warmup_steps=0))  # fmt: skip
+    except GuardStop as e:
+        return str(e)
+    return ""
+
+
+def test_the_gpu_checks_training_rows_stop_on_a_nonfinite_loss(dist_pool):
+    out = dist_pool(2).run(_gpu_check_row, 1e30)[0]
+    line = r"training step 2: the (loss|gradient norm) is nan; first parameter with a non-finite gradient: \S+"
+    assert re.fullmatch(line + "; the step was not applied", out), out
+    assert dist_pool(2).run(_gpu_check_row, 1e-3)[0] == ""

@@ -48,6 +48,18 @@ def _microbatch_text(run: Run, out: StepOutput, first_index: int) -> str:
     return f"{which} ({format_samples(samples)})"
 
 
+def nonfinite_summary(out: StepOutput) -> str:
+    """What was not finite in a stopped step: the loss or the gradient norm, and the first
+    parameter with a non-finite gradient."""
+    what = f"the loss is {out.loss}" if not math.isfinite(out.loss) else f"the gradient norm is {out.grad_norm}"
+    return what + _culprit(out)
+
+
+def _culprit(out: StepOutput) -> str:
+    culprit = out.nonfinite_gradient
+    return f"; first parameter with a non-finite gradient: {culprit}" if culprit else "; every gradient is finite"
+
+
 def stop_message(run: Run, guard: StepGuard, step: int, out: StepOutput, first_index: int) -> str:
     """The one line a stopped step ends the job with: the step, what was not finite (or the
     spikes/skips), the first parameter with a non-finite gradient, the microbatch and its
@@ -60,8 +72,7 @@ def stop_message(run: Run, guard: StepGuard, step: int, out: StepOutput, first_i
             samples = range(first_index, first_index + run.cfg.data.global_batch)
             finite = f"the loss {out.loss:.4f} is finite; {format_samples(samples)}"
             what = f"the gradient norm is {out.grad_norm} ({finite})"
-        culprit = out.nonfinite_gradient
-        what += f"; first parameter with a non-finite gradient: {culprit}" if culprit else "; every gradient is finite"
+        what += _culprit(out)
         fix = "lower optim.lr (or raise optim.warmup_steps)"
         skip = "raise guard.max_skips" if o.nonfinite == "skip" else "set guard.nonfinite=skip to skip such steps"
         fix += f", or {skip}"

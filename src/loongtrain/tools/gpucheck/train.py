@@ -26,7 +26,7 @@ from loongtrain.config import OptimSection
 from loongtrain.data.batch import Microbatch
 from loongtrain.model import ModelConfig, build_model
 from loongtrain.model.loss import IGNORE_INDEX
-from loongtrain.options import checkpoint_label
+from loongtrain.options import GuardOptions, checkpoint_label
 from loongtrain.parallel import ParallelConfig, ParallelState, init_parallel
 from loongtrain.planner import Candidate, ClusterSpec, PlanError, Workload, cluster_spec, estimate
 from loongtrain.planner.policy import CheckpointPolicy, auto_policy
@@ -35,6 +35,8 @@ from loongtrain.planner.specs import CLUSTER_PRESETS
 from loongtrain.tools.bench.documents import document_lengths
 from loongtrain.tools.gpucheck.goals import SAME_LOSS_RTOL
 from loongtrain.tools.harness import median_time, sync
+from loongtrain.train.guard import GuardStop, StepGuard
+from loongtrain.train.guard_actions import nonfinite_summary
 from loongtrain.train.memory_policy import USABLE_FRACTION
 from loongtrain.train.metrics import device_peak_tflops, mfu, reset_peak_memory
 from loongtrain.train.spec import build_optimizer
@@ -205,11 +207,15 @@ def measure_training_step(
         data = random_tokens(cfg, case.seq, device)
         batch = [(data[:, :-1], data[:, 1:])]
     losses: list[float] = []
+    guard = StepGuard(GuardOptions(nonfinite="stop", spike="off"))  # the trainer's guard: never a NaN row
 
     def step() -> float:
         sync(device)
         t0 = time.perf_counter()
-        losses.append(train_step(model, optimizer, state, batch, lr=optim.lr, grad_clip=optim.grad_clip).loss)
+        out = train_step(model, optimizer, state, batch, lr=optim.lr, grad_clip=optim.grad_clip, guard=guard)
+        if out.verdict.action == "stop":
+            raise GuardStop(f"training step {len(losses) + 1}: {nonfinite_summary(out)}; the step was not applied")
+        losses.append(out.loss)
         sync(device)
         return time.perf_counter() - t0
 
