@@ -44,6 +44,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "eval": ("loongtrain.tools.bench.eval", "the evaluation's forward vs a training step: tokens/s at the same length"),
     "generate": ("loongtrain.tools.bench.generate", "generation: prefill vs forward, decode, cache; vs transformers"),
     "data": ("loongtrain.tools.bench.data", "the loader: ms to draw a step of long sequences, one file vs a mixture"),
+    "guard": ("loongtrain.tools.bench.guard", "the guard and per-source losses: host reads and step time vs without"),
 }
 
 
