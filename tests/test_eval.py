@@ -407,3 +407,24 @@ def test_heldout_loss_windows_are_the_training_sources_eval_sequences(tmp_path):
         tokens, labels = source.sample(i, "eval")[:2]
         assert torch.equal(window.tokens, tokens) and torch.equal(window.labels, labels)
         assert window.start == (source.train_sequences + i) * 128 and not window.crosses_documents
+
+
+def test_a_mixture_gives_the_text_needles_its_first_sources_filler_and_held_out_windows(tmp_path):
+    pytest.importorskip("transformers")
+    import numpy as np
+
+    from loongtrain.data import write_tokens
+
+    from hf_tiny import add_tokenizer
+
+    add_tokenizer(tmp_path / "tok", 256)
+    files = {}
+    for name in ("books", "code"):
+        files[name] = tmp_path / f"{name}.tok"
+        write_tokens(files[name], np.arange(20_000) % 200 + 3, vocab_size=256, eos=2)
+    overrides = [
+        "data.source=tokens", "data.seq_len=128", "eval.task=text", f"eval.tokenizer={tmp_path / 'tok'}",
+        "eval.lengths=128", "eval.needles=1", *(f"data.sources.{n}.path={p}" for n, p in files.items()),
+    ]  # fmt: skip
+    plan = make_plan(load_config(None, overrides), ModelConfig(), 1, 1)
+    assert plan.filler == str(files["books"]) and plan.loss_file == str(files["books"])  # the first in the config

@@ -231,7 +231,7 @@ class GuardSection(option_keys(GuardOptions)):
 class DataSourceSection:
     """``[data.sources.NAME]``: one source of a mixture of token files."""
 
-    path: str = option("", "token file of this source (made by `loongtrain prepare`)")
+    path: str = option("", "token file of this source (made by loongtrain prepare)")
     weight: float = option(
         1.0,
         "share of the mix's tokens; weights are normalised (they need not sum to 1), so equal weights mix equally",
@@ -267,7 +267,7 @@ class DataSection:
         "recall (synthetic associative recall) or tokens (a token file, or a mixture of them in [data.sources.NAME])",
         choices=("recall", "tokens"),
     )
-    path: str = option("", "token file for source=tokens (made by `loongtrain prepare`); a mixture: [data.sources]")
+    path: str = option("", "token file for source=tokens (made by loongtrain prepare); a mixture: [data.sources]")
     seq_len: int = option(256, "tokens per sequence; a multiple of 2*hp*cp", bound="positive")
     pack: bool = option(
         False,
@@ -380,8 +380,8 @@ class EvalSection:
     )
     tokens: str = option(
         "",
-        "token file (`loongtrain prepare`) of real text: the needles' filler and the loss by position; empty: "
-        "the run's data.path (its held-out windows for the loss) or synthetic filler",
+        "token file (made by loongtrain prepare) of real text: the needles' filler and the loss by position; empty: "
+        "the run's data.path or its mixture's first source (held-out windows for the loss), else synthetic filler",
     )
     tokenizer: str = option(
         "", "text needles: tokenizer (HF folder or tokenizer.json); empty: model.init_from's or the run's imported one"

@@ -182,14 +182,16 @@ def make_plan(
                 f"{model.vocab_size}: not this model's tokenizer; set eval.tokenizer"
             )
     filler = ""
+    # the run's token file; a mixture's first source (its held-out tail is that source's held-out data)
+    data_file = cfg.data.path or next((source.path for source in cfg.data.sources.values()), "")
     if task == "text":
-        filler = e.tokens or (cfg.data.path if cfg.data.source == "tokens" else "")
+        filler = e.tokens or (data_file if cfg.data.source == "tokens" else "")
     loss_file, heldout, loss_len = "", False, 0
     if e.loss_windows and task == "text":
         if e.tokens:
             loss_file, loss_len = e.tokens, e.loss_len or max(lengths)
         elif cfg.data.source == "tokens":
-            loss_file, heldout, loss_len = cfg.data.path, True, cfg.data.seq_len
+            loss_file, heldout, loss_len = data_file, True, cfg.data.seq_len
             if e.loss_len and e.loss_len != cfg.data.seq_len:
                 raise ConfigError(
                     f"eval.loss_len={e.loss_len}: the run's held-out windows have data.seq_len={cfg.data.seq_len} "
