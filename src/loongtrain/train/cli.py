@@ -11,6 +11,7 @@ import argparse
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import traceback
@@ -216,8 +217,10 @@ def main(
         for notice in spec.notices:
             say(f"notice: {notice}")
     if under_torchrun():
-        # the ranks of one torchrun job share the folder; its holder is the agent (their parent)
-        job = os.environ.get("TORCHELASTIC_RUN_ID", "torchrun")
+        # the ranks of one torchrun job share the folder; its holder is the agent (their parent). torchrun's
+        # default run id is "none" for every job: then the job is this node's agent
+        job = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        job = f"torchrun-{socket.gethostname()}-{os.getppid()}" if job == "none" else job
         try:
             acquire(cfg.run.output_dir, Holder.this_process(job, pid=os.getppid(), command="torchrun"))
         except (RunFolderBusy, OSError) as e:
