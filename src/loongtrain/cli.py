@@ -1,5 +1,5 @@
-"""The ``loongtrain`` command: ``train``, ``eval``, ``generate``, ``export``, ``plan``, ``prepare``,
-``data-inspect``, ``demo``, ``gpu-check``, and ``bench attention|documents|memory|train|prepare|eval|generate|data``.
+"""The ``loongtrain`` command: the subcommands of :data:`COMMANDS` and the benchmarks of
+:data:`BENCHES` (``loongtrain bench NAME``).
 
 Each command's module is imported only when that command runs (or shows its help), so
 ``loongtrain plan`` does not pay for torch.
