@@ -155,9 +155,9 @@ def test_stage_and_resume_refusals(tmp_path):
     with pytest.raises(ConfigError, match="both give the initial weights: keep one"):
         load_config(None, [*common, f"checkpoint.init_from={tmp_path}", f"model.init_from={tmp_path}"])
     # a resume whose data changed: the checkpoint records the fingerprint of the data it was written on
-    from loongtrain.train.spec import data_fingerprint, make_source
+    from loongtrain.train.spec import make_source, source_fingerprint
 
-    written = data_fingerprint(make_source(load_config(None, common)))
+    written = source_fingerprint(make_source(load_config(None, common)))
     run = tmp_path / "run" / "checkpoints" / "step-2"
     run.mkdir(parents=True)
     state = {"step": 2, "model_shape": shape, "data": {"next_index": 8, "fingerprint": written}}

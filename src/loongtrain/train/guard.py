@@ -159,8 +159,15 @@ def display_name(name: str) -> str:
     return name
 
 
-def _first_flagged(flags: list[bool], names: list[str], device: torch.device) -> str | None:
-    """Collective: the first name whose flag is set on any rank."""
+@torch.no_grad()
+def _first_nonfinite(model: torch.nn.Module, device: torch.device, of) -> str | None:
+    """Collective: the first parameter (in the model's order) for which ``of(parameter)`` (a
+    tensor, or None: nothing to check) holds a NaN or an infinity on any rank, or None."""
+    names, flags = [], []
+    for name, p in model.named_parameters():
+        names.append(display_name(name))
+        t = of(p)
+        flags.append(t is not None and not bool(torch.isfinite(_local(t)).all()))
     tensor = torch.tensor(flags or [False], dtype=torch.float32, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
@@ -168,23 +175,14 @@ def _first_flagged(flags: list[bool], names: list[str], device: torch.device) ->
     return names[hit[0]] if hit else None
 
 
-@torch.no_grad()
 def first_nonfinite_gradient(model: torch.nn.Module, device: torch.device) -> str | None:
-    """Collective: the first parameter (in the model's order) whose gradient holds a NaN or an
-    infinity on any rank, or None."""
-    names, flags = [], []
-    for name, p in model.named_parameters():
-        names.append(display_name(name))
-        flags.append(p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all()))
-    return _first_flagged(flags, names, device)
+    """Collective: the first parameter whose gradient holds a NaN or an infinity on any rank, or None."""
+    return _first_nonfinite(model, device, lambda p: p.grad)
 
 
-@torch.no_grad()
 def first_nonfinite_parameter(model: torch.nn.Module, device: torch.device) -> str | None:
     """Collective: the first parameter whose weights hold a NaN or an infinity on any rank, or None."""
-    names = [display_name(name) for name, _ in model.named_parameters()]
-    flags = [not bool(torch.isfinite(_local(p)).all()) for _, p in model.named_parameters()]
-    return _first_flagged(flags, names, device)
+    return _first_nonfinite(model, device, lambda p: p)
 
 
 @torch.no_grad()

@@ -78,14 +78,23 @@ def make_source(cfg: TrainConfig) -> Source:
         return make_mixture(cfg)
     file = TokenFile(d.path)
     eos = d.eos_id if d.eos_id >= 0 else None  # None: the file's (documents come from its flags when it has them)
-    if d.pack and file.flags is None and eos is None and file.eos is None:
-        raise ConfigError(
-            f"data.pack=true needs document boundaries, but {d.path} has no per-token flags and records no "
-            f"end-of-document token (written before loongtrain recorded them, or by a tokenizer without one); "
-            f"set data.eos_id or re-create it with `loongtrain prepare`"
-        )
+    missing = missing_boundaries(file, eos, "data.pack=true" if d.pack else "")
+    if missing:
+        raise ConfigError(missing)
     source = TokenFileSource(file, d.seq_len, d.seed, eos=eos, pack=d.pack, long_documents=d.long_documents)
     return LengthGroupedSource(source, d.group_by_length, d.global_batch) if d.group_by_length else source
+
+
+def missing_boundaries(file: TokenFile, eos: int | None, needs: str) -> str | None:
+    """Why ``needs`` (a setting that cuts at document boundaries; "" for none) cannot run on
+    ``file``, which records no boundaries and is given no ``eos``; None when it can."""
+    if not needs or file.flags is not None or eos is not None or file.eos is not None:
+        return None
+    return (
+        f"{needs} needs document boundaries, but {file.path} has no per-token flags and records no end-of-document "
+        f"token (written before loongtrain recorded them, or by a tokenizer without one); set data.eos_id or "
+        f"re-create it with `loongtrain prepare`"
+    )
 
 
 def open_source_file(name: str, path: str) -> TokenFile:
@@ -114,12 +123,11 @@ def make_mixture(cfg: TrainConfig) -> MixtureSource:
     parts = {}
     for name, s in d.sources.items():
         file, policy = files[name], s.long_documents or d.long_documents
-        needs = "data.pack=true" if d.pack else "long_documents='drop'" if policy == "drop" else ""
-        if needs and file.flags is None and eos is None and file.eos is None:
-            raise TokenFileError(
-                f"data.sources.{name}: {needs} needs document boundaries, but {s.path} has no per-token flags and "
-                f"records no end-of-document token; set data.eos_id or re-create it with `loongtrain prepare`"
-            )
+        missing = missing_boundaries(
+            file, eos, "data.pack=true" if d.pack else "long_documents='drop'" if policy == "drop" else ""
+        )  # fmt: skip
+        if missing:
+            raise TokenFileError(f"data.sources.{name}: {missing}")
         try:
             parts[name] = token_source(
                 file, d.seq_len, name=name, seed=d.seed, eos=eos, pack=d.pack, long_documents=policy,
@@ -131,7 +139,7 @@ def make_mixture(cfg: TrainConfig) -> MixtureSource:
     return MixtureSource(parts, {name: s.weight for name, s in d.sources.items()})
 
 
-def data_fingerprint(source: object) -> str | None:
+def source_fingerprint(source: object) -> str | None:
     """The fingerprint of what decides a source's samples (token files, mixture, seq_len, seed),
     which a checkpoint records; None for a synthetic task."""
     fingerprint = getattr(source, "fingerprint", None)

@@ -104,6 +104,16 @@ def agree_and_count(batches: list[Microbatch], shards: list[ShardedBatch], state
     return int(sum(row[0] for row in rows))
 
 
+class SourceNumbers(NamedTuple):
+    """One source's numbers in a step (a mixture): its loss per target token (nan: no target),
+    its target tokens and its tokens, in the global batch."""
+
+    name: str
+    loss: float
+    targets: int
+    tokens: int
+
+
 @dataclass(frozen=True)
 class StepResult:
     """Global results of one step (the same on every rank)."""
@@ -113,25 +123,9 @@ class StepResult:
     targets: int  # target tokens in the global batch
     layouts: tuple[str, ...] = ()  # this replica's hp x cp (and balance, where not the state's) per microbatch
     microbatch_losses: tuple[float, ...] = ()  # each microbatch's share of the loss (over every replica)
-    # a mixture (``source_names``): per source, the loss per target token (nan: no target), its target
-    # tokens and its tokens (in the global batch)
-    source_losses: tuple[float, ...] = ()
-    source_targets: tuple[int, ...] = ()
-    source_tokens: tuple[int, ...] = ()
-    source_names: tuple[str, ...] = ()
-
-    def source_numbers(self) -> tuple[SourceNumbers, ...]:
-        """Each source's numbers, by name."""
-        return tuple(map(SourceNumbers, self.source_names, self.source_losses, self.source_targets, self.source_tokens))
+    sources: tuple[SourceNumbers, ...] = ()  # a mixture (``source_names``): each source's numbers
 
 
-class SourceNumbers(NamedTuple):
-    """One source's numbers in a step (a mixture): loss per target token, targets, tokens."""
-
-    name: str
-    loss: float
-    targets: int
-    tokens: int
 
 
 def as_microbatch(batch: Microbatch | tuple[torch.Tensor, torch.Tensor]) -> Microbatch:
@@ -192,7 +186,10 @@ def forward_backward(
     dist.all_reduce(sums)
     loss_sum, correct, *rest = sums.tolist()
     per_microbatch, source_sums = rest[:m], rest[m : m + g]
-    source_targets, source_tokens = rest[m + g : m + 2 * g], rest[m + 2 * g :]
+    sources = tuple(
+        SourceNumbers(name, total / targets if targets else math.nan, int(targets), int(tokens))
+        for name, total, targets, tokens in zip(source_names, source_sums, rest[m + g : m + 2 * g], rest[m + 2 * g :])
+    )
     own = state.config.balance
     layouts = tuple(
         f"{sb.layout.hp}x{sb.layout.cp}" + ("" if sb.layout.balance == own else f" {sb.layout.balance}")
@@ -201,7 +198,5 @@ def forward_backward(
     return StepResult(
         loss=loss_sum, accuracy=correct / total_targets, targets=int(total_targets), layouts=layouts,
         microbatch_losses=tuple(per_microbatch),
-        source_losses=tuple(s / n if n else math.nan for s, n in zip(source_sums, source_targets)),
-        source_targets=tuple(int(n) for n in source_targets), source_tokens=tuple(int(n) for n in source_tokens),
-        source_names=tuple(source_names),
+        sources=sources,
     )  # fmt: skip

@@ -57,7 +57,7 @@ from loongtrain.train.preflight import preflight
 from loongtrain.train.report import Reporter, StepMetrics
 from loongtrain.train.run_folder import METRICS_FILE, RunStart, start_run, trim_metrics
 from loongtrain.train.schedule import lr_at
-from loongtrain.train.spec import RunSpec, build_optimizer, data_fingerprint, model_shape
+from loongtrain.train.spec import RunSpec, build_optimizer, model_shape, source_fingerprint
 from loongtrain.train.stages import check_stage_shape, keep_stage_source, load_stage, stage_checkpoint
 from loongtrain.train.step import SourceNumbers, forward_backward
 
@@ -101,6 +101,7 @@ class Run:
     # the guard's rollbacks so far and the sample ranges they skipped (kept in every checkpoint)
     guard_record: dict = field(default_factory=lambda: {"rollbacks": 0, "skipped_samples": []})
     stage_from: Path | None = None  # checkpoint.init_from: the checkpoint this stage started from
+    data_fingerprint: str | None = None  # the data's identity, recorded in every checkpoint (made once)
 
     def save_due(self, done: int) -> bool:
         """Whether a checkpoint is due after ``done`` steps."""
@@ -110,7 +111,7 @@ class Run:
     def save(self, done: int) -> None:
         """Collective: checkpoint the model, optimizer and data position after ``done`` steps."""
         shape, layout = model_shape(self.spec.model), str(self.spec.parallel)
-        data = {**self.loader.state_dict(), "fingerprint": data_fingerprint(self.loader.source)}
+        data = {**self.loader.state_dict(), "fingerprint": self.data_fingerprint}
         trainer_state = {"data": data, "model_shape": shape, "layout": layout, "guard": self.guard_record}
         self.checkpoints.save(done, self.model, self.optimizer, trainer_state)
 
@@ -162,15 +163,14 @@ def build_run(device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat 
     checkpoints = CheckpointManager(checkpoint_dir, cfg.checkpoint.keep, run_id=folder.run_id, say=say)
 
     start, resumed_from, stage_from = 0, None, None
+    fingerprint = source_fingerprint(loader.source)
     guard_record = {"rollbacks": 0, "skipped_samples": []}
     if folder.resuming:
         beat(0, "load")
         found = checkpoints.find_resumable(cfg.checkpoint.on_damaged)
         if found is not None:
             trainer_state = checkpoints.load(found[1], model, optimizer, model_shape(spec.model))
-            check_data_fingerprint(
-                found[1], trainer_state, data_fingerprint(loader.source), cfg.checkpoint.allow_data_change
-            )  # fmt: skip
+            check_data_fingerprint(found[1], trainer_state, fingerprint, cfg.checkpoint.allow_data_change)
             start, resumed_from = trainer_state["step"], found[1]
             loader.load_state_dict(trainer_state["data"])
             guard_record = trainer_state.get("guard", guard_record)
@@ -186,7 +186,7 @@ def build_run(device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat 
         (run_dir / "config.toml").write_text(to_toml(cfg))
     run = Run(
         cfg, spec, device, state, model, optimizer, loader, checkpoints, folder, start, resumed_from, choose, policy,
-        guard_record, stage_from,
+        guard_record, stage_from, fingerprint,
     )  # fmt: skip
     if resumed_from is not None or stage_from is not None:
         refuse_nonfinite_weights(run, resumed_from or stage_from)
@@ -302,7 +302,7 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     return StepOutput(
         loss=result.loss, accuracy=result.accuracy, grad_norm=norm, layouts=result.layouts, verdict=verdict,
-        microbatch_losses=result.microbatch_losses, nonfinite_gradient=culprit, sources=result.source_numbers(),
+        microbatch_losses=result.microbatch_losses, nonfinite_gradient=culprit, sources=result.sources,
     )  # fmt: skip
 
 
@@ -325,9 +325,9 @@ def evaluate(run: Run, batches: int) -> Evaluation:
         )  # fmt: skip
         loss += result.loss / batches
         acc += result.accuracy / batches
-        for g, (value, n) in enumerate(zip(result.source_losses, result.source_targets)):
-            sums[g] += value * n if n else 0.0
-            targets[g] += n
+        for g, numbers in enumerate(result.sources):
+            sums[g] += numbers.loss * numbers.targets if numbers.targets else 0.0
+            targets[g] += numbers.targets
     return Evaluation(loss, acc, {name: s / n if n else math.nan for name, s, n in zip(names, sums, targets)})
 
 

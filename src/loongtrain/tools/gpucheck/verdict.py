@@ -264,39 +264,49 @@ def _speed(check: dict | None, lengths: _Lengths) -> list[Goal]:
     return goals
 
 
+def _row_goal(name: str, target: str, found: tuple[dict | None, str], judged: bool, measure) -> Goal:
+    """A goal read off one training row: ``found`` is ``(row values or None, where)``;
+    ``measure(values, where)`` gives ``(measured text, met)``, or a reason it cannot be judged."""
+    v, where = found
+    result = "no row" if v is None else measure(v, where)
+    if isinstance(result, str):
+        return Goal(name, result, target, NOT_RUN)
+    text, met = result
+    return Goal(name, text, target, _judge(met, judged))
+
+
 def _training_goals(check: dict | None, peer: dict | None, lengths: _Lengths) -> list[Goal]:
     goals = []
     present = _train_lengths(check, peer)
     for (goal_len, mode), goal in TOKENS_GOAL.items():
         seq = lengths.pick(goal_len, present)
-        v, where = _training(check, peer, seq, mode)
+
+        def tokens(v, where, goal=goal):
+            ceiling = f", {v['of_ceiling']:.0%} of ceiling" if v.get("of_ceiling") else ""
+            return f"{v['tokens_per_s']:,.0f} ({where}{ceiling})", v["tokens_per_s"] >= goal
+
         name = f"tok/s {mode}, {format_length(seq or goal_len)}"
-        if v is None:
-            goals.append(Goal(name, "no row", f">= {goal:,}", NOT_RUN))
-            continue
-        ceiling = f", {v['of_ceiling']:.0%} of ceiling" if v.get("of_ceiling") else ""
-        goals.append(Goal(name, f"{v['tokens_per_s']:,.0f} ({where}{ceiling})", f">= {goal:,}",
-                          _judge(v["tokens_per_s"] >= goal, lengths.judged)))  # fmt: skip
+        goals.append(_row_goal(name, f">= {goal:,}", _training(check, peer, seq, mode), lengths.judged, tokens))
     for (goal_len, mode), goal in PEAK_GIB_GOAL.items():
         seq = lengths.pick(goal_len, present)
-        v, where = _training(check, peer, seq, mode)
+
+        def peak(v, where, goal=goal):
+            return f"{v['peak_memory_gib']:.3g} GiB ({where})", v["peak_memory_gib"] <= goal
+
         name = f"peak memory {mode}, {format_length(seq or goal_len)}"
-        if v is None:
-            goals.append(Goal(name, "no row", f"<= {goal:g} GiB", NOT_RUN))
-            continue
-        goals.append(Goal(name, f"{v['peak_memory_gib']:.3g} GiB ({where})", f"<= {goal:g} GiB",
-                          _judge(v["peak_memory_gib"] <= goal, lengths.judged)))  # fmt: skip
+        goals.append(_row_goal(name, f"<= {goal:g} GiB", _training(check, peer, seq, mode), lengths.judged, peak))
     for goal_len in (SHORT, LONG):
         seq = lengths.pick(goal_len, present)
-        v, where = _training(check, peer, seq, "auto")
+
+        def planned(v, where):
+            if not v.get("planner"):
+                return "no planner prediction"
+            ratio = v["peak_memory_gib"] / v["planner"]["memory_gib"]
+            return f"{ratio:.3f} ({where})", abs(ratio - 1) <= POLICY_MEMORY_GOAL
+
         name = f"auto peak / planner's, {format_length(seq or goal_len)}"
         target = f"within {POLICY_MEMORY_GOAL:.0%}"
-        if v is None or not v.get("planner"):
-            goals.append(Goal(name, "no row" if v is None else "no planner prediction", target, NOT_RUN))
-            continue
-        ratio = v["peak_memory_gib"] / v["planner"]["memory_gib"]
-        goals.append(Goal(name, f"{ratio:.3f} ({where})", target,
-                          _judge(abs(ratio - 1) <= POLICY_MEMORY_GOAL, lengths.judged)))  # fmt: skip
+        goals.append(_row_goal(name, target, _training(check, peer, seq, "auto"), lengths.judged, planned))
     timed = [(r["case"], r["values"]) for r in _rows(check, "training")]
     timed += [(f"peer {r['who']} {format_length(r['length'])}", r) for r in _rows(peer)]
     ratios = [(v["planner"]["step_s"] / v["step_s"], case) for case, v in timed
