@@ -9,7 +9,7 @@ import pytest
 
 from loongtrain.config import RENAMED_KEYS, SECTIONS, ConfigError, TrainConfig, load_config, to_toml
 from loongtrain.model.config import ROPE_SCALINGS, RopeScaling
-from loongtrain.options import MemoryOptions
+from loongtrain.options import GuardOptions, MemoryOptions
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.train.cli import split_overrides
 
@@ -111,7 +111,10 @@ def _config_keys_of(option_cls: type) -> dict[str, list[str]]:
     """Every field of ``option_cls`` -> the config keys (section.key) that set it, found by
     building each section with one key changed and reading which option field moved."""
     found: dict[str, list[str]] = {f.name: [] for f in fields(option_cls)}
-    build = {ParallelConfig: lambda c: c.parallel.config(), MemoryOptions: lambda c: c.memory.options()}
+    build = {
+        ParallelConfig: lambda c: c.parallel.config(), MemoryOptions: lambda c: c.memory.options(),
+        GuardOptions: lambda c: c.guard.options(),
+    }  # fmt: skip
     reference = TrainConfig()
     for sec_name, section_cls in SECTIONS.items():
         for key in fields(section_cls):
@@ -147,7 +150,7 @@ def _config_keys_of(option_cls: type) -> dict[str, list[str]]:
     return found
 
 
-@pytest.mark.parametrize("option_cls", [ParallelConfig, MemoryOptions, RopeScaling])
+@pytest.mark.parametrize("option_cls", [ParallelConfig, MemoryOptions, GuardOptions, RopeScaling])
 def test_every_option_field_has_exactly_one_config_key(option_cls):
     found = _config_keys_of(option_cls)
     if option_cls is RopeScaling:
