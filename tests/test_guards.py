@@ -209,7 +209,20 @@ def _alter_one_replica(run, done, reporter, beat) -> None:
             (weight.to_local() if hasattr(weight, "to_local") else weight).view(-1)[7] += 1e-3
 
 
-_HOOKS = {"capture": _capture, "poison": _poison_before_save, "alter": _alter_one_replica}
+def _poison_moment_before_save(run, done, reporter, beat) -> None:
+    if done == 2:
+        norm = dict(run.model.named_parameters())["norm.weight"]
+        moment = run.optimizer.state[norm]["exp_avg_sq"]
+        with torch.no_grad():
+            (moment.to_local() if hasattr(moment, "to_local") else moment).fill_(math.nan)
+
+
+def _poison_weight_at_2(run, done, reporter, beat) -> None:
+    if done == 2:
+        _poison_before_save(run, 1, reporter, beat)
+
+
+
 
 
 def _train(overrides: list[str], hook: str | None = None) -> dict:
@@ -275,13 +288,16 @@ def test_an_overflowing_loss_stops_before_anything_is_applied_or_saved(dist_pool
     what = r"the loss is nan in the step's only microbatch \(samples 4..7\)|the gradient norm is nan"
     assert re.search(what, message), message
     assert "first parameter with a non-finite gradient: tok_embeddings.weight" in message
-    assert f"the last good checkpoint is {run_dir / 'checkpoints' / 'step-1'}: resume from it after you" in message
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-1"]  # nothing from the bad state
+    # step 2 trained from step 1's weights: step-1 produced the failure, so it is not called good, and it is
+    # set aside so that the printed resume does not load it again
+    assert "no good checkpoint was saved (step-1.failed holds the weights the failing step trained from" in message
+    assert "start again after you lower optim.lr" in message
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-1.failed"]  # nothing from step 2
     assert [r["step"] for r in _records(run_dir) if r["kind"] == "train"] == [1]
-    # the checkpoint left is the state after step 1, finite, as a run that stopped there saved it
+    # the checkpoint set aside is the state after step 1, finite, as a run that stopped there saved it
     ref_dir = tmp_path / "ref"
     pool.run(_train, [*common, "run.steps=1", f"run.output_dir={ref_dir}"])
-    saved = _checkpoint_tensors(run_dir / "checkpoints" / "step-1")
+    saved = _checkpoint_tensors(run_dir / "checkpoints" / "step-1.failed")
     reference = _checkpoint_tensors(ref_dir / "checkpoints" / "step-1")
     assert all(torch.isfinite(t).all() for _, t in _flat(saved["model"]))
     assert _bit_equal(saved["model"], reference["model"]) and _bit_equal(saved["optim"], reference["optim"])
@@ -359,7 +375,7 @@ def test_a_spike_rolls_back_and_trains_as_a_run_that_never_saw_its_batch(dist_po
     common = [
         "data.source=tokens", f"data.path={data}", f"data.seed={seed}", "checkpoint.every=1", "optim.lr=1e-2",
         "optim.min_lr_ratio=1",  # a constant learning rate: runs of other lengths share their steps
-        "guard.spike=rollback", "guard.spike_window=8", "guard.spike_min_history=3", "guard.spike_sigma=3",
+        "guard.spike=rollback", "guard.spike_window=3", "guard.spike_min_history=3", "guard.spike_sigma=3",
     ]  # fmt: skip
     run_dir, ref_dir = tmp_path / "run", tmp_path / "ref"
     pool.run(_train, [*common, "run.steps=6", f"run.output_dir={run_dir}"])
@@ -391,13 +407,105 @@ def test_a_replica_that_disagrees_is_named(dist_pool, tmp_path):
     assert "[0, 1]" in out
 
 
-def test_a_checkpoint_holding_a_nan_is_refused_at_resume(dist_pool, tmp_path):
+@pytest.mark.parametrize("where", ["weight", "moment"])
+def test_a_checkpoint_of_nonfinite_values_is_never_written(dist_pool, tmp_path, where):
+    # a NaN in a weight or in AdamW's second moment after step 2's update: step-2 is not written, the stop
+    # names the tensor and step-1, from which the printed resume trains on
     pool = dist_pool(2)
-    pool.run(_train, ["run.steps=1", f"run.output_dir={tmp_path}"], "poison")
-    out = pool.run(_train, ["run.steps=2", f"run.output_dir={tmp_path}"])[0]["stopped"]
-    print(out)
-    assert out.startswith(f"CheckpointError: {tmp_path / 'checkpoints' / 'step-1'} holds non-finite weights")
-    assert "in layers.1.attention.wo.weight" in out
+    run_dir = tmp_path / "run"
+    out = pool.run(_train, ["run.steps=3", "checkpoint.every=1", f"run.output_dir={run_dir}"], f"poison-{where}")
+    stopped = out[0]["stopped"]
+    print(stopped)
+    tensor = {"weight": "layers.1.attention.wo.weight", "moment": "optimizer state exp_avg_sq of norm.weight"}[where]
+    head = "GuardStop: after step 2: the update left non-finite values (NaN or infinity) in "
+    assert stopped.startswith(f"{head}{tensor};")
+    good = run_dir / "checkpoints" / "step-1"
+    assert "checkpoint step-2 was not written (a checkpoint must be finite to be trusted); the last good " in stopped
+    assert f"the last good checkpoint is {good}: resume from it after you lower optim.lr" in stopped
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-1"]
+    resumed = pool.run(_train, ["run.steps=3", f"run.output_dir={run_dir}"])[0]
+    assert resumed["stopped"] is None and len(resumed["losses"]) == 2  # steps 2 and 3 trained again
+
+
+def _rewrite_checkpoint(folder: Path, edit) -> None:
+    """Rewrite the DCP checkpoint ``folder`` with ``edit(state)`` applied to its full state (as a
+    fault on disk would leave it), with checksums that match (so only the values are wrong)."""
+    from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
+
+    from loongtrain.train.checkpoint import CHECKSUM_FILE, STATE_FILE, file_sha256
+
+    state = _checkpoint_tensors(folder)
+    edit(state)
+    trainer_state = (folder / STATE_FILE).read_text()
+    for path in folder.iterdir():
+        path.unlink()
+    torch.save(state, folder.parent / "edited.pt")
+    torch_save_to_dcp(folder.parent / "edited.pt", folder)
+    (folder.parent / "edited.pt").unlink()
+    (folder / STATE_FILE).write_text(trainer_state)
+    sums = {p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in folder.iterdir()}
+    (folder / CHECKSUM_FILE).write_text(json.dumps(sums))
+
+
+def test_a_checkpoint_holding_a_nan_on_disk_is_set_aside_at_resume(dist_pool, tmp_path):
+    pool = dist_pool(2)
+    pool.run(_train, ["run.steps=2", "checkpoint.every=1", f"run.output_dir={tmp_path}"])
+    step2 = tmp_path / "checkpoints" / "step-2"
+
+    def poison(state):
+        state["optim"]["state"]["layers.0.attention.wq.weight"]["exp_avg_sq"][0, 0] = math.inf
+
+    _rewrite_checkpoint(step2, poison)
+    stopped = pool.run(_train, ["run.steps=3", "checkpoint.on_damaged=stop", f"run.output_dir={tmp_path}"])[0]
+    assert stopped["stopped"].startswith(f"CheckpointError: {step2} holds non-finite weights (NaN or infinity) in "
+                                         "optimizer state exp_avg_sq of layers.0.attention.wq.weight")  # fmt: skip
+    resumed = pool.run(_train, ["run.steps=3", f"run.output_dir={tmp_path}"])[0]
+    assert resumed["stopped"] is None and len(resumed["losses"]) == 2  # from step-1: steps 2 and 3
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert "step-2.nonfinite" in names and "step-3" in names
+
+
+def test_finite_but_ruined_weights_never_become_the_last_good_checkpoint(dist_pool, tmp_path):
+    # issue 56's case: a huge learning rate on resume ruins the weights at step 6 (finite), steps 7.. are not
+    # finite and skipped; keep=2 must not lose step-4/step-5 to them, and the printed resume must train on
+    pool = dist_pool(2)
+    base = ["checkpoint.every=1", "checkpoint.keep=2", f"run.output_dir={tmp_path}"]
+    pool.run(_train, [*base, "run.steps=5"])
+    ruin = ["optim.lr=1e38", "guard.nonfinite=skip", "guard.max_skips=3", "run.steps=12"]
+    stopped = pool.run(_train, [*base, *ruin])[0]["stopped"]
+    print(stopped)
+    assert stopped.startswith("GuardStop: step 10: the loss is nan"), stopped
+    assert f"the last good checkpoint is {tmp_path / 'checkpoints' / 'step-5'} (step-6.failed holds the" in stopped
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step-4", "step-5", "step-6.failed"], names  # no skipped step written, keep kept 4 and 5
+    marks = {r["step"]: r["guard"] for r in _records(tmp_path) if r["kind"] == "train"}
+    assert [marks[s] for s in (7, 8, 9)] == ["skipped: non-finite loss"] * 3
+    resumed = pool.run(_train, [*base, "run.steps=7"])[0]  # the printed command, after lowering optim.lr
+    assert resumed["stopped"] is None and len(resumed["losses"]) == 2 and all(map(math.isfinite, resumed["losses"]))
+
+
+def _optimizer_settings(run, done, reporter, beat) -> None:
+    from loongtrain.train.trainer import describe
+
+    group = run.optimizer.param_groups[0]
+    _CAPTURED[done] = {"betas": tuple(group["betas"]), "eps": group["eps"], "weight_decay": group["weight_decay"],
+                       "describe": describe(run)}  # fmt: skip
+
+
+def test_a_resume_applies_the_optimizer_settings_of_the_config(dist_pool, tmp_path):
+    pool = dist_pool(2)
+    pool.run(_train, ["run.steps=2", "checkpoint.every=1", f"run.output_dir={tmp_path}"])
+    new = ["optim.weight_decay=0.5", "optim.beta2=0.5", "optim.eps=1e-3"]
+    out = pool.run(_train, ["run.steps=3", *new, f"run.output_dir={tmp_path}"], "optimizer")[0]
+    seen = out["captured"][3]
+    assert seen["betas"] == (0.9, 0.5) and seen["eps"] == 1e-3 and seen["weight_decay"] == 0.5
+    line = "optimizer settings from the config (the checkpoint held others): "
+    assert line + "optim.beta2 0.95 -> 0.5, optim.eps 1e-08 -> 0.001, optim.weight_decay 0 -> 0.5" in seen["describe"]
+    # a stage with init_optimizer: the same
+    stage = ["run.steps=1", "checkpoint.init_optimizer=true", f"checkpoint.init_from={tmp_path}", *new,
+             f"run.output_dir={tmp_path / 'stage'}"]  # fmt: skip
+    seen = pool.run(_train, stage, "optimizer")[0]["captured"][1]
+    assert seen["betas"] == (0.9, 0.5) and seen["eps"] == 1e-3 and seen["weight_decay"] == 0.5
 
 
 def _gpu_check_row(lr: float) -> str:
@@ -423,3 +531,74 @@ def test_the_gpu_checks_training_rows_stop_on_a_nonfinite_loss(dist_pool):
     line = r"training step 2: the (loss|gradient norm) is nan; first parameter with a non-finite gradient: \S+"
     assert re.fullmatch(line + "; the step was not applied", out), out
     assert dist_pool(2).run(_gpu_check_row, 1e-3)[0] == ""
+
+
+def _preflight_notices(overrides: list[str]) -> tuple[str, ...]:
+    from loongtrain.train.preflight import preflight
+
+    return preflight(load_config(None, BASE + overrides), 2).notices
+
+
+def test_a_resume_onto_other_data_is_judged_by_the_history_before_it(dist_pool, tmp_path):
+    # a model trained to count, resumed with allow_data_change onto random tokens: its first step is a spike
+    # against the saved history (today's guard had no history after a resume: never judged)
+    pool = dist_pool(2)
+    seq = 64
+    counting, noise = tmp_path / "count.tok", tmp_path / "noise.tok"
+    _counting_tokens(counting, 60, seq)
+    from loongtrain.data import write_tokens
+
+    write_tokens(noise, np.random.default_rng(3).integers(64, size=60 * seq + 1), vocab_size=64)
+    common = ["data.source=tokens", "optim.lr=1e-2", "optim.min_lr_ratio=1", "guard.spike_window=4",
+              "guard.spike_sigma=3", "guard.spike_min_history=4", "checkpoint.every=4",
+              f"run.output_dir={tmp_path / 'run'}"]  # fmt: skip
+    pool.run(_train, [*common, f"data.path={counting}", "run.steps=12"])
+    changed = [*common, f"data.path={noise}", "checkpoint.allow_data_change=true", "run.steps=14"]
+    notices = _preflight_notices(changed)
+    line = [n for n in notices if n.startswith("the data changed since step-12")]
+    assert line and "(file content)" in line[0], notices
+    out = pool.run(_train, changed)[0]
+    assert out["stopped"] is None
+    marks = {r["step"]: r["guard"] for r in _records(tmp_path / "run") if r["kind"] == "train"}
+    assert marks[13] == "spike", marks  # warned at the first step after the change
+    with pytest.raises(Exception, match=r"other data .*file content"):
+        _preflight_notices([*common, f"data.path={counting}", "run.steps=16"])  # back to counting: refused
+
+
+def test_a_changed_recall_seed_or_length_is_named_at_resume(dist_pool, tmp_path):
+    from loongtrain.train.checkpoint import CheckpointError
+
+    dist_pool(2).run(_train, ["run.steps=1", f"run.output_dir={tmp_path}"])
+    with pytest.raises(CheckpointError, match=r"other data .*: seed 1234 -> 1\)"):
+        _preflight_notices(["run.steps=2", "data.seed=1", f"run.output_dir={tmp_path}"])
+    notices = _preflight_notices(
+        ["run.steps=2", "data.recall_queries=4", "checkpoint.allow_data_change=true", f"run.output_dir={tmp_path}"]
+    )
+    assert any("the data changed since step-1 (queries 8 -> 4)" in n for n in notices), notices
+
+
+@pytest.mark.parametrize("policy", ["warn", "stop"])
+def test_a_run_that_stopped_learning_is_said(dist_pool, tmp_path, policy):
+    # issue 56: lr 1e4 saturates the model at once: the gradient norm is 0 and the loss ln(256) from then on
+    overrides = ["optim.lr=1e4", "run.steps=8", "guard.stalled_steps=4", f"guard.stalled={policy}",
+                 f"run.output_dir={tmp_path}"]  # fmt: skip
+    out = dist_pool(2).run(_train, overrides)[0]
+    records = [r for r in _records(tmp_path) if r["kind"] == "train"]
+    stalled = [r for r in records if r["grad_norm"] == 0.0 or abs(r["loss"] - math.log(256)) <= 1e-3]
+    began = stalled[0]["step"]
+    assert [r["step"] for r in stalled] == list(range(began, 9 if policy == "warn" else began + 3))
+    if policy == "warn":
+        assert out["stopped"] is None
+        marks = {r["step"]: r["guard"] for r in records if r["guard"]}
+        assert marks == {began + 3: f"stalled since step {began}"}, marks
+    else:
+        assert out["stopped"].startswith(f"GuardStop: step {began + 3}: the run stopped learning at step {began}")
+        assert "guard.stalled=stop" in out["stopped"]
+
+
+
+_HOOKS = {
+    "capture": _capture, "poison": _poison_before_save, "alter": _alter_one_replica,
+    "poison-weight": _poison_weight_at_2, "poison-moment": _poison_moment_before_save,
+    "optimizer": _optimizer_settings,
+}  # fmt: skip

@@ -294,6 +294,8 @@ def check_compile(memory: MemoryOptions, per_batch: bool = False) -> None:
 NONFINITE_POLICIES: tuple[str, ...] = ("stop", "skip")
 #: what the trainer does with a loss spike (``guard.spike``)
 SPIKE_POLICIES: tuple[str, ...] = ("off", "warn", "skip", "rollback")
+#: what ``guard.stalled`` does with a run that stopped learning
+STALL_POLICIES: tuple[str, ...] = ("off", "warn", "stop")
 
 
 @dataclass(frozen=True)
@@ -335,6 +337,19 @@ class GuardOptions:
         0, "spike=rollback: global batches skipped after the spike's own (PaLM skipped 200-500)", bound="non_negative"
     )
     max_rollbacks: int = option(3, "spike=rollback: rollbacks per run before the job stops", bound="non_negative")
+    stalled: str = option(
+        "warn",
+        "a run that stopped learning (a gradient norm of exactly 0, or a loss at the uniform distribution's value "
+        "ln(vocab_size), for stalled_steps steps in a row): off, warn (once, on the progress line and in "
+        "metrics.jsonl, naming the step it began) or stop",
+        choices=STALL_POLICIES,
+    )
+    stalled_steps: int = option(
+        10,
+        "stalled: steps in a row with a zero gradient norm or a uniform loss (counted after optim.warmup_steps for "
+        "the loss) before the run is called stalled",
+        bound="positive",
+    )
     replica_check_every: int = option(
         0,
         "every this many steps (and at the start) ranks that should hold identical model-state shards (data-"

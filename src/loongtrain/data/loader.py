@@ -13,8 +13,6 @@ boundaries are a function of the sample too, so they need no loader state.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,6 +20,7 @@ import numpy as np
 import torch
 
 from loongtrain.data.batch import Microbatch, pack_rows
+from loongtrain.data.identity import data_fingerprint
 from loongtrain.data.recall import IGNORE_INDEX, RecallTask, sample_seed
 from loongtrain.data.tokens import DOC_START, SCAN_CHUNK, TARGET, TokenFile, TokenFileError
 from loongtrain.options import LONG_DOCUMENTS
@@ -42,12 +41,6 @@ class TaggedSource(Source, Protocol):
     names: tuple[str, ...]
 
     def tagged_sample(self, index: int, split: str = "train") -> tuple[int, Sample]: ...
-
-
-def data_fingerprint(fields: dict) -> str:
-    """16 hex digits of SHA-256 over ``fields`` (JSON, keys sorted): a data config's identity."""
-    text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def document_boundaries(inputs: torch.Tensor, labels: torch.Tensor, eos: int) -> torch.Tensor:
@@ -221,11 +214,15 @@ class TokenFileSource:
         sampled content, not its path: a copied file matches), ``seq_len``, seed, name, packing,
         the end-of-document token, the long-document policy, the document lengths kept and
         the held-out fraction. Equal fingerprints give equal samples for every index."""
-        return data_fingerprint({
+        return data_fingerprint(self.identity())
+
+    def identity(self) -> dict:
+        """What :meth:`fingerprint` digests, as a dict (a checkpoint records it)."""
+        return {
             "kind": "tokens", "file": self.file.identity(), "seq_len": self.seq_len, "seed": self.seed,
             "name": self.name, "pack": self.pack, "eos": self.eos, "long_documents": self.long_documents,
             "lengths": list(self.lengths), "eval_fraction": self.eval_fraction,
-        })  # fmt: skip
+        }  # fmt: skip
 
     def document_mask(self, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For the file's documents of ``lengths`` (in file order): which this stream holds,
@@ -343,6 +340,10 @@ class LengthGroupedSource:
             "kind": "group_by_length", "source": self.source.fingerprint(), "window_steps": self.window_steps,
             "global_batch": self.global_batch,
         })  # fmt: skip
+
+    def identity(self) -> dict:
+        return {"kind": "group_by_length", "source": self.source.identity(), "window_steps": self.window_steps,
+                "global_batch": self.global_batch}  # fmt: skip
 
     def window_order(self, index: int) -> tuple[int, list[int]]:
         """The first index of ``index``'s window and the source indices its positions take."""

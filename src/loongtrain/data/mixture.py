@@ -169,6 +169,10 @@ class UpsampledSource:
             "share": repr(self.share),
         })  # fmt: skip
 
+    def identity(self) -> dict:
+        return {"kind": "upsampled", "long": self.long.identity(), "rest": self.rest.identity(),
+                "share": repr(self.share)}  # fmt: skip
+
 
 Part = TokenFileSource | UpsampledSource
 
@@ -235,6 +239,12 @@ class MixtureSource:
             "sources": {name: part.fingerprint() for name, part in zip(self.names, self.parts)},
             "weights": {name: repr(w) for name, w in self.weights.items()},
         })  # fmt: skip
+
+    def identity(self) -> dict:
+        """Each source's identity under its name and the normalised weights (what changed, at a
+        resume on other data)."""
+        return {"kind": "mixture", "sources": {name: part.identity() for name, part in zip(self.names, self.parts)},
+                "weights": {name: repr(w) for name, w in self.weights.items()}}  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,13 @@ answers ``A0 + value``.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 
 import torch
+
+from loongtrain.data.identity import data_fingerprint
 
 IGNORE_INDEX = -100
 
@@ -34,6 +37,14 @@ class RecallVocabulary:
     filler: int
     keys: int
     values: int
+
+    def identity(self) -> dict:
+        """What decides the task's samples (every field: lengths, vocabulary, seed)."""
+        return {"kind": type(self).__name__, **dataclasses.asdict(self)}
+
+    def fingerprint(self) -> str:
+        """:meth:`identity`'s digest, which a checkpoint records (a changed seed or length is seen)."""
+        return data_fingerprint(self.identity())
 
     @property
     def query0(self) -> int:

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from loongtrain.data.identity import identity_changes
 from loongtrain.model.config import ModelConfig
 from loongtrain.train.collectives import broadcast_object, first_error, gather_objects
 
@@ -83,17 +84,34 @@ def check_model_shape(path: Path, trainer_state: dict, model_shape: dict) -> Non
         )
 
 
-def check_data_fingerprint(path: Path, trainer_state: dict, fingerprint: str | None, allow_change: bool) -> None:
+def check_data_fingerprint(
+    path: Path, trainer_state: dict, fingerprint: str | None, allow_change: bool, identity: dict | None = None
+) -> str | None:
     """Raise CheckpointError if the checkpoint at ``path`` was written on other data than the
     source whose fingerprint is ``fingerprint`` (the samples from the resumed step on would not
-    be the ones the run would have seen); nothing to compare when either is unknown."""
-    saved = (trainer_state.get("data") or {}).get("fingerprint")
-    if allow_change or saved is None or fingerprint is None or saved == fingerprint:
-        return
+    be the ones the run would have seen); nothing to compare when either is unknown. With
+    ``allow_change``, returns one line saying what changed (from the ``identity`` the
+    checkpoint recorded and this source's), or None when nothing did."""
+    data = trainer_state.get("data") or {}
+    saved = data.get("fingerprint")
+    if saved is None or fingerprint is None or saved == fingerprint:
+        return None
+    saved_identity = data.get("identity")
+    what = (
+        identity_changes(saved_identity, identity)
+        if isinstance(saved_identity, dict) and identity is not None
+        else "the token files, the mixture, seq_len or data.seed (this checkpoint records no details)"
+    )
+    if allow_change:
+        return (
+            f"the data changed since {path.name} ({what}); checkpoint.allow_data_change=true, so training goes on "
+            f"with the new data from its position {data.get('next_index', 0)}, judged by the guard against the loss "
+            f"history before the change"
+        )
     raise CheckpointError(
-        f"checkpoint {path} was written on other data (fingerprint {saved}, now {fingerprint}: the token files, "
-        f"the mixture, seq_len or data.seed changed); restore them, set checkpoint.allow_data_change=true to go "
-        f"on with the new data, or start a new stage from it (checkpoint.init_from in another run.output_dir)"
+        f"checkpoint {path} was written on other data (fingerprint {saved}, now {fingerprint}: {what}); restore "
+        f"them, set checkpoint.allow_data_change=true to go on with the new data, or start a new stage from it "
+        f"(checkpoint.init_from in another run.output_dir)"
     )
 
 
@@ -252,8 +270,13 @@ class CheckpointManager:
 
     # -- saving --------------------------------------------------------------------------
 
-    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict) -> Path:
-        """Collective: write checkpoint ``step``; returns the final folder.
+    def save(
+        self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict,
+        prune: bool = True,
+    ) -> Path:  # fmt: skip
+        """Collective: write checkpoint ``step``; returns the final folder. ``prune=False`` leaves
+        the older checkpoints for the caller to :meth:`prune` later (the trainer does once a step
+        trained from this one's weights was applied: a checkpoint is trusted before older ones go).
 
         Raises :class:`CheckpointSaveError` on every rank (after removing the partial
         folder) if it cannot be written; the previous checkpoints are untouched.
@@ -297,7 +320,8 @@ class CheckpointManager:
             if final.exists():  # a checkpoint of this step from before a fallback: replaced
                 _delete(final)
             partial.replace(final)
-            self.prune(step)
+            if prune:
+                self.prune(step)
         dist.barrier()
         return final
 

@@ -69,10 +69,58 @@ class SpikeDetector:
         self.history.clear()
         self.history.extend(kept)
 
+    def state(self) -> list[list[float]]:
+        """The history as ``[[step, loss], ...]`` (a checkpoint keeps it: a resumed run is judged
+        from its first step)."""
+        return [[step, loss] for step, loss in self.history]
+
+    def load(self, history: list) -> None:
+        self.history.clear()
+        self.history.extend((int(step), float(loss)) for step, loss in history)
+
     def describe(self) -> str:
         losses = [loss for _, loss in self.history]
         mean = statistics.fmean(losses)
         return f"mean {mean:.4f} + {self.sigma:g} sd ({statistics.pstdev(losses, mean):.4f}) over {len(losses)} steps"
+
+
+#: a loss within this many nats of ln(vocab_size) is the uniform distribution's (nothing learnt)
+UNIFORM_LOSS_TOLERANCE = 1e-3
+
+
+class StallDetector:
+    """A run that stopped learning: ``steps`` applied steps in a row whose gradient norm is
+    exactly 0 or whose loss is the uniform distribution's, ``uniform_loss`` = ln(vocab_size)
+    (the loss is judged only after step ``loss_from``: the warm-up's first steps may sit
+    there). :meth:`update` returns the step the stall began, once, when it is reached."""
+
+    def __init__(self, steps: int, uniform_loss: float, loss_from: int = 0) -> None:
+        self.steps, self.uniform_loss, self.loss_from = steps, uniform_loss, loss_from
+        self.began: int | None = None  # the first step of the current run of stalled steps
+        self.count = 0
+        self.said = False  # the current stall was reported
+
+    def stalled_step(self, step: int, loss: float, grad_norm: float) -> bool:
+        """Whether step ``step`` (1-based) learnt nothing by the rule."""
+        uniform = step > self.loss_from and abs(loss - self.uniform_loss) <= UNIFORM_LOSS_TOLERANCE
+        return grad_norm == 0.0 or uniform
+
+    def update(self, step: int, loss: float, grad_norm: float) -> int | None:
+        if not self.stalled_step(step, loss, grad_norm):
+            self.began, self.count, self.said = None, 0, False
+            return None
+        self.began = step if self.count == 0 else self.began
+        self.count += 1
+        if self.count >= self.steps and not self.said:
+            self.said = True
+            return self.began
+        return None
+
+    def state(self) -> dict:
+        return {"began": self.began, "count": self.count, "said": self.said}
+
+    def load(self, state: dict) -> None:
+        self.began, self.count, self.said = state.get("began"), int(state.get("count", 0)), bool(state.get("said"))
 
 
 @dataclass(frozen=True)
@@ -92,10 +140,27 @@ class StepGuard:
     """Judges each step from its loss and gradient norm (:meth:`judge`), then remembers what
     was applied (:meth:`record`). The same inputs give the same verdict on every rank."""
 
-    def __init__(self, options: GuardOptions) -> None:
+    def __init__(self, options: GuardOptions, uniform_loss: float = math.inf, loss_from: int = 0) -> None:
         self.options = options
         self.spikes = SpikeDetector(options.spike_window, options.spike_sigma, options.spike_min_history)
+        self.stall = StallDetector(options.stalled_steps, uniform_loss, loss_from)
         self.skipped_in_a_row = 0
+
+    def weights_step(self, step: int) -> int:
+        """The step whose weights step ``step`` (1-based) trained from: the skipped steps before
+        it changed nothing."""
+        return step - 1 - self.skipped_in_a_row
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the guard: the spike history, the skips in a row and the
+        stall count (small), so a resumed run is judged from its first step."""
+        return {"spike_history": self.spikes.state(), "skipped_in_a_row": self.skipped_in_a_row,
+                "stall": self.stall.state()}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.spikes.load(state.get("spike_history", []))
+        self.skipped_in_a_row = int(state.get("skipped_in_a_row", 0))
+        self.stall.load(state.get("stall", {}))
 
     def judge(self, loss: float, grad_norm: float) -> Verdict:
         o = self.options
@@ -183,6 +248,38 @@ def first_nonfinite_gradient(model: torch.nn.Module, device: torch.device) -> st
 def first_nonfinite_parameter(model: torch.nn.Module, device: torch.device) -> str | None:
     """Collective: the first parameter whose weights hold a NaN or an infinity on any rank, or None."""
     return _first_nonfinite(model, device, lambda p: p)
+
+
+def _state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None):
+    """(name, tensor) of every parameter and, with ``optimizer``, every floating state tensor
+    of it (``optimizer state exp_avg_sq of NAME``), in the model's order."""
+    for name, p in model.named_parameters():
+        yield display_name(name), p
+        if optimizer is not None:
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and key != "step":
+                    yield f"optimizer state {key} of {display_name(name)}", value
+
+
+@torch.no_grad()
+def first_nonfinite_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device
+) -> str | None:
+    """Collective: the first parameter or optimizer state tensor (AdamW's moments) holding a
+    NaN or an infinity on any rank, or None. One flag per tensor is made on its device from
+    the rank's own shard, then one all-reduce and one host read for all of them (what a save
+    adds: no synchronisation on steps that do not save)."""
+    names, flags = [], []
+    for name, t in _state_tensors(model, optimizer):
+        names.append(name)
+        local = _local(t)
+        flags.append((~torch.isfinite(local)).any().to(device=device, dtype=torch.float32) if local.numel() else
+                     torch.zeros((), dtype=torch.float32, device=device))  # fmt: skip
+    tensor = torch.stack(flags) if flags else torch.zeros(1, dtype=torch.float32, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    hit = [i for i, flag in enumerate(tensor.tolist()[: len(names)]) if flag]
+    return names[hit[0]] if hit else None
 
 
 @torch.no_grad()

@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import math
 import shutil
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from loongtrain.train.faults import say
 from loongtrain.train.guard import (
+    UNIFORM_LOSS_TOLERANCE,
     GuardStop,
     StepGuard,
     Verdict,
     check_replicas,
-    first_nonfinite_parameter,
+    first_nonfinite_state,
     format_samples,
     microbatch_samples,
 )
@@ -28,14 +31,64 @@ if TYPE_CHECKING:
 
 #: a checkpoint set aside by a rollback (it holds the trajectory that led to the spike)
 ROLLED_BACK_SUFFIX = ".rolled-back"
+#: a checkpoint set aside because it holds a NaN or an infinity
+NONFINITE_SUFFIX = ".nonfinite"
+#: a checkpoint set aside at a stop: its weights are those a failing step trained from
+FAILED_SUFFIX = ".failed"
 
 
-def _resume_after(run: Run, fix: str) -> str:
-    """Where to go on from, after ``fix``: the last good checkpoint, or the start."""
-    latest = run.checkpoints.latest()
-    if latest is None:
+def last_good_checkpoint(run: Run, weights_step: int | None = None) -> tuple[int, Path] | None:
+    """The newest complete checkpoint that can be called good: older than ``weights_step`` (the
+    step whose weights a failing step trained from: its checkpoint produced the failure), or
+    the newest one when nothing failed."""
+    done = run.checkpoints.complete()
+    good = [(s, p) for s, p in done if weights_step is None or s < weights_step]
+    return good[-1] if good else None
+
+
+def set_aside_failed(run: Run, weights_step: int) -> None:
+    """Collective, before a stop: rename the checkpoints of step ``weights_step`` and later (the
+    weights the failing step trained from) to ``step-N.failed``, so that the printed resume
+    command resumes from the last good one."""
+    if dist.get_rank() == 0:
+        for s, path in run.checkpoints.complete():
+            if s >= weights_step:
+                aside = path.with_name(path.name + FAILED_SUFFIX)
+                shutil.rmtree(aside, ignore_errors=True)
+                path.replace(aside)
+    dist.barrier()
+
+
+def _failed_folders(run: Run, weights_step: int) -> list[Path]:
+    folder = run.checkpoints.folder
+    found = []
+    for path in sorted(folder.glob(f"step-*{FAILED_SUFFIX}")) if folder.is_dir() else []:
+        number = path.name[len("step-") : -len(FAILED_SUFFIX)]
+        if number.isdigit() and int(number) >= weights_step:
+            found.append(path)
+    return found
+
+
+def _resume_after(run: Run, fix: str, weights_step: int | None = None) -> str:
+    """Where to go on from, after ``fix``: the last good checkpoint (older than the weights a
+    failing step came from, ``weights_step``), or the start."""
+    good = last_good_checkpoint(run, weights_step)
+    aside = ""
+    if weights_step is not None:
+        kept = [p.name for s, p in run.checkpoints.complete() if s >= weights_step]
+        failed = [p.name for p in _failed_folders(run, weights_step)]
+        if kept:
+            aside = f" ({', '.join(kept)} holds the weights the failing step trained from: not called good)"
+        elif failed:
+            aside = (
+                f" ({', '.join(failed)} holds the weights the failing step trained from: set aside, never resumed "
+                f"from; rename it back to step-N if the cause was the data)"
+            )
+    if good is None:
+        if aside:
+            return f"no good checkpoint was saved{aside}: start again after you {fix}"
         return f"no checkpoint was saved yet: start again after you {fix}"
-    return f"the last good checkpoint is {latest[1]}: resume from it after you {fix}"
+    return f"the last good checkpoint is {good[1]}{aside}: resume from it after you {fix}"
 
 
 def _microbatch_text(run: Run, out: StepOutput, first_index: int) -> str:
@@ -85,7 +138,7 @@ def stop_message(run: Run, guard: StepGuard, step: int, out: StepOutput, first_i
         why = "guard.nonfinite=stop"
     return (
         f"step {step}: {what}. Stopped by the guard ({why}): the update was not applied and nothing was saved from "
-        f"this state; {_resume_after(run, fix)}"
+        f"this state; {_resume_after(run, fix, guard.weights_step(step))}"
     )
 
 
@@ -94,6 +147,31 @@ def guard_note(v: Verdict) -> str:
     if v.action == "skip":
         return "skipped: spike" if v.reason == "spike" else f"skipped: non-finite {v.reason}"
     return "spike" if v.reason == "spike" else ""
+
+
+def stall_note(began: int | None) -> str:
+    """The mark of the step at which a stall is seen (``metrics.jsonl``'s ``guard``), or ""."""
+    return f"stalled since step {began}" if began is not None else ""
+
+
+def stall_line(run: Run, guard: StepGuard, step: int, began: int) -> str:
+    """One line for a run that stopped learning (``guard.stalled``): since when, by which rule,
+    and what to change."""
+    o = guard.options
+    rule = (
+        f"a gradient norm of exactly 0 or a loss within {UNIFORM_LOSS_TOLERANCE:g} of ln(vocab_size) = "
+        f"{guard.stall.uniform_loss:.4f} (the uniform distribution's: nothing learnt)"
+    )
+    fix = "lower optim.lr (a step too large can saturate the model), or check that the data has targets"
+    if o.stalled == "stop":
+        return (
+            f"step {step}: the run stopped learning at step {began} ({step - began + 1} steps in a row of {rule}); "
+            f"stopped (guard.stalled=stop); {_resume_after(run, fix, began)}"
+        )
+    return (
+        f"step {step}: warning: the run stopped learning at step {began} ({step - began + 1} steps in a row of "
+        f"{rule}); training goes on (guard.stalled=warn; set guard.stalled=stop to end such a run): {fix}"
+    )
 
 
 def spike_text(guard: StepGuard, out: StepOutput) -> str:
@@ -121,16 +199,15 @@ def rollback(run: Run, guard: StepGuard, reporter: Reporter, spike_step: int, ou
             f"{_resume_after(run, 'raise guard.max_rollbacks or guard.spike_sigma')}"
         )
     latest_allowed = spike_step - o.rollback_back
-    found = run.checkpoints.find_resumable(cfg.checkpoint.on_damaged, at_most=latest_allowed)
-    if found is None:
+    loaded = load_newest_finite(run, at_most=latest_allowed)
+    if loaded is None:
         raise GuardStop(
             f"{spike}; guard.spike=rollback needs a checkpoint at or before step {latest_allowed} and there is none "
             f"(nothing was applied or saved from this step): set checkpoint.every (e.g. {max(1, latest_allowed)}) so "
             f"that one exists, or guard.spike=skip"
         )
-    to_step, path = found
-    trainer_state = run.checkpoints.load(path, run.model, run.optimizer, model_shape(run.spec.model))
-    refuse_nonfinite_weights(run, path)
+    to_step, path, trainer_state = loaded
+    apply_optimizer_config(run.optimizer, cfg.optim)
     gb = cfg.data.global_batch
     skipped = range(int(trainer_state["data"]["next_index"]), run.loader.next_index + o.rollback_skip_steps * gb)
     run.loader.next_index = skipped.stop
@@ -166,16 +243,83 @@ def set_aside_newer_checkpoints(run: Run, step: int) -> None:
 
 def refuse_nonfinite_weights(run: Run, where: object) -> None:
     """Collective: raise :class:`~loongtrain.train.checkpoint.CheckpointError` naming the first
-    parameter of the freshly loaded model that holds a NaN or an infinity."""
+    parameter (or optimizer state) of the freshly loaded model that holds a NaN or an infinity."""
     from loongtrain.train.checkpoint import CheckpointError
 
-    name = first_nonfinite_parameter(run.model, run.state.device)
+    name = first_nonfinite_state(run.model, run.optimizer, run.state.device)
     if name is not None:
         raise CheckpointError(
             f"{where} holds non-finite weights (NaN or infinity) in {name}; training on them would make every step "
             f"NaN: set that checkpoint aside (rename it, e.g. to {getattr(where, 'name', 'step-N')}.nonfinite) to "
             f"resume from an older one"
         )
+
+
+def load_newest_finite(run: Run, at_most: int | None = None) -> tuple[int, Path, dict] | None:
+    """Collective: load the newest intact checkpoint (at most step ``at_most``) whose weights and
+    optimizer states are all finite; returns (step, folder, trainer state), or None if there is
+    none. A checkpoint holding a NaN or an infinity is set aside as ``step-N.nonfinite`` (one
+    line says so) and the next older one is tried; with ``checkpoint.on_damaged = "stop"`` it
+    raises :class:`~loongtrain.train.checkpoint.CheckpointError` instead."""
+    cfg = run.cfg
+    while True:
+        found = run.checkpoints.find_resumable(cfg.checkpoint.on_damaged, at_most=at_most)
+        if found is None:
+            return None
+        step, path = found
+        trainer_state = run.checkpoints.load(path, run.model, run.optimizer, model_shape(run.spec.model))
+        name = first_nonfinite_state(run.model, run.optimizer, run.state.device)
+        if name is None:
+            return step, path, trainer_state
+        if cfg.checkpoint.on_damaged == "stop":
+            refuse_nonfinite_weights(run, path)
+        if dist.get_rank() == 0:
+            aside = path.with_name(path.name + NONFINITE_SUFFIX)
+            shutil.rmtree(aside, ignore_errors=True)
+            path.replace(aside)
+            say(f"checkpoint {path} holds non-finite values in {name}; kept it as {aside.name}, trying an older one")
+        dist.barrier()
+        at_most = step - 1
+
+
+def check_finite_before_save(run: Run, guard: StepGuard, done: int) -> None:
+    """Collective, before checkpoint ``done`` is written: raise :class:`GuardStop` if a weight or
+    an optimizer state is not finite (the update of step ``done`` made it so: an AdamW epsilon of
+    0, a learning rate that overflows); the checkpoint is not written, so no checkpoint of bad
+    values ever becomes visible. One reduction per save."""
+    name = first_nonfinite_state(run.model, run.optimizer, run.state.device)
+    if name is None:
+        return
+    fix = "lower optim.lr or raise optim.eps (AdamW divides by sqrt(v) + eps)"
+    raise GuardStop(
+        f"after step {done}: the update left non-finite values (NaN or infinity) in {name}; checkpoint "
+        f"step-{done} was not written (a checkpoint must be finite to be trusted); "
+        f"{_resume_after(run, fix, guard.weights_step(done + 1))}"
+    )
+
+
+#: the optimizer hyperparameters a resume takes from the config: (config key, param group key, index)
+OPTIMIZER_KEYS = (("beta1", "betas", 0), ("beta2", "betas", 1), ("eps", "eps", None),
+                  ("weight_decay", "weight_decay", None))  # fmt: skip
+
+
+def apply_optimizer_config(optimizer, o) -> list[str]:
+    """Set the AdamW hyperparameters of ``o`` (the ``[optim]`` section) on every parameter group
+    of ``optimizer`` after a state was loaded into it (a checkpoint's saved settings would win
+    otherwise); returns one ``optim.KEY OLD -> NEW`` entry per value that changed. The learning
+    rate follows the config's schedule at every step, clipping reads ``optim.grad_clip``. Every
+    AdamW setting here can change on a loaded state (its moments are kept as they are)."""
+    changes: dict[str, str] = {}
+    for group in optimizer.param_groups:
+        for key, group_key, index in OPTIMIZER_KEYS:
+            new = float(getattr(o, key))
+            value = group[group_key]
+            old = float(value[index] if index is not None else value)
+            if old != new:
+                changes.setdefault(key, f"optim.{key} {old:g} -> {new:g}")
+        group["betas"] = (float(o.beta1), float(o.beta2))
+        group["eps"], group["weight_decay"] = float(o.eps), float(o.weight_decay)
+    return list(changes.values())
 
 
 def check_replicas_due(run: Run, step: int) -> None:

@@ -33,7 +33,15 @@ from loongtrain.options import AUTO_CHECKPOINT, check_kernel_device, checkpointe
 from loongtrain.train.checkpoint import CheckpointManager, check_data_fingerprint, check_model_shape
 from loongtrain.train.memory_policy import check_auto_budget
 from loongtrain.train.model_setup import check_pretrained_context
-from loongtrain.train.spec import RunSpec, build_optimizer, make_source, model_shape, model_spec, source_fingerprint
+from loongtrain.train.spec import (
+    RunSpec,
+    build_optimizer,
+    make_source,
+    model_shape,
+    model_spec,
+    source_fingerprint,
+    source_identity,
+)
 from loongtrain.train.stages import check_stage_shape, stage_checkpoint
 
 # a model folder with any of these has a tokenizer to check a token file against
@@ -164,5 +172,8 @@ def preflight(cfg: TrainConfig, world_size: int, local_world_size: int | None = 
         newest = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep).newest_readable()
         if newest is not None:
             check_model_shape(newest[1], newest[2], model_shape(mcfg))
-            check_data_fingerprint(newest[1], newest[2], source_fingerprint(source), cfg.checkpoint.allow_data_change)
+            notices.append(check_data_fingerprint(
+                newest[1], newest[2], source_fingerprint(source), cfg.checkpoint.allow_data_change,
+                source_identity(source),
+            ))  # fmt: skip
     return dataclasses.replace(spec, source=source, notices=tuple(n for n in notices if n))

@@ -140,10 +140,17 @@ def make_mixture(cfg: TrainConfig) -> MixtureSource:
 
 
 def source_fingerprint(source: object) -> str | None:
-    """The fingerprint of what decides a source's samples (token files, mixture, seq_len, seed),
-    which a checkpoint records; None for a synthetic task."""
+    """The fingerprint of what decides a source's samples (token files, mixture, seq_len, seed,
+    a synthetic task's settings), which a checkpoint records; None for a source without one."""
     fingerprint = getattr(source, "fingerprint", None)
     return fingerprint() if callable(fingerprint) else None
+
+
+def source_identity(source: object) -> dict | None:
+    """What :func:`source_fingerprint` digests, as a dict (a checkpoint records it, so a resume
+    on changed data names what changed); None for a source without one."""
+    identity = getattr(source, "identity", None)
+    return identity() if callable(identity) else None
 
 
 def model_shape(mcfg: ModelConfig) -> dict:

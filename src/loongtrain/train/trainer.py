@@ -36,11 +36,17 @@ from loongtrain.train.collectives import broadcast_object
 from loongtrain.train.faults import restart_notice, say
 from loongtrain.train.guard import GuardStop, StepGuard, Verdict, first_nonfinite_gradient
 from loongtrain.train.guard_actions import (
+    apply_optimizer_config,
+    check_finite_before_save,
     check_replicas_due,
     guard_note,
+    load_newest_finite,
     refuse_nonfinite_weights,
     rollback,
+    set_aside_failed,
     spike_line,
+    stall_line,
+    stall_note,
     stop_message,
 )
 from loongtrain.train.layouts import PerBatchLayouts
@@ -57,7 +63,7 @@ from loongtrain.train.preflight import preflight
 from loongtrain.train.report import Reporter, StepMetrics
 from loongtrain.train.run_folder import METRICS_FILE, RunStart, start_run, trim_metrics
 from loongtrain.train.schedule import lr_at
-from loongtrain.train.spec import RunSpec, build_optimizer, model_shape, source_fingerprint
+from loongtrain.train.spec import RunSpec, build_optimizer, model_shape, source_fingerprint, source_identity
 from loongtrain.train.stages import check_stage_shape, keep_stage_source, load_stage, stage_checkpoint
 from loongtrain.train.step import SourceNumbers, forward_backward
 
@@ -102,6 +108,10 @@ class Run:
     guard_record: dict = field(default_factory=lambda: {"rollbacks": 0, "skipped_samples": []})
     stage_from: Path | None = None  # checkpoint.init_from: the checkpoint this stage started from
     data_fingerprint: str | None = None  # the data's identity, recorded in every checkpoint (made once)
+    guard: StepGuard | None = None  # judges every step; its history travels with the checkpoints
+    data_identity: dict | None = None  # what the fingerprint digests (a resume on changed data names it)
+    optimizer_changes: tuple[str, ...] = ()  # [optim] values the config changed on a loaded state
+    pending_prune: int | None = None  # the newest checkpoint, until a step trained from it is applied
 
     def save_due(self, done: int) -> bool:
         """Whether a checkpoint is due after ``done`` steps."""
@@ -109,11 +119,26 @@ class Run:
         return bool(c.every and done % c.every == 0) or (done == self.cfg.run.steps and c.save_final)
 
     def save(self, done: int) -> None:
-        """Collective: checkpoint the model, optimizer and data position after ``done`` steps."""
+        """Collective: checkpoint the model, optimizer, data position and the guard's history
+        after ``done`` steps, once every weight and optimizer state is seen to be finite (else
+        :class:`GuardStop`: nothing is written). The older checkpoints beyond ``keep`` are
+        deleted only once a step trained from this one's weights is applied (:meth:`confirm`)."""
+        guard = self.guard or StepGuard(self.cfg.guard.options())
+        check_finite_before_save(self, guard, done)
         shape, layout = model_shape(self.spec.model), str(self.spec.parallel)
-        data = {**self.loader.state_dict(), "fingerprint": self.data_fingerprint}
-        trainer_state = {"data": data, "model_shape": shape, "layout": layout, "guard": self.guard_record}
-        self.checkpoints.save(done, self.model, self.optimizer, trainer_state)
+        data = {**self.loader.state_dict(), "fingerprint": self.data_fingerprint, "identity": self.data_identity}
+        guard_state = {**self.guard_record, **guard.state_dict()}
+        trainer_state = {"data": data, "model_shape": shape, "layout": layout, "guard": guard_state}
+        final = done == self.cfg.run.steps
+        self.checkpoints.save(done, self.model, self.optimizer, trainer_state, prune=final)
+        self.pending_prune = None if final else done
+
+    def confirm(self) -> None:
+        """A step trained from the newest checkpoint's weights was applied: it is trusted, so the
+        checkpoints beyond ``keep`` go (rank 0)."""
+        if self.pending_prune is not None and dist.get_rank() == 0:
+            self.checkpoints.prune(self.pending_prune)
+        self.pending_prune = None
 
 
 def build_run(device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat = _no_beat) -> Run:
@@ -162,34 +187,40 @@ def build_run(device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat 
     )  # fmt: skip
     checkpoints = CheckpointManager(checkpoint_dir, cfg.checkpoint.keep, run_id=folder.run_id, say=say)
 
-    start, resumed_from, stage_from = 0, None, None
-    fingerprint = source_fingerprint(loader.source)
-    guard_record = {"rollbacks": 0, "skipped_samples": []}
+    guard = StepGuard(
+        cfg.guard.options(), uniform_loss=math.log(spec.model.vocab_size), loss_from=cfg.optim.warmup_steps
+    )  # fmt: skip
+    run = Run(
+        cfg, spec, device, state, model, optimizer, loader, checkpoints, folder, 0, None, choose, policy,
+        data_fingerprint=source_fingerprint(loader.source), guard=guard, data_identity=source_identity(loader.source),
+    )  # fmt: skip
     if folder.resuming:
         beat(0, "load")
-        found = checkpoints.find_resumable(cfg.checkpoint.on_damaged)
-        if found is not None:
-            trainer_state = checkpoints.load(found[1], model, optimizer, model_shape(spec.model))
-            check_data_fingerprint(found[1], trainer_state, fingerprint, cfg.checkpoint.allow_data_change)
-            start, resumed_from = trainer_state["step"], found[1]
+        loaded = load_newest_finite(run)  # a checkpoint holding a NaN is set aside, an older one tried
+        if loaded is not None:
+            step, path, trainer_state = loaded
+            check_data_fingerprint(
+                path, trainer_state, run.data_fingerprint, cfg.checkpoint.allow_data_change, run.data_identity
+            )  # fmt: skip (preflight said what changed, when it is allowed)
+            run.start, run.resumed_from = trainer_state["step"], path
             loader.load_state_dict(trainer_state["data"])
-            guard_record = trainer_state.get("guard", guard_record)
-    if resumed_from is None and cfg.checkpoint.init_from:  # a new stage: its first weights from another run
+            saved_guard = trainer_state.get("guard") or {}
+            run.guard_record = {key: saved_guard.get(key, value) for key, value in run.guard_record.items()}
+            guard.load_state_dict(saved_guard)  # the spike history: judged from the first step
+            run.optimizer_changes = tuple(apply_optimizer_config(optimizer, cfg.optim))
+    if run.resumed_from is None and cfg.checkpoint.init_from:  # a new stage: its first weights from another run
         beat(0, "load")
-        stage_from = stage_checkpoint(cfg.checkpoint.init_from)
-        check_stage_shape(stage_from, model_shape(spec.model))
-        load_stage(stage_from, model, optimizer, cfg.checkpoint.init_optimizer)
+        run.stage_from = stage_checkpoint(cfg.checkpoint.init_from)
+        check_stage_shape(run.stage_from, model_shape(spec.model))
+        load_stage(run.stage_from, model, optimizer, cfg.checkpoint.init_optimizer)
+        if cfg.checkpoint.init_optimizer:
+            run.optimizer_changes = tuple(apply_optimizer_config(optimizer, cfg.optim))
         if rank == 0:
-            keep_stage_source(stage_from, run_dir)  # an imported model's config and tokenizer, for export and eval
+            keep_stage_source(run.stage_from, run_dir)  # an imported model's config and tokenizer, for export/eval
+        refuse_nonfinite_weights(run, run.stage_from)
     if rank == 0:
-        trim_metrics(run_dir / METRICS_FILE, start)  # steps after the checkpoint are trained again
+        trim_metrics(run_dir / METRICS_FILE, run.start)  # steps after the checkpoint are trained again
         (run_dir / "config.toml").write_text(to_toml(cfg))
-    run = Run(
-        cfg, spec, device, state, model, optimizer, loader, checkpoints, folder, start, resumed_from, choose, policy,
-        guard_record, stage_from, fingerprint,
-    )  # fmt: skip
-    if resumed_from is not None or stage_from is not None:
-        refuse_nonfinite_weights(run, resumed_from or stage_from)
     return run
 
 
@@ -225,8 +256,12 @@ def describe(run: Run) -> str:
     if run.stage_from is not None:
         loaded = "weights and optimizer state" if cfg.checkpoint.init_optimizer else "weights"
         text += f"\na new stage: {loaded} from {run.stage_from}; steps, schedule and data start afresh"
+    if run.optimizer_changes:
+        text += f"\noptimizer settings from the config (the checkpoint held others): {', '.join(run.optimizer_changes)}"
     if run.resumed_from is not None:
         text += f"\nresumed from {run.resumed_from} at step {run.start}"
+        if run.guard is not None and run.guard.spikes.history:
+            text += f"; the guard's loss history: {run.guard.spikes.describe()}"
         if run.start >= cfg.run.steps:
             text += (
                 f"; run.steps={cfg.run.steps} is already reached, so nothing is trained (raise run.steps to "
@@ -407,7 +442,7 @@ def train(
     beat = beat or _no_beat
     run = build_run(device, cfg, spec, beat)
     r, o = cfg.run, cfg.optim
-    guard = StepGuard(cfg.guard.options())
+    guard = run.guard
     reporter = Reporter(
         Path(r.output_dir), enabled=dist.get_rank() == 0, total_steps=r.steps, log_every=r.log_every,
         first_step=run.start, tensorboard=r.tensorboard, progress=r.progress,
@@ -439,6 +474,7 @@ def train(
                 choose=run.choose, guard=guard, source_names=names,
             )  # fmt: skip
             if out.verdict.action == "stop":
+                set_aside_failed(run, guard.weights_step(step + 1))  # the printed resume skips them
                 raise GuardStop(stop_message(run, guard, step + 1, out, first_index))
             if out.verdict.action == "rollback":
                 beat(step, "rollback")
@@ -446,6 +482,12 @@ def train(
                 losses = {s: loss for s, loss in losses.items() if s <= step}
                 continue
             guard.record(step + 1, out.loss, out.verdict)
+            watch = out.applied and guard.options.stalled != "off"
+            stalled_since = guard.stall.update(step + 1, out.loss, out.grad_norm) if watch else None
+            if stalled_since is not None and guard.options.stalled == "stop":
+                raise GuardStop(stall_line(run, guard, step + 1, stalled_since))
+            if out.applied:
+                run.confirm()  # a step trained from the newest checkpoint's weights was applied
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dt = time.perf_counter() - t0
@@ -457,10 +499,13 @@ def train(
                 step=step + 1, loss=out.loss, accuracy=out.accuracy, grad_norm=out.grad_norm, lr=lr, step_s=dt,
                 tokens_per_s_per_device=tps, tflops_per_device=tps * flops_tok / 1e12, mfu=mfu(tps, flops_tok, peak),
                 peak_memory_gib=peak_memory_gib(device), layouts=",".join(out.layouts),
-                guard=guard_note(out.verdict), sources=out.sources, **comm_mib_per_device(run.state, run.choose),
+                guard=guard_note(out.verdict) or stall_note(stalled_since), sources=out.sources,
+                **comm_mib_per_device(run.state, run.choose),
             ))  # fmt: skip
             if out.verdict.reason == "spike" and reporter.enabled:
                 reporter.say(spike_line(guard, step + 1, out))
+            if stalled_since is not None:  # guard.stalled = warn: once, beside the step's line
+                reporter.say(stall_line(run, guard, step + 1, stalled_since))
             step += 1
             check_replicas_due(run, step)
             if r.eval_every and step % r.eval_every == 0 and step < r.steps:
@@ -469,8 +514,15 @@ def train(
             if after_step is not None:
                 after_step(run, step, reporter, beat)
             if run.save_due(step):
-                beat(step, "checkpoint save")
-                run.save(step)
+                if guard.skipped_in_a_row:  # a skipped step changes nothing: nothing new to save
+                    reporter.say(
+                        f"step {step}: checkpoint step-{step} not written: the last {guard.skipped_in_a_row} step(s) "
+                        f"were skipped, so the weights are still those step {guard.weights_step(step + 1)} left, "
+                        f"which the skipped steps failed on"
+                    )
+                else:
+                    beat(step, "checkpoint save")
+                    run.save(step)
         wall = time.perf_counter() - wall0
         beat(r.steps, "final evaluation")
         ev_loss, ev_acc, ev_sources = evaluate(run, r.eval_batches)
