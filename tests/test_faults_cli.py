@@ -212,6 +212,38 @@ def test_full_disk_stops_with_one_line_and_the_previous_checkpoint_intact(tmp_pa
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+def test_a_disk_that_fills_between_checkpoints_ends_in_one_line(tmp_path):
+    # metrics.jsonl and TensorBoard's writer thread meet the full disk, not a checkpoint save
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:  # fmt: skip
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        run_dir = mount / "run"
+        job = Job.train(["--nproc", "2", *SMALL, "--run.steps", "100000", "--checkpoint.every", "20",
+                         "--checkpoint.keep", "1", "--run.tensorboard", "true", "--run.output_dir", str(run_dir)],
+                        tmp_path / "log")  # fmt: skip
+        job.wait_for_step(run_dir, 21)  # step-20 is saved; the next save is 20 steps away
+        with open(mount / "filler", "wb") as f:  # the rest of the disk, as another job would take it
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            except OSError:
+                pass
+        done = job.wait(timeout=120)
+        _show("disk full between checkpoints", done)
+        assert done.returncode == 2
+        _assert_few_lines(done, 1)
+        line = done.stderr_lines()[0]
+        assert line.startswith(f"loongtrain train: no space left on device while writing to the run folder {run_dir}")
+        assert "the last intact checkpoint is step-20" in line and line.endswith("then resume with the same command")
+        assert "Exception in thread" not in done.stderr
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
 class _Spawned(Exception):
     pass
 

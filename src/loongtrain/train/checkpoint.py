@@ -64,6 +64,28 @@ class CheckpointSaveError(CheckpointError):
     """A checkpoint that could not be written (e.g. the disk is full); the previous one is intact."""
 
 
+class DiskFullError(CheckpointSaveError):
+    """The run folder's disk filled up while the run wrote to it (metrics, logs, evaluation
+    files); the message names the last intact checkpoint."""
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """Whether ``e`` (or one rank's failure inside a DCP error) is "no space left" or a quota."""
+    return _is_disk_full(e)
+
+
+def disk_full_message(run_dir: Path, e: OSError | None, checkpoints: CheckpointManager) -> str:
+    """One line for a full disk met outside a checkpoint save (``e``: the error, where this rank
+    met it): what was being written, and the last intact checkpoint to resume from."""
+    latest = checkpoints.latest()
+    where = f"the last intact checkpoint is {latest[1].name}" if latest else "no checkpoint was saved yet"
+    target = f" ({e.filename})" if e is not None and getattr(e, "filename", None) else ""
+    return (
+        f"no space left on device while writing to the run folder {run_dir}{target}: training stopped; {where}. "
+        f"Free some space (or move run.output_dir), then resume with the same command"
+    )
+
+
 #: ModelConfig's defaults, for settings an older checkpoint does not record.
 _SHAPE_DEFAULTS = dataclasses.asdict(ModelConfig())
 

@@ -27,6 +27,7 @@ from loongtrain.train.faults import (
     REPORT_DIR_ENV,
     ProcessEnd,
     debug_enabled,
+    fatal_cause,
     input_error_cause,
     read_reports,
     resume_command,
@@ -171,7 +172,8 @@ def _supervise(
             return failed_on_input(cause)
         restarts = f" (after {args.max_restarts} restart(s))" if args.max_restarts else ""
         say(f"{cause}{restarts}; {resume_hint(_latest_step(cfg), argv)}")
-        return 1
+        # a user-facing error one rank met alone (rank 0's full disk while writing metrics): exit 2 as for all
+        return 2 if fatal_cause(reports, attempt=args.max_restarts) else 1
     finally:
         if report_dir is not None:
             shutil.rmtree(report_dir, ignore_errors=True)

@@ -11,10 +11,12 @@ by a signal, and only then the ranks that saw a broken connection.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shlex
 import sys
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -167,6 +169,12 @@ def input_error_cause(reports: list[WorkerReport], attempt: int = 0) -> bool:
     return bool(fatal) and fatal[0].input_error
 
 
+def fatal_cause(reports: list[WorkerReport], attempt: int = 0) -> bool:
+    """True when :func:`root_cause` names a fatal report (a user-facing error, e.g. a full disk
+    met by rank 0 alone) for ``attempt``: the launcher exits with 2, as when every rank met it."""
+    return any(r.attempt == attempt and r.kind == FATAL for r in reports)
+
+
 def rank_list(ranks: list[int]) -> str:
     """``"0, 3, 5"``: at most eight ranks, then how many more."""
     return ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
@@ -200,3 +208,23 @@ def restart_notice() -> str:
     cause = root_cause(read_reports(Path(folder)), [], attempt - 1) if folder else "a worker failed"
     most = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
     return f"restarted by the elastic agent (restart {attempt} of {most}) after: {cause}"
+
+
+_QUIET_THREADS = {"installed": False}
+
+
+def quiet_disk_full_in_threads() -> None:
+    """A full disk met by a background writer thread (TensorBoard's) prints no traceback: the
+    main thread meets the same error at its next write and ends the run with one line."""
+    if _QUIET_THREADS["installed"]:
+        return
+    previous = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        value = args.exc_value
+        if isinstance(value, OSError) and value.errno in (errno.ENOSPC, errno.EDQUOT):
+            return
+        previous(args)
+
+    threading.excepthook = hook
+    _QUIET_THREADS["installed"] = True

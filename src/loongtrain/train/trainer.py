@@ -31,9 +31,15 @@ from loongtrain.model import build_model
 from loongtrain.options import checkpoint_label
 from loongtrain.parallel import ParallelState, init_parallel
 from loongtrain.planner.policy import CheckpointPolicy
-from loongtrain.train.checkpoint import CheckpointManager, check_data_fingerprint
+from loongtrain.train.checkpoint import (
+    CheckpointManager,
+    DiskFullError,
+    check_data_fingerprint,
+    disk_full_message,
+    is_disk_full,
+)
 from loongtrain.train.collectives import broadcast_object
-from loongtrain.train.faults import restart_notice, say
+from loongtrain.train.faults import quiet_disk_full_in_threads, restart_notice, say
 from loongtrain.train.guard import GuardStop, StepGuard, Verdict, first_nonfinite_gradient
 from loongtrain.train.guard_actions import (
     apply_optimizer_config,
@@ -373,9 +379,35 @@ def source_names(source: object) -> tuple[str, ...]:
 
 def peak_memory_gib(device: torch.device) -> float:
     """Collective: the largest peak memory of any rank since the last reset, in GiB."""
-    memory = torch.tensor([peak_memory_bytes(device)], dtype=torch.float64, device=device)
-    dist.all_reduce(memory, op=dist.ReduceOp.MAX)
-    return memory.item() / 2**30
+    return peak_memory_and_flag(device)[0]
+
+
+def peak_memory_and_flag(device: torch.device, flag: bool = False) -> tuple[float, bool]:
+    """Collective: :func:`peak_memory_gib`, and whether any rank raised ``flag`` (in the same
+    reduction: a failure one rank met, e.g. rank 0's full disk, reaches every rank at no cost)."""
+    values = torch.tensor([peak_memory_bytes(device), float(flag)], dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    peak, raised = values.tolist()
+    return peak / 2**30, bool(raised)
+
+
+class WriteFailures:
+    """Rank 0's writes to the run folder (metrics, evaluation records) that met a full disk: the
+    first is kept and the others are skipped; every rank learns of it at the next step's
+    reduction (:func:`peak_memory_and_flag`) and stops there together, in one line."""
+
+    def __init__(self) -> None:
+        self.error: OSError | None = None
+
+    def call(self, fn: Callable, *args, **kwargs) -> None:
+        if self.error is not None:
+            return
+        try:
+            fn(*args, **kwargs)
+        except OSError as e:
+            if not is_disk_full(e):
+                raise
+            self.error = e
 
 
 #: The transfer kinds as the step's metrics group them (``AttentionStats`` kinds).
@@ -447,6 +479,8 @@ def train(
         Path(r.output_dir), enabled=dist.get_rank() == 0, total_steps=r.steps, log_every=r.log_every,
         first_step=run.start, tensorboard=r.tensorboard, progress=r.progress,
     )  # fmt: skip
+    if reporter.enabled:
+        quiet_disk_full_in_threads()  # TensorBoard's writer thread: the loop below says it in one line
     try:
         if reporter.enabled:
             reporter.say(f"{describe(run)}\nmetrics: {r.output_dir}/metrics.jsonl; {reporter.tensorboard_status}")
@@ -460,6 +494,7 @@ def train(
         check_replicas_due(run, run.start)
         wall0 = time.perf_counter()
         names = source_names(run.loader.source)
+        failures = WriteFailures()
         step = run.start
         while step < r.steps:
             beat(step, "train")
@@ -495,10 +530,13 @@ def train(
             step_times.append(dt)
             losses[step + 1] = out.loss
             tps = tokens_per_step / dt / world
-            reporter.step(StepMetrics(
+            peak_gib, disk_full = peak_memory_and_flag(device, failures.error is not None)
+            if disk_full:  # rank 0 met a full disk writing the previous step's records: every rank stops here
+                raise DiskFullError(disk_full_message(Path(r.output_dir), failures.error, run.checkpoints))
+            failures.call(reporter.step, StepMetrics(
                 step=step + 1, loss=out.loss, accuracy=out.accuracy, grad_norm=out.grad_norm, lr=lr, step_s=dt,
                 tokens_per_s_per_device=tps, tflops_per_device=tps * flops_tok / 1e12, mfu=mfu(tps, flops_tok, peak),
-                peak_memory_gib=peak_memory_gib(device), layouts=",".join(out.layouts),
+                peak_memory_gib=peak_gib, layouts=",".join(out.layouts),
                 guard=guard_note(out.verdict) or stall_note(stalled_since), sources=out.sources,
                 **comm_mib_per_device(run.state, run.choose),
             ))  # fmt: skip
@@ -510,7 +548,7 @@ def train(
             check_replicas_due(run, step)
             if r.eval_every and step % r.eval_every == 0 and step < r.steps:
                 beat(step, "evaluation")
-                reporter.evaluation(step, *evaluate(run, r.eval_batches))
+                failures.call(reporter.evaluation, step, *evaluate(run, r.eval_batches))
             if after_step is not None:
                 after_step(run, step, reporter, beat)
             if run.save_due(step):
@@ -524,6 +562,8 @@ def train(
                     beat(step, "checkpoint save")
                     run.save(step)
         wall = time.perf_counter() - wall0
+        if peak_memory_and_flag(device, failures.error is not None)[1]:
+            raise DiskFullError(disk_full_message(Path(r.output_dir), failures.error, run.checkpoints))
         beat(r.steps, "final evaluation")
         ev_loss, ev_acc, ev_sources = evaluate(run, r.eval_batches)
         steady = step_times[1:] or step_times
@@ -533,8 +573,16 @@ def train(
             eval_loss=ev_loss, eval_accuracy=ev_acc, chance=spec.task.chance if spec.task is not None else None,
             eval_sources=ev_sources,
         )  # fmt: skip
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        raise DiskFullError(disk_full_message(Path(r.output_dir), e, run.checkpoints)) from None
     finally:
-        reporter.close()
+        try:
+            reporter.close()
+        except OSError as e:  # a full disk again while flushing: the error above says it
+            if not is_disk_full(e):
+                raise
     return TrainResult(
         steps_run=max(0, r.steps - run.start), final_step=r.steps, losses=[losses[k] for k in sorted(losses)],
         eval_loss=ev_loss, eval_accuracy=ev_acc, wall_s=wall, tokens_per_s_per_device=tps,
