@@ -80,3 +80,26 @@ def test_the_command_refuses_what_it_cannot_calibrate_in_one_line(tmp_path, caps
     blocked.write_text("")
     with pytest.raises(PlanError, match="cannot write the cluster file .* choose another path"):
         calibrate_gpu.run(str(REPORT), cluster_spec("h200"), str(blocked / "h200.toml"))
+
+
+def test_the_attention_fit_recovers_the_rates_its_timings_came_from():
+    """What the calibration computes from the numbers it is given (issue 53: not from timings a loaded
+    machine can invert): kernel times made by known rates and overheads are fitted back to them."""
+    from dataclasses import replace
+
+    from loongtrain.model import model_config
+
+    base = cluster_spec("h200")
+    true = replace(base, attn_fwd_tflops=300.0, attn_bwd_tflops=180.0, kernel_overhead_us=25.0,
+                   kernel_bwd_overhead_us=60.0)  # fmt: skip
+    model = model_config("llama3-8b")
+    measured = []
+    for seq in (2048, 8192, 32768):
+        t = block_seconds(true, calibrate_gpu._workload(model, seq, 2), 1, 1)
+        measured.append({"seq": seq, "heads": model.n_heads, "kv_heads": model.n_kv_heads,
+                         "head_dim": model.head_dim, "fwd_s": t.kernel_fwd_first, "bwd_s": t.kernel_bwd_first})
+    fit = calibrate_gpu._attention_fit(base, model, 2, measured)
+    assert fit["attn_fwd_tflops"] == pytest.approx(300.0, rel=1e-6)
+    assert fit["attn_bwd_tflops"] == pytest.approx(180.0, rel=1e-6)
+    assert fit["kernel_overhead_us"] == pytest.approx(25.0, rel=1e-6)
+    assert fit["kernel_bwd_overhead_us"] == pytest.approx(60.0, rel=1e-6)

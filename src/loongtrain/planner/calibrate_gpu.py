@@ -115,7 +115,7 @@ def _attention_fit(c: ClusterSpec, model: ModelConfig, dtype_bytes: int, measure
         work_fwd.append((t.kernel_fwd_first - c.kernel_overhead_us * 1e-6) * c.attn_fwd_tflops)
         work_bwd.append((t.kernel_bwd_first - c.bwd_overhead_us * 1e-6) * c.attn_bwd_tflops)
         t_fwd.append(m["fwd_s"])
-        t_bwd.append(m["fwd_bwd_s"] - m["fwd_s"])
+        t_bwd.append(m["bwd_s"] if "bwd_s" in m else m["fwd_bwd_s"] - m["fwd_s"])  # older reports: no bwd_s
     o_fwd, a_fwd = _line(work_fwd, t_fwd, c.kernel_overhead_us * 1e-6)
     o_bwd, a_bwd = _line(work_bwd, t_bwd, c.bwd_overhead_us * 1e-6)
     return {"attn_fwd_tflops": 1 / a_fwd, "attn_bwd_tflops": 1 / a_bwd, "kernel_overhead_us": o_fwd * 1e6,

@@ -316,7 +316,7 @@ def _training_goals(check: dict | None, peer: dict | None, lengths: _Lengths) ->
         goals.append(Goal(name, "no row with a prediction", target, NOT_RUN))
     else:
         ratio, case = max(ratios, key=lambda rc: abs(rc[0] - 1))
-        goals.append(Goal(name, f"{ratio:.2f} ({case[-30:]})", target,
+        goals.append(Goal(name, f"{ratio:.2f} ({case.split(':')[0]})", target,  # the row's name, whole
                           _judge(abs(ratio - 1) <= PLANNER_GOAL, lengths.judged)))  # fmt: skip
     compiled = next((r["values"] for r in _rows(check, "training") if r["values"].get("compiled")), None)
     name, target = "compiled / eager auto", "no recompile"
