@@ -12,6 +12,9 @@ its ``debug`` model on packed token files (three synthetic sources written here)
 - ``mixture, guarded``: three sources, their losses, targets and tokens per source summed in
   the step's one all-reduce.
 
+Then a checkpoint save of the guarded row, timed whole and its check that every weight and
+AdamW state is finite (what the guard adds to a save; steps that do not save have none).
+
 Host reads are counted in one extra step per row under a ``TorchFunctionMode`` that sees every
 ``item``, ``tolist``, ``float``/``int``/``bool`` of a tensor and ``numpy`` (on a GPU each reads
 device memory; here they are counted alike). The step times are medians of ``--steps`` steps
@@ -40,7 +43,7 @@ from loongtrain.launch import launch
 from loongtrain.options import GuardOptions
 from loongtrain.tools.bench.train import MAIN_CONFIG
 from loongtrain.tools.harness import sync
-from loongtrain.train.guard import StepGuard
+from loongtrain.train.guard import StepGuard, first_nonfinite_state
 from loongtrain.train.preflight import preflight
 from loongtrain.train.trainer import Run, build_run, source_names, to_device, train_step
 
@@ -77,7 +80,7 @@ def write_sources(folder: Path, tokens: int = 400_000) -> dict[str, Path]:
 
 def row_overrides(row: str, files: dict[str, Path], folder: Path) -> list[str]:
     common = [
-        f"run.output_dir={folder / row.replace(' ', '-').replace(',', '')}", "checkpoint.every=0",
+        f"run.output_dir={folder / row.replace(' ', '-').replace(',', '')}", "checkpoint.every=0", "checkpoint.keep=1",
         "checkpoint.save_final=false", "checkpoint.resume=false", "run.progress=off", "run.tensorboard=false",
         "data.source=tokens", "data.pack=true",
     ]  # fmt: skip
@@ -122,6 +125,21 @@ def _bench_rank(device: torch.device, args: argparse.Namespace, folder: Path) ->
     for _ in range(args.steps):
         for row in ROWS:
             times[row].append(_step(runs[row], guards[row]))
+    # a checkpoint save: the finiteness check it starts with (one reduction) beside the whole save
+    run = runs["one file, guarded"]
+    with HostReads() as counter:
+        first_nonfinite_state(run.model, run.optimizer, run.device)
+    check_reads = counter.count
+    check_s, save_s = [], []
+    for i in range(args.saves):
+        dist.barrier()
+        t0 = time.perf_counter()
+        first_nonfinite_state(run.model, run.optimizer, run.device)
+        check_s.append(time.perf_counter() - t0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        run.save(i + 1)
+        save_s.append(time.perf_counter() - t0)
     guard = StepGuard(GuardOptions())
     t0 = time.perf_counter()
     for i in range(10_000):  # the guard's own work per step: judge, then record
@@ -131,6 +149,8 @@ def _bench_rank(device: torch.device, args: argparse.Namespace, folder: Path) ->
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)
     counts = torch.tensor([reads[row] for row in ROWS], dtype=torch.float64, device=device)
     dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    saving = torch.tensor([statistics.median(check_s), statistics.median(save_s)], dtype=torch.float64, device=device)
+    dist.all_reduce(saving, op=dist.ReduceOp.MAX)
     if rank == 0:
         cfg = runs[ROWS[0]].cfg
         print(
@@ -143,6 +163,12 @@ def _bench_rank(device: torch.device, args: argparse.Namespace, folder: Path) ->
         for row, median, count in zip(ROWS, medians.tolist(), counts.tolist()):
             print(f"{row:20s} {int(count):10d} {median * 1e3:8.1f} {median / base:10.3f}x")
         print(f"the guard's own Python per step: {guard_s * 1e6:.1f} us ({guard_s / base:.4%} of the plain step)")
+        check, save = saving.tolist()
+        print(
+            f"a checkpoint save (median of {args.saves}, slowest rank): {save * 1e3:.1f} ms, of which the check that "
+            f"every weight and AdamW state is finite: {check * 1e3:.2f} ms ({check / save:.1%}; {check_reads} host "
+            f"read(s), one reduction); steps that do not save: no check"
+        )
 
 
 def main(args: argparse.Namespace) -> None:
@@ -158,3 +184,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=4, help="processes to spawn (ignored under torchrun)")
     parser.add_argument("--config", type=Path, default=MAIN_CONFIG, help="the layout and model (the main job's)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per row (interleaved)")
+    parser.add_argument("--saves", type=int, default=5, help="timed checkpoint saves (with their finiteness check)")
