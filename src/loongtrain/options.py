@@ -304,7 +304,8 @@ class GuardOptions:
     (made from these fields; ``loongtrain.train.guard`` applies them). A loss spike is a finite
     loss above ``mean + max(spike_sigma * std, 2% of the mean)`` of the last ``spike_window``
     applied steps' losses, judged once ``spike_min_history`` of them are known (a fresh run's
-    or a resume's first steps are never spikes)."""
+    first steps are never spikes; the history travels with the checkpoints, so a resume is judged
+    from its first step)."""
 
     nonfinite: str = option(
         "stop",
