@@ -75,9 +75,9 @@ def _train_out_of_space(overrides: list[str], fail_at_step: int, how: str) -> st
     ckpt._saving = None
     real_save = ckpt.CheckpointManager.save
 
-    def save(self, step, *args):
+    def save(self, step, *args, **kwargs):
         ckpt._saving = f"step-{step}"
-        return real_save(self, step, *args)
+        return real_save(self, step, *args, **kwargs)
 
     ckpt.CheckpointManager.save = save
     if how == "free":
