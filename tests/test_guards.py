@@ -230,15 +230,22 @@ def _train(overrides: list[str], hook: str | None = None) -> dict:
     from loongtrain.train.checkpoint import CheckpointError
     from loongtrain.train.trainer import preflight, train
 
+    import contextlib
+    import io
+
     _CAPTURED.clear()
     cfg = load_config(None, BASE + overrides)
     spec = preflight(cfg, torch.distributed.get_world_size())
+    said = io.StringIO()
     try:
-        result = train(torch.device("cpu"), cfg, spec, after_step=_HOOKS.get(hook))
+        with contextlib.redirect_stdout(said):
+            result = train(torch.device("cpu"), cfg, spec, after_step=_HOOKS.get(hook))
         out = {"losses": result.losses, "stopped": None}
     except (GuardStop, CheckpointError) as e:
         out = {"losses": None, "stopped": f"{type(e).__name__}: {e}"}
+    print(said.getvalue(), end="")
     out["captured"] = dict(_CAPTURED) if torch.distributed.get_rank() == 0 else None
+    out["said"] = said.getvalue()  # what rank 0 printed
     return out
 
 
@@ -561,6 +568,7 @@ def test_a_resume_onto_other_data_is_judged_by_the_history_before_it(dist_pool, 
     assert out["stopped"] is None
     marks = {r["step"]: r["guard"] for r in _records(tmp_path / "run") if r["kind"] == "train"}
     assert marks[13] == "spike", marks  # warned at the first step after the change
+    assert out["said"].count("on the changed data, beside the loss history before the change") == 2  # 13, 14
     with pytest.raises(Exception, match=r"other data .*file content"):
         _preflight_notices([*common, f"data.path={counting}", "run.steps=16"])  # back to counting: refused
 

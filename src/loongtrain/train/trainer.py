@@ -76,6 +76,8 @@ from loongtrain.train.step import SourceNumbers, forward_backward
 __all__ = ["Run", "RunSpec", "StepOutput", "TrainResult", "build_run", "preflight", "train", "train_step"]
 
 Beat = Callable[[int, str], None]  # the watchdog's progress(step, phase)
+#: steps after a resume onto changed data whose loss is printed beside the history before the change
+DATA_CHANGE_STEPS = 3
 #: Called by :func:`train` with (run, steps done, reporter, beat) before the first step of a
 #: fresh run (0) and after every step: what a layer above adds to training (``loongtrain.eval``).
 AfterStep = Callable[["Run", int, Reporter, Beat], None]
@@ -118,6 +120,7 @@ class Run:
     data_identity: dict | None = None  # what the fingerprint digests (a resume on changed data names it)
     optimizer_changes: tuple[str, ...] = ()  # [optim] values the config changed on a loaded state
     pending_prune: int | None = None  # the newest checkpoint, until a step trained from it is applied
+    data_change: str | None = None  # a resume onto changed data (checkpoint.allow_data_change): what changed
 
     def save_due(self, done: int) -> bool:
         """Whether a checkpoint is due after ``done`` steps."""
@@ -205,7 +208,7 @@ def build_run(device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat 
         loaded = load_newest_finite(run)  # a checkpoint holding a NaN is set aside, an older one tried
         if loaded is not None:
             step, path, trainer_state = loaded
-            check_data_fingerprint(
+            run.data_change = check_data_fingerprint(
                 path, trainer_state, run.data_fingerprint, cfg.checkpoint.allow_data_change, run.data_identity
             )  # fmt: skip (preflight said what changed, when it is allowed)
             run.start, run.resumed_from = trainer_state["step"], path
@@ -544,6 +547,9 @@ def train(
                 reporter.say(spike_line(guard, step + 1, out))
             if stalled_since is not None:  # guard.stalled = warn: once, beside the step's line
                 reporter.say(stall_line(run, guard, step + 1, stalled_since))
+            if run.data_change and step < run.start + DATA_CHANGE_STEPS and guard.spikes.history:
+                reporter.say(f"step {step + 1}: loss {out.loss:.4f} on the changed data, beside the loss history "
+                             f"before the change: {guard.spikes.describe()}")  # fmt: skip
             step += 1
             check_replicas_due(run, step)
             if r.eval_every and step % r.eval_every == 0 and step < r.steps:
