@@ -4,6 +4,7 @@ Every other rank gets a reporter that does nothing, so the loop never asks its r
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +48,7 @@ class StepMetrics:
         return (
             (f"[{self.guard.upper()}] " if self.guard else "")
             + f"loss {self.loss:.4f}"
-            + _by_source({n.name: n.loss for n in self.sources if n.targets})
+            + _by_source({n.name: n.loss for n in self.sources})
             + f" acc {self.accuracy:.3f} | gnorm {self.grad_norm:.2f} lr {self.lr:.2e} | "
             f"{self.tokens_per_s_per_device:,.0f} tok/s/dev {self.tflops_per_device:.3f} TFLOP/s"
             + (f" MFU {self.mfu:.1%}" if self.mfu is not None else "")
@@ -66,8 +67,9 @@ class StepMetrics:
 
 
 def source_fields(name: str, loss: float, targets: int | None = None, tokens: int | None = None) -> dict:
-    """A source's numbers as flat ``metrics.jsonl`` keys: ``loss/NAME``, ``targets/NAME``, ``tokens/NAME``."""
-    out = {f"loss/{name}": loss}
+    """A source's numbers as flat ``metrics.jsonl`` keys: ``loss/NAME``, ``targets/NAME``, ``tokens/NAME``;
+    a source with no targets in the step or evaluation (its loss NaN) has no ``loss/NAME``."""
+    out = {f"loss/{name}": loss} if math.isfinite(loss) and targets != 0 else {}
     if targets is not None:
         out[f"targets/{name}"] = targets
     if tokens is not None:
@@ -195,4 +197,6 @@ class Reporter:
 
 
 def _by_source(sources: dict[str, float] | None) -> str:
-    return " (" + " ".join(f"{name} {loss:.3f}" for name, loss in sources.items()) + ")" if sources else ""
+    """`` (a 1.234 b 2.345)``: the sources that had targets (a NaN loss: none, left out)."""
+    shown = {name: loss for name, loss in (sources or {}).items() if math.isfinite(loss)}
+    return " (" + " ".join(f"{name} {loss:.3f}" for name, loss in shown.items()) + ")" if shown else ""
