@@ -141,6 +141,17 @@ class DataReport:
         lines += [""] + [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines).rstrip() + "\n"
 
+    def columns_and_rows(self) -> tuple[list[str], list[list]]:
+        """The per-source table as columns and rows (shares as fractions, None where unknown)."""
+        columns = ["source", "target", "drawn", "sequences", "long_from", "long_target", "long_drawn", "split_drawn",
+                   "dropped_tokens", "file_tokens", "epochs"]  # fmt: skip
+        rows = [
+            [s.label, s.target, s.drawn, s.sequences, s.long_length, s.long_target, s.long_drawn, s.split_drawn,
+             s.dropped_tokens, s.file_tokens, " / ".join(f"{r} {e:.2f}" for r, e in s.epochs.items())]
+            for s in self.sources
+        ]  # fmt: skip
+        return columns, rows
+
     def plot(self, path: str | Path) -> None:
         """The document-length histogram as a PNG (one line of bars per source, log x axis)."""
         import matplotlib
