@@ -127,3 +127,13 @@ def test_metrics_lines_are_strict_json_and_an_absent_source_is_left_out(tmp_path
     assert records[1]["loss"] is None and records[1]["grad_norm"] is None and records[1]["mfu"] is None
     assert records[2]["loss/books"] == 2.4 and "loss/code" not in records[2]
     assert read_metrics(tmp_path / "metrics.jsonl") == records
+
+
+def test_cpu_memory_is_labelled_as_the_resident_set_it_is():
+    from loongtrain.train.report import StepMetrics
+
+    common = dict(step=1, loss=2.0, accuracy=0.5, grad_norm=1.0, lr=1e-3, step_s=1.0, tokens_per_s_per_device=1.0,
+                  tflops_per_device=0.0, mfu=None, peak_memory_gib=0.34)  # fmt: skip
+    assert "| peak RSS 0.34 GiB" in StepMetrics(**common, memory_is_rss=True).line()
+    assert "| mem 0.34 GiB" in StepMetrics(**common).line()
+    assert "memory_is_rss" not in StepMetrics(**common, memory_is_rss=True).record()

@@ -38,9 +38,13 @@ class StepMetrics:
     zero_reduce_mib: float = 0.0
     guard: str = ""  # the guard's mark: "skipped: non-finite loss", "skipped: spike", "spike" (trained on)
     sources: tuple = ()  # a mixture: each source's SourceNumbers (name, loss, targets, tokens)
+    # peak_memory_gib is the process's peak resident memory (on CPU: no allocator statistics),
+    # not tensor memory as on a GPU and as memory.activation_checkpoint=auto predicts it
+    memory_is_rss: bool = False
 
     def record(self) -> dict:
-        record = {"kind": "train", **{k: v for k, v in self.__dict__.items() if k != "sources"}}
+        shown = {k: v for k, v in self.__dict__.items() if k not in ("sources", "memory_is_rss")}
+        record = {"kind": "train", **shown}
         for numbers in self.sources:
             record.update(source_fields(numbers.name, numbers.loss, numbers.targets, numbers.tokens))
         return record
@@ -53,7 +57,8 @@ class StepMetrics:
             + f" acc {self.accuracy:.3f} | gnorm {self.grad_norm:.2f} lr {self.lr:.2e} | "
             f"{self.tokens_per_s_per_device:,.0f} tok/s/dev {self.tflops_per_device:.3f} TFLOP/s"
             + (f" MFU {self.mfu:.1%}" if self.mfu is not None else "")
-            + f" | mem {self.peak_memory_gib:.2f} GiB"
+            + (f" | peak RSS {self.peak_memory_gib:.2f} GiB" if self.memory_is_rss
+               else f" | mem {self.peak_memory_gib:.2f} GiB")
             + (
                 f" | sent ring {self.ring_kv_mib + self.ring_dkv_mib:.1f} a2a {self.all_to_all_mib:.1f}"
                 f" zero {self.zero_all_gather_mib + self.zero_reduce_mib:.1f} MiB"

@@ -476,8 +476,8 @@ def train(
             reporter.step(StepMetrics(
                 step=step + 1, loss=out.loss, accuracy=out.accuracy, grad_norm=out.grad_norm, lr=lr, step_s=dt,
                 tokens_per_s_per_device=tps, tflops_per_device=tps * flops_tok / 1e12, mfu=mfu(tps, flops_tok, peak),
-                peak_memory_gib=peak_memory_gib(device), layouts=",".join(out.layouts),
-                guard=guard_note(out.verdict), sources=out.sources, **comm_mib_per_device(run.state, run.choose),
+                peak_memory_gib=peak_memory_gib(device), layouts=",".join(out.layouts), guard=guard_note(out.verdict),
+                memory_is_rss=device.type != "cuda", sources=out.sources, **comm_mib_per_device(run.state, run.choose),
             ))  # fmt: skip
             if out.verdict.reason == "spike" and reporter.enabled:
                 reporter.say(spike_line(guard, step + 1, out))
