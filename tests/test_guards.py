@@ -313,6 +313,8 @@ def test_skipped_steps_leave_weights_and_optimizer_untouched(dist_pool, tmp_path
     skipped = "skipped: non-finite loss"
     assert {r["step"]: r["guard"] for r in records} == {1: "", 2: skipped, 3: skipped}
     assert [r["loss"] is None for r in records] == [False, True, True]  # the NaN losses are null, strict JSON
+    stop = _records(run_dir)[-1]  # the stop itself, for metrics.jsonl's readers and the tracked runs
+    assert stop["kind"] == "stop" and stop["step"] == 3 and stop["message"].startswith("step 4: the loss is nan")
 
 
 def _counting_tokens(path: Path, sequences: int, seq: int, seed: int = 0) -> None:
