@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CPU miniature of ProLong's two stages (docs/stages.md), about 4 minutes on 2 cores: three
+# The CPU miniature of ProLong's two stages (docs/stages.md), about 3 minutes on 2 cores: three
 # sources made by scripts/make_mixture_data.py (code and books of long documents, short ones),
 # what each stage's mixture feeds (loongtrain data-inspect: a table and document_lengths.png), the
 # first stage at 256 tokens, the second from its checkpoint at 1024 tokens with a larger RoPE
@@ -8,7 +8,7 @@
 #   bash scripts/prolong_cpu.sh
 # SEEDS="0 1 2" runs the two stages once per seed (initial weights and data order; seed 0 is the
 # configs' own: runs/prolong_cpu/stage1, stage2; seed N: runs/prolong_cpu/seed-N/...), about
-# 4 minutes each, and prints each seed's retrieval and the spread over the seeds: the miniature's
+# 3 minutes each, and prints each seed's retrieval and the spread over the seeds: the miniature's
 # numbers move with the float rounding of the machine as they do with the seed.
 #   SEEDS="0 1 2 3 4" bash scripts/prolong_cpu.sh
 set -euo pipefail
