@@ -227,11 +227,11 @@ def _poison_weight_at_2(run, done, reporter, beat) -> None:
 
 def _train(overrides: list[str], hook: str | None = None) -> dict:
     """Train on this rank; the losses and, if the guard stopped it, its message."""
-    from loongtrain.train.checkpoint import CheckpointError
-    from loongtrain.train.trainer import preflight, train
-
     import contextlib
     import io
+
+    from loongtrain.train.checkpoint import CheckpointError
+    from loongtrain.train.trainer import preflight, train
 
     _CAPTURED.clear()
     cfg = load_config(None, BASE + overrides)
@@ -269,8 +269,13 @@ def _bit_equal(a: dict, b: dict) -> bool:
     return fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa)
 
 
+def _refuse(constant: str):
+    raise ValueError(f"metrics.jsonl holds {constant}, which strict JSON parsers reject")
+
+
 def _records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """``metrics.jsonl`` read as a strict parser (Node's JSON.parse) reads it: no NaN or Infinity."""
+    return [json.loads(line, parse_constant=_refuse) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 #: the plain path, and a layout per microbatch on packed documents with every offload (sc++)
@@ -327,8 +332,12 @@ def test_skipped_steps_leave_weights_and_optimizer_untouched(dist_pool, tmp_path
     assert sorted(captured) == [1, 2, 3]  # after_step ran after the good step and the two skipped ones
     assert _bit_equal(captured[2], captured[1]) and _bit_equal(captured[3], captured[1])
     assert int(captured[1]["optim"]["state"]["tok_embeddings.weight"]["step"]) == 1  # AdamW's count too
-    marks = {r["step"]: r["guard"] for r in _records(run_dir) if r["kind"] == "train"}
-    assert marks == {1: "", 2: "skipped: non-finite loss", 3: "skipped: non-finite loss"}
+    records = [r for r in _records(run_dir) if r["kind"] == "train"]
+    skipped = "skipped: non-finite loss"
+    assert {r["step"]: r["guard"] for r in records} == {1: "", 2: skipped, 3: skipped}
+    assert [r["loss"] is None for r in records] == [False, True, True]  # the NaN losses are null, strict JSON
+    stop = _records(run_dir)[-1]  # the stop itself, for metrics.jsonl's readers and the tracked runs
+    assert stop["kind"] == "stop" and stop["step"] == 3 and stop["message"].startswith("step 4: the loss is nan")
 
 
 def _counting_tokens(path: Path, sequences: int, seq: int, seed: int = 0) -> None:

@@ -94,3 +94,46 @@ def test_trainer_and_planner_count_the_same_model_flops():
     # every rank of an sp group of 8 counts 1/8 of the micro-batch's 2 x 8192 tokens
     per_rank = model_flops_per_microbatch(Workload(cfg, seq, batch=2, micro_batch=2), Candidate.of(hp=2, cp=4))
     assert 8 * per_rank == pytest.approx(2 * seq * flops_per_token(cfg, seq), rel=1e-12)
+
+
+def _refuse(constant: str):
+    raise ValueError(f"not strict JSON: {constant}")
+
+
+def test_metrics_lines_are_strict_json_and_an_absent_source_is_left_out(tmp_path, capsys):
+    import json
+
+    from loongtrain.train.metrics import read_metrics
+    from loongtrain.train.report import Reporter, StepMetrics
+    from loongtrain.train.step import SourceNumbers
+
+    reporter = Reporter(
+        tmp_path, enabled=True, total_steps=2, log_every=1, first_step=0, tensorboard=False, progress="off"
+    )  # fmt: skip
+    sources = (SourceNumbers("books", 2.5, 10, 12), SourceNumbers("code", math.nan, 0, 0))
+    common = dict(accuracy=0.5, lr=1e-3, step_s=1.0, tokens_per_s_per_device=10.0, tflops_per_device=0.0,
+                  peak_memory_gib=0.1, sources=sources)  # fmt: skip
+    reporter.step(StepMetrics(step=1, loss=2.5, grad_norm=1.0, mfu=None, **common))
+    reporter.step(StepMetrics(step=2, loss=math.nan, grad_norm=math.inf, mfu=math.nan, guard="skipped", **common))
+    reporter.evaluation(2, 2.4, 0.5, {"books": 2.4, "code": math.nan})
+    reporter.close()
+    printed = capsys.readouterr().out
+    assert "(books 2.500)" in printed and "code" not in printed and "(books 2.400)" in printed
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line, parse_constant=_refuse) for line in lines]  # a strict parser reads every line
+    assert [r["kind"] for r in records] == ["train", "train", "eval"]
+    assert records[0]["loss/books"] == 2.5 and "loss/code" not in records[0]
+    assert records[0]["targets/code"] == 0 and records[0]["tokens/code"] == 0
+    assert records[1]["loss"] is None and records[1]["grad_norm"] is None and records[1]["mfu"] is None
+    assert records[2]["loss/books"] == 2.4 and "loss/code" not in records[2]
+    assert read_metrics(tmp_path / "metrics.jsonl") == records
+
+
+def test_cpu_memory_is_labelled_as_the_resident_set_it_is():
+    from loongtrain.train.report import StepMetrics
+
+    common = dict(step=1, loss=2.0, accuracy=0.5, grad_norm=1.0, lr=1e-3, step_s=1.0, tokens_per_s_per_device=1.0,
+                  tflops_per_device=0.0, mfu=None, peak_memory_gib=0.34)  # fmt: skip
+    assert "| peak RSS 0.34 GiB" in StepMetrics(**common, memory_is_rss=True).line()
+    assert "| mem 0.34 GiB" in StepMetrics(**common).line()
+    assert "memory_is_rss" not in StepMetrics(**common, memory_is_rss=True).record()

@@ -444,6 +444,37 @@ def test_file_refusals_name_the_source_before_any_process(tmp_path, files, monke
     ), notes
 
 
+def test_data_inspect_says_when_upsampling_downsamples_and_when_sequences_are_skipped(tmp_path, files):
+    import re
+
+    # code's own share of tokens in documents of at least LONG, from the file's EOS positions
+    ids = np.asarray(TokenFile(files["code"]).tokens)
+    lengths = np.diff(np.concatenate([[-1], np.flatnonzero(ids == EOS)]))
+    natural = lengths[lengths >= LONG].sum() / lengths.sum()
+    assert 0.2 < natural < 0.5
+    extra = f"upsample_length = {LONG}\nupsample_share = 0.1\n"
+    cfg = load_config(mixture_toml(tmp_path / "c.toml", files, extra), ["run.steps=10"])
+    (note,) = [w for w in inspect_data(cfg).warnings if "downsampled" in w]
+    assert note.startswith(f"source code: upsample_share=0.1 is below the share of its tokens in documents of at "
+                           f"least {LONG:,} tokens")  # fmt: skip
+    assert abs(float(re.search(r"\(([\d.]+)%\)", note).group(1)) / 100 - natural) < 0.001
+    at_half = load_config(mixture_toml(tmp_path / "d.toml", files, UPSAMPLED), ["run.steps=10"])
+    assert not [w for w in inspect_data(at_half).warnings if "downsampled" in w]  # 0.5 is above: upsampled
+
+    # a file whose first half holds no loss target: those sequences are skipped, and said so
+    seq, n = 512, 40 * 512 + 1
+    flags = np.zeros(n, dtype=np.uint8)
+    flags[n // 2 :] = TARGET
+    flags[0] |= DOC_START
+    write_tokens(tmp_path / "half.tok", np.arange(n) % 250 + 1, VOCAB, eos=EOS, flags=flags)
+    no_target = sum(not (flags[w * seq + 1 : (w + 1) * seq + 1] & TARGET).any() for w in range((n - 1) // seq))
+    cfg = load_config(None, ["data.source=tokens", f"data.path={tmp_path / 'half.tok'}", f"data.seq_len={seq}",
+                             "data.global_batch=2", "run.steps=2"])  # fmt: skip
+    assert f"data.path: {no_target:,} of its 40 sequences of 512 tokens have no loss target" in " ".join(
+        inspect_data(cfg).warnings
+    )
+
+
 def test_data_inspect_command_writes_the_table_and_the_plot(tmp_path, files, capsys):
     path = mixture_toml(tmp_path / "c.toml", files, UPSAMPLED)
     out = tmp_path / "inspect"

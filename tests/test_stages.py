@@ -76,8 +76,14 @@ def _train(overrides: list[str], capture: bool = False) -> dict:
     return {"losses": result.losses, "start": dict(_START) if torch.distributed.get_rank() == 0 else None}
 
 
+def _refuse(constant: str):
+    raise ValueError(f"metrics.jsonl holds {constant}, which strict JSON parsers reject")
+
+
 def _records(run_dir: Path, kind: str) -> list[dict]:
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+    """``metrics.jsonl`` read strictly (no NaN or Infinity): a source absent from a step has no loss/NAME."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in (json.loads(line, parse_constant=_refuse) for line in lines) if r["kind"] == kind]
 
 
 def _tensors(checkpoint: Path) -> dict:
@@ -100,6 +106,7 @@ def test_a_mixture_trains_with_losses_per_source_then_a_stage_starts_from_it(dis
     for r in steps:
         targets = [r[f"targets/{name}"] for name in WEIGHTS]
         weighted = sum(r[f"loss/{name}"] * r[f"targets/{name}"] for name in WEIGHTS if r[f"targets/{name}"])
+        assert all((f"loss/{name}" in r) == bool(r[f"targets/{name}"]) for name in WEIGHTS)
         assert weighted / sum(targets) == pytest.approx(r["loss"], rel=1e-6)
         assert sum(r[f"tokens/{name}"] for name in WEIGHTS) == 4 * 128
     # the first step's counts, from the samples the source itself gives for indices 0..3
@@ -128,7 +135,8 @@ def test_a_mixture_trains_with_losses_per_source_then_a_stage_starts_from_it(dis
     for name, state in saved["optim"]["state"].items():
         assert all(torch.equal(start["optim"]["state"][name][k], v) for k, v in state.items()), name
     record = _records(stage2, "train")[0]
-    assert record["step"] == 1 and {f"loss/{n}" for n in WEIGHTS} <= record.keys()
+    assert record["step"] == 1 and {f"targets/{n}" for n in WEIGHTS} <= record.keys()
+    assert {f"loss/{n}" for n in WEIGHTS if record[f"targets/{n}"]} <= record.keys()
     # without init_optimizer: the same weights, a fresh AdamW
     fresh = pool.run(_train, [*second[:-1], f"run.output_dir={tmp_path / 'fresh'}"], True)[0]["start"]
     assert all(torch.equal(fresh["model"][k], saved["model"][k]) for k in saved["model"])

@@ -425,6 +425,29 @@ def parse_lengths(text: str) -> tuple[int, ...]:
 
 
 @dataclass
+class MetricsSection:
+    """Where rank 0 also sends what ``metrics.jsonl`` holds: Weights & Biases and MLflow (each
+    optional; their own environment variables, e.g. WANDB_MODE, WANDB_ENTITY, WANDB_API_KEY,
+    MLFLOW_TRACKING_URI, MLFLOW_TRACKING_TOKEN, keep working)."""
+
+    wandb: bool = option(False, "log to Weights & Biases (pip install 'loongtrain[wandb]'); WANDB_MODE=offline works")
+    wandb_project: str = option("", "W&B project (empty: WANDB_PROJECT, else 'loongtrain')")
+    mlflow: bool = option(False, "log to MLflow (pip install 'loongtrain[mlflow]')")
+    mlflow_tracking_uri: str = option(
+        "", "MLflow tracking server or store (empty: MLFLOW_TRACKING_URI, else sqlite:///<run>/mlflow.db)"
+    )
+    mlflow_experiment: str = option("", "MLflow experiment (empty: MLFLOW_EXPERIMENT_NAME, else 'loongtrain')")
+    run_name: str = option("", "the tracked run's name in W&B and MLflow (empty: the run folder's name)")
+    tags: str = option("", "tags of the tracked run, comma-separated")
+    connect_timeout_s: float = option(
+        15.0,
+        "the longest wait for W&B or MLflow at start-up; a service that does not answer by then is left out with "
+        "one warning and training goes on (the metrics are still in metrics.jsonl)",
+        bound="positive",
+    )
+
+
+@dataclass
 class AttentionSection:
     kernel: str = option(
         "auto",
@@ -447,6 +470,7 @@ class TrainConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     guard: GuardSection = field(default_factory=GuardSection)
     eval: EvalSection = field(default_factory=EvalSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(TrainConfig)}

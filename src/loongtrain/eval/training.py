@@ -86,6 +86,8 @@ def after_step(run: Run, done: int, reporter: Reporter, beat: Beat) -> None:
     run_dir = Path(run.cfg.run.output_dir)
     history = [r for r in read_metrics(run_dir / METRICS_FILE) if r.get("kind") == "long_context"]
     plot_progress(history, run_dir / EVAL_DIR / "progress.png", needles.chance)
+    reporter.image("long_context/needles", Path(paths["needles"]), done)  # the heatmap, for W&B and MLflow
+    reporter.image("long_context/progress", run_dir / EVAL_DIR / "progress.png", done)
     by_length = ", ".join(f"{length_label(n)} {a:.2f}" for n, a in needles.by_length.items())
     eff = needles.effective_context
     reporter.say(

@@ -33,25 +33,9 @@ except ImportError as e:  # pragma: no cover - the message is the point
 
 from loongtrain.config import ConfigError
 from loongtrain.generate.sampling import Sampling
+from loongtrain.tools.lm_eval import config_overrides
 
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's hf default when the model records none
-SHORTCUTS = {
-    "hp": "parallel.hp", "cp": "parallel.cp", "ring_window": "parallel.ring_window", "dtype": "parallel.param_dtype"
-}  # fmt: skip
-
-
-def _overrides(kwargs: dict) -> list[str]:
-    """``model_args`` beyond the model type's own: config keys (``parallel.cp=4``) or shortcuts."""
-    out = []
-    for key, value in kwargs.items():
-        key = SHORTCUTS.get(key, key)
-        if "." not in key:
-            raise ConfigError(
-                f"model_args {key}={value}: not an argument of the loongtrain model type (path, nproc, step, "
-                f"tokenizer, max_length, max_gen_toks, add_bos_token) nor a config key (section.key, e.g. parallel.cp)"
-            )
-        out.append(f"{key}={value}")
-    return out
 
 
 @register_model("loongtrain")
@@ -70,7 +54,7 @@ class LoongtrainLM(TemplateLM):
         from loongtrain.eval.plan import find_tokenizer
 
         # lm-eval's --device names one device; the ranks take theirs as training does (run.device: auto)
-        target = resolve_target(path, _overrides(config), int(nproc), int(nproc), step=step)
+        target = resolve_target(path, config_overrides(config), int(nproc), int(nproc), step=step)
         source = tokenizer or find_tokenizer(target.cfg, target.run_dir)
         if source is None:
             raise ConfigError(f"{path} has no tokenizer: pass model_args tokenizer=FOLDER")

@@ -141,6 +141,17 @@ class DataReport:
         lines += [""] + [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines).rstrip() + "\n"
 
+    def columns_and_rows(self) -> tuple[list[str], list[list]]:
+        """The per-source table as columns and rows (shares as fractions, None where unknown)."""
+        columns = ["source", "target", "drawn", "sequences", "long_from", "long_target", "long_drawn", "split_drawn",
+                   "dropped_tokens", "file_tokens", "epochs"]  # fmt: skip
+        rows = [
+            [s.label, s.target, s.drawn, s.sequences, s.long_length, s.long_target, s.long_drawn, s.split_drawn,
+             s.dropped_tokens, s.file_tokens, " / ".join(f"{r} {e:.2f}" for r, e in s.epochs.items())]
+            for s in self.sources
+        ]  # fmt: skip
+        return columns, rows
+
     def plot(self, path: str | Path) -> None:
         """The document-length histogram as a PNG (one line of bars per source, log x axis)."""
         import matplotlib
@@ -238,7 +249,42 @@ def inspect_data(cfg: TrainConfig, steps: int | None = None, long_length: int = 
                     f"{REPEAT_WARNING:g} epochs); add {s.epochs / REPEAT_WARNING:.1f}x its data, lower its weight or "
                     f"run fewer steps"
                 )
+    for name, part in zip(names, parts):
+        warnings += _part_notes(name or "data.path", part)
     return DataReport(samples, seq, steps, cfg.data.global_batch, rows, edges, warnings)
+
+
+def natural_long_share(part: UpsampledSource) -> float:
+    """The share of an upsampled source's tokens in its long documents as the file holds them."""
+    long, rest = part.long.stream_tokens, part.rest.stream_tokens
+    return long / (long + rest) if long + rest else 0.0
+
+
+def _part_notes(label: str, part) -> list[str]:
+    """What a source's settings do that its numbers do not show: an ``upsample_share`` below the
+    file's own long share (its long documents are then drawn less: downsampled), and sequences
+    skipped for having no loss target."""
+    notes = []
+    if isinstance(part, UpsampledSource) and part.share < natural_long_share(part):
+        natural = natural_long_share(part)
+        notes.append(
+            f"source {label}: upsample_share={part.share:g} is below the share of its tokens in documents of at "
+            f"least {part.threshold:,} tokens as the file holds them ({natural:.1%}), so those documents are "
+            f"downsampled, not upsampled; raise upsample_share above {natural:.2f}, or remove upsample_length and "
+            f"upsample_share to draw the documents as they come"
+        )
+    streams = part.streams if isinstance(part, UpsampledSource) else (getattr(part, "source", part),)
+    for stream in streams:
+        skipped = getattr(stream, "untargeted_sequences", 0)
+        if skipped:
+            total = stream.sequences
+            notes.append(
+                f"source {label}: {skipped:,} of its {total:,} sequences of {stream.seq_len:,} tokens"
+                + (f" (documents of {stream.length_label()} tokens)" if stream.lengths != (0, None) else "")
+                + " have no loss target (every label a prompt, or across a document boundary) and are skipped: "
+                "never drawn, nor counted above"
+            )
+    return notes
 
 
 def _mean(draws: list[StreamDraws], values: list):

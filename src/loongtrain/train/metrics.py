@@ -109,7 +109,7 @@ class MetricsWriter:
 
     def write(self, record: dict) -> None:
         with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(strict_json(record) + "\n")
         if self._tb is not None:
             step = record["step"]
             for key, value in record.items():
@@ -121,10 +121,32 @@ class MetricsWriter:
             self._tb.close()
 
 
+def finite_or_none(value: object) -> object:
+    """``value`` with every non-finite float (NaN, infinities) replaced by None, in lists and dicts too."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(v) for v in value]
+    return value
+
+
+def strict_json(record: dict) -> str:
+    """One ``metrics.jsonl`` line: JSON that every parser reads (RFC 8259 has no NaN or
+    Infinity, so a non-finite number is written as null)."""
+    return json.dumps(finite_or_none(record), allow_nan=False)
+
+
 def read_metrics(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _number(value: object) -> bool:
+    """A plottable number: a source absent from a step has no ``loss/NAME`` (or an old file's NaN)."""
+    return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def plot_curves(records: list[dict], path: Path, chance: float | None = None) -> None:
@@ -134,8 +156,8 @@ def plot_curves(records: list[dict], path: Path, chance: float | None = None) ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train = [r for r in records if r.get("kind") == "train"]
-    evals = [r for r in records if r.get("kind") == "eval"]
+    train = [r for r in records if r.get("kind") == "train" and _number(r.get("loss"))]
+    evals = [r for r in records if r.get("kind") == "eval" and _number(r.get("loss"))]
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
     ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train", lw=1)
     if evals:
@@ -144,9 +166,9 @@ def plot_curves(records: list[dict], path: Path, chance: float | None = None) ->
     names = list(dict.fromkeys(k.split("/", 1)[1] for r in train + evals for k in r if k.startswith("loss/")))
     for i, name in enumerate(names):
         colour, key = f"C{i + 2}", f"loss/{name}"
-        rows = [r for r in train if key in r]
+        rows = [r for r in train if _number(r.get(key))]
         ax_loss.plot([r["step"] for r in rows], [r[key] for r in rows], color=colour, lw=0.6, alpha=0.8, label=name)
-        rows = [r for r in evals if key in r]
+        rows = [r for r in evals if _number(r.get(key))]
         if rows:
             ax_loss.plot([r["step"] for r in rows], [r[key] for r in rows], ":o", color=colour, ms=3)
     ax_loss.set(xlabel="step", ylabel="loss per target token", title="loss")

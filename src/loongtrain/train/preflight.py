@@ -43,6 +43,7 @@ from loongtrain.train.spec import (
     source_identity,
 )
 from loongtrain.train.stages import check_stage_shape, stage_checkpoint
+from loongtrain.train.tracking import missing_packages
 
 # a model folder with any of these has a tokenizer to check a token file against
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -148,6 +149,9 @@ def preflight(cfg: TrainConfig, world_size: int, local_world_size: int | None = 
     except ValueError as e:
         raise ConfigError(str(e)) from None
     check_optimizer(cfg.optim)
+    missing = missing_packages(cfg.metrics)  # metrics.wandb / metrics.mlflow without the package
+    if missing is not None:
+        raise ConfigError(missing)
     if isinstance(source, RecallTask | PackedRecallTask) and source.vocab_size > mcfg.vocab_size:
         raise ConfigError(
             f"the recall task needs {source.vocab_size} token ids but the model's vocabulary is "

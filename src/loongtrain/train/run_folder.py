@@ -27,7 +27,10 @@ METRICS_FILE = "metrics.jsonl"
 PREVIOUS_DIR = "previous"
 # what a run writes into its folder ("hf-source" is train.model_setup.SOURCE_DIR, "eval" the
 # evaluations' folder, not imported: this module needs no torch); anything else there (e.g. a token file) is left alone
-RUN_FILES = (RUN_FILE, "config.toml", METRICS_FILE, "curves.png", "tensorboard", "checkpoints", "hf-source", "eval")
+RUN_FILES = (
+    RUN_FILE, "config.toml", METRICS_FILE, "curves.png", "tensorboard", "checkpoints", "hf-source", "eval",
+    "tracking.json", "wandb",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ returns the :class:`~loongtrain.train.spec.RunSpec` the run is built from.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -72,6 +73,7 @@ from loongtrain.train.schedule import lr_at
 from loongtrain.train.spec import RunSpec, build_optimizer, model_shape, source_fingerprint, source_identity
 from loongtrain.train.stages import check_stage_shape, keep_stage_source, load_stage, stage_checkpoint
 from loongtrain.train.step import SourceNumbers, forward_backward
+from loongtrain.train.tracking import Trackers, open_trackers
 
 __all__ = ["Run", "RunSpec", "StepOutput", "TrainResult", "build_run", "preflight", "train", "train_step"]
 
@@ -452,6 +454,22 @@ def reset_stats(state: ParallelState, choose: PerBatchLayouts | None = None) -> 
 # -- the loop ------------------------------------------------------------------------------
 
 
+def run_trackers(run: Run) -> Trackers | None:
+    """Rank 0: the ``[metrics]`` section's W&B and MLflow runs (None when both are off), sent
+    the resolved config and, for a mixture, the data-inspect table."""
+    cfg = run.cfg
+    if not (cfg.metrics.wandb or cfg.metrics.mlflow):
+        return None
+    trackers = open_trackers(
+        cfg.metrics, Path(cfg.run.output_dir), dataclasses.asdict(cfg), to_toml(cfg), run.stage_from
+    )  # fmt: skip
+    if source_names(run.loader.source):
+        from loongtrain.train.data_inspect import inspect_data
+
+        trackers.table_from("data/inspect", lambda: inspect_data(cfg).columns_and_rows())
+    return trackers
+
+
 @dataclass
 class TrainResult:
     steps_run: int
@@ -481,12 +499,14 @@ def train(
     reporter = Reporter(
         Path(r.output_dir), enabled=dist.get_rank() == 0, total_steps=r.steps, log_every=r.log_every,
         first_step=run.start, tensorboard=r.tensorboard, progress=r.progress,
+        trackers=run_trackers(run) if dist.get_rank() == 0 else None,
     )  # fmt: skip
     if reporter.enabled:
         quiet_disk_full_in_threads()  # TensorBoard's writer thread: the loop below says it in one line
+    failed, step = True, run.start
     try:
         if reporter.enabled:
-            reporter.say(f"{describe(run)}\nmetrics: {r.output_dir}/metrics.jsonl; {reporter.tensorboard_status}")
+            reporter.say(f"{describe(run)}\n{reporter.metrics_status}")
         world = dist.get_world_size()
         tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
         peak = r.peak_tflops or device_peak_tflops(device, spec.param_dtype)
@@ -540,8 +560,8 @@ def train(
                 step=step + 1, loss=out.loss, accuracy=out.accuracy, grad_norm=out.grad_norm, lr=lr, step_s=dt,
                 tokens_per_s_per_device=tps, tflops_per_device=tps * flops_tok / 1e12, mfu=mfu(tps, flops_tok, peak),
                 peak_memory_gib=peak_gib, layouts=",".join(out.layouts),
-                guard=guard_note(out.verdict) or stall_note(stalled_since), sources=out.sources,
-                **comm_mib_per_device(run.state, run.choose),
+                guard=guard_note(out.verdict) or stall_note(stalled_since), memory_is_rss=device.type != "cuda",
+                sources=out.sources, **comm_mib_per_device(run.state, run.choose),
             ))  # fmt: skip
             if out.verdict.reason == "spike" and reporter.enabled:
                 reporter.say(spike_line(guard, step + 1, out))
@@ -579,13 +599,17 @@ def train(
             eval_loss=ev_loss, eval_accuracy=ev_acc, chance=spec.task.chance if spec.task is not None else None,
             eval_sources=ev_sources,
         )  # fmt: skip
+        failed = False
+    except GuardStop as e:  # the guard's stop, in metrics.jsonl and the tracked runs too
+        reporter.record({"kind": "stop", "step": step, "message": str(e)})
+        raise
     except OSError as e:
         if not is_disk_full(e):
             raise
         raise DiskFullError(disk_full_message(Path(r.output_dir), e, run.checkpoints)) from None
     finally:
         try:
-            reporter.close()
+            reporter.close(failed)
         except OSError as e:  # a full disk again while flushing: the error above says it
             if not is_disk_full(e):
                 raise
