@@ -58,8 +58,9 @@ class Tracker(Protocol):
 def tracked_values(record: dict) -> tuple[int, dict[str, float], dict[str, str]]:
     """A ``metrics.jsonl`` record as ``(step, numbers, texts)`` under ``KIND/KEY`` names:
     finite numbers (booleans as 0/1) and non-empty strings; ``null`` and NaN are left out.
-    A guard mark (``"skipped: non-finite loss"``, ``"spike"``) also counts as a number,
-    ``KIND/guard/skipped`` or ``KIND/guard/spike`` = 1, for trackers that take numbers only."""
+    A guard mark (``"skipped: non-finite loss"``, ``"spike"``, ``"stalled since step N"``) also
+    counts as a number, ``KIND/guard/skipped``, ``/spike`` or ``/stalled`` = 1, for trackers that
+    take numbers only."""
     kind, step = record.get("kind", "train"), int(record["step"])
     numbers: dict[str, float] = {}
     texts: dict[str, str] = {}
@@ -77,7 +78,8 @@ def tracked_values(record: dict) -> tuple[int, dict[str, float], dict[str, str]]
             texts[name] = json.dumps(value)
     guard = record.get("guard")
     if isinstance(guard, str) and guard:
-        numbers[f"{kind}/guard/{'skipped' if guard.startswith('skipped') else 'spike'}"] = 1.0
+        mark = next((m for m in ("skipped", "stalled") if guard.startswith(m)), "spike")
+        numbers[f"{kind}/guard/{mark}"] = 1.0
     return step, numbers, texts
 
 
