@@ -21,7 +21,9 @@ from loongtrain.local_workers import (
     EnvChanges,
     allow_ctrl_c,
     apply_environment,
+    die_with,
     environment_changes,
+    launcher_identity,
     start_method,
     start_worker_server,
     under_torchrun,
@@ -187,7 +189,8 @@ def elastic_run(
     (``torch.distributed.launcher.api``, what ``torchrun`` itself runs): it sets each
     worker's RANK/WORLD_SIZE/... environment, stops every worker when one fails (SIGTERM,
     SIGKILL after the agent's 30 s) or this process gets SIGINT/SIGTERM (SIGKILL after
-    ``shutdown_timeout_s``), and restarts the whole group up to ``max_restarts`` times.
+    ``shutdown_timeout_s``), and restarts the whole group up to ``max_restarts`` times. A
+    worker ends at once when this process is gone (killed hard: :func:`~loongtrain.local_workers.die_with`).
     Several nodes: the same call on each node with ``nnodes``, a common ``rdzv_endpoint``
     (host:port of one node) and ``rdzv_id``.
 
@@ -208,7 +211,7 @@ def elastic_run(
         rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint or "127.0.0.1:0", max_restarts=max_restarts,
         monitor_interval=0.2, start_method=start_method(), **_shutdown_timeout(LaunchConfig, shutdown_timeout_s),
     )  # fmt: skip
-    return elastic_launch(config, _elastic_entry)(environment_changes(), entry, *args)
+    return elastic_launch(config, _elastic_entry)(environment_changes(), launcher_identity(), entry, *args)
 
 
 def _shutdown_timeout(config_type: type, seconds: int) -> dict[str, int]:
@@ -220,7 +223,9 @@ def _shutdown_timeout(config_type: type, seconds: int) -> dict[str, int]:
     return {"shutdown_timeout": seconds} if "shutdown_timeout" in names else {}
 
 
-def _elastic_entry(env: EnvChanges, entry: Callable, *args: Any) -> Any:
-    """A worker of :func:`elastic_run`: the launcher's environment (the agent set the rank's), then ``entry``."""
+def _elastic_entry(env: EnvChanges, launcher: str, entry: Callable, *args: Any) -> Any:
+    """A worker of :func:`elastic_run`: bound to its launcher (it ends when the launcher is
+    gone, killed hard or not), the launcher's environment (the agent set the rank's), then ``entry``."""
+    die_with(launcher)
     apply_environment(env)
     return entry(*args)
