@@ -199,3 +199,61 @@ def test_a_worker_ends_when_its_launcher_is_killed(tmp_path):
         server.wait()
         if alive(worker_pid):
             os.kill(worker_pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    ("record", "problem"),
+    [
+        ({"pid": "abc"}, 'the record\'s pid "abc" is a string, not an integer'),
+        ({"pid": True}, "the record's pid true is a boolean, not an integer"),
+        ({"pid": 12.0}, "the record's pid 12.0 is a number, not an integer"),
+        ({"pid": 2**63}, f"the record's pid {2**63} is no process id (1 to {2**22})"),
+        ({"pid": 2**31}, f"the record's pid {2**31} is no process id (1 to {2**22})"),
+        ({"pid": 2**22 + 1}, f"the record's pid {2**22 + 1} is no process id (1 to {2**22})"),
+        ({"pid": -5}, f"the record's pid -5 is no process id (1 to {2**22})"),
+        ({"start_time": "x"}, 'the record\'s start_time "x" is a string, not an integer or null'),
+        ({"start_time": 2**64}, f"the record's start_time {2**64} is out of range"),
+        ({"host": ["vm"]}, 'the record\'s host ["vm"] is an array, not a string'),
+        ({"job": None}, "the record's job null is null, not a string"),
+        ({"command": 7}, "the record's command 7 is an integer, not a string"),
+        ({"workers": {"pid": 1}}, 'the record\'s workers {"pid": 1} is an object, not an array'),
+        (
+            {"workers": [{"host": "vm", "pid": "1", "start_time": None}]},
+            'worker 0\'s pid "1" is a string, not an integer',
+        ),
+        ({"workers": [{"host": "vm"}]}, "worker 0 has no pid, start_time"),
+        ({"workers": [3]}, "worker 0 is an integer, not an object"),
+    ],
+)
+def test_a_malformed_lock_is_taken_over_with_a_notice_saying_what_is_wrong(tmp_path, record, problem):
+    """A hand-edited ``run.lock``: each malformed form names nobody (no traceback); it is taken
+    over, and the notice says what was wrong with it."""
+    good = {**Holder.this_process("edited").__dict__, "workers": []}
+    (tmp_path / LOCK_FILE).write_text(json.dumps({**good, **record}))
+    assert read_holder(tmp_path) is None
+    release(tmp_path, Holder.this_process("edited"))  # names nobody: nothing released, nothing raised
+    taken = acquire(tmp_path, Holder.this_process("new"))
+    assert (taken.how, taken.notice) == (
+        "taken over",
+        f"took over {tmp_path / LOCK_FILE}, which names no job: {problem}",
+    )
+    assert read_holder(tmp_path).job == "new"
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("[1, 2]", "the record is an array, not an object"),
+        ("null", "the record is null, not an object"),
+        ('{"pid": 5}', "the record has no host, start_time, since, job"),
+        ("", "not a JSON record (a torn write?)"),
+        ("\xff\xfe", "cannot be read: 'utf-8' codec can't decode byte 0xff in position 0: invalid start byte"),
+    ],
+)
+def test_a_lock_that_is_no_record_is_taken_over_with_a_notice(tmp_path, text, problem):
+    (tmp_path / LOCK_FILE).write_bytes(text.encode("latin-1"))
+    taken = acquire(tmp_path, Holder.this_process("new"))
+    assert (taken.how, taken.notice) == (
+        "taken over",
+        f"took over {tmp_path / LOCK_FILE}, which names no job: {problem}",
+    )

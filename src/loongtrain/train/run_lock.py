@@ -119,22 +119,36 @@ def read_holder(run_dir: Path) -> Holder | None:
     return found if isinstance(found, Holder) else None
 
 
-_HOLDER_TYPES: dict[str, tuple[type, ...]] = {
-    "host": (str,), "pid": (int,), "start_time": (int, type(None)), "since": (str,), "job": (str,),
-}  # fmt: skip
+# what each key of the record holds: its JSON types, and those in words
+_STRING, _INTEGER, _START = ((str,), "a string"), ((int,), "an integer"), ((int, type(None)), "an integer or null")
+_HOLDER_KEYS = {"host": _STRING, "pid": _INTEGER, "start_time": _START, "since": _STRING, "job": _STRING}
+_WORKER_KEYS = {key: _HOLDER_KEYS[key] for key in ("host", "pid", "start_time")}
 
 
-def _problem(data: Any, types: dict[str, tuple[type, ...]], what: str) -> str | None:
-    """What is wrong with ``data`` as a record with the keys and types ``types``, or None."""
+def _kind(value: Any) -> str:
+    """A JSON value's kind in words."""
+    kinds = {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "an array",
+        dict: "an object",
+    }
+    return kinds.get(type(value), "null")
+
+
+def _problem(data: Any, keys: dict[str, tuple[tuple[type, ...], str]], what: str) -> str | None:
+    """What is wrong with ``data`` as a record of ``keys`` (key -> its types, in words), or None."""
     if not isinstance(data, dict):
-        return f"{what} is a {type(data).__name__}, not a record"
-    missing = [key for key in types if key not in data]
+        return f"{what} is {_kind(data)}, not an object"
+    missing = [key for key in keys if key not in data]
     if missing:
         return f"{what} has no {', '.join(missing)}"
-    for key, allowed in types.items():
+    for key, (types, words) in keys.items():
         value = data[key]
-        if isinstance(value, bool) or not isinstance(value, allowed):
-            return f"{what}'s {key} {value!r} is a {type(value).__name__}"
+        if isinstance(value, bool) or not isinstance(value, types):
+            return f"{what}'s {key} {json.dumps(value)} is {_kind(value)}, not {words}"
     if not 0 < data["pid"] <= _PID_LIMIT:
         return f"{what}'s pid {data['pid']} is no process id (1 to {_PID_LIMIT})"
     if data["start_time"] is not None and not 0 <= data["start_time"] < 2**63:
@@ -144,17 +158,16 @@ def _problem(data: Any, types: dict[str, tuple[type, ...]], what: str) -> str | 
 
 def _holder(data: Any) -> Holder | str:
     """The holder in a lock's JSON record, or what is wrong with the record."""
-    problem = _problem(data, _HOLDER_TYPES, "the record")
+    problem = _problem(data, _HOLDER_KEYS, "the record")
     if problem is not None:
         return problem
     command, workers = data.get("command", ""), data.get("workers", [])
     if not isinstance(command, str):
-        return f"the record's command {command!r} is a {type(command).__name__}"
+        return f"the record's command {json.dumps(command)} is {_kind(command)}, not a string"
     if not isinstance(workers, list):
-        return f"the record's workers {workers!r} is a {type(workers).__name__}, not a list"
-    worker_types = {key: _HOLDER_TYPES[key] for key in ("host", "pid", "start_time")}
+        return f"the record's workers {json.dumps(workers)} is {_kind(workers)}, not an array"
     for i, worker in enumerate(workers):
-        problem = _problem(worker, worker_types, f"worker {i}")
+        problem = _problem(worker, _WORKER_KEYS, f"worker {i}")
         if problem is not None:
             return problem
     return Holder(
