@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -118,10 +119,25 @@ def test_a_frozen_rank_is_named_within_the_timeout(tmp_path):
             job.kill()
 
 
+def _temporary_folder(tmp_path) -> dict[str, str]:
+    """A fresh TMPDIR for one job: what the job leaves in it is its own."""
+    folder = tmp_path / "tmpdir"
+    folder.mkdir()
+    return {"TMPDIR": str(folder)}
+
+
+def _assert_left_no_temporary_folders(env: dict[str, str]) -> None:
+    """The launcher removes what it created there (the elastic agent's log folder, the reports);
+    inductor's cache folder (``torchinductor_<user>``, one for every run) may stay."""
+    left = sorted(p.name for p in Path(env["TMPDIR"]).iterdir() if not p.name.startswith("torchinductor_"))
+    assert left == [], f"left behind in TMPDIR: {left}"
+
+
 def test_a_killed_worker_ends_the_job_with_one_line(tmp_path):
     run_dir = tmp_path / "run"
+    env = _temporary_folder(tmp_path)
     job = Job.train(["--nproc", "2", *SMALL, "--run.steps", "100000", "--checkpoint.every", "2",
-                     "--run.output_dir", str(run_dir)], tmp_path)  # fmt: skip
+                     "--run.output_dir", str(run_dir)], tmp_path, env)  # fmt: skip
     job.wait_for_step(run_dir, 5)
     workers = job.workers()
     t0 = time.monotonic()
@@ -136,6 +152,7 @@ def test_a_killed_worker_ends_the_job_with_one_line(tmp_path):
     assert not alive(workers[0])
     latest = _checkpoints(run_dir)[-1]
     assert _intact(run_dir / "checkpoints" / latest)
+    _assert_left_no_temporary_folders(env)
 
 
 def test_one_job_per_run_folder_and_a_killed_jobs_lock_is_taken_over(tmp_path):
@@ -157,7 +174,8 @@ def test_one_job_per_run_folder_and_a_killed_jobs_lock_is_taken_over(tmp_path):
     end = int(_checkpoints(run_dir)[-1].split("-")[1]) + 4
     killed = time.monotonic()
     os.kill(first.proc.pid, signal.SIGKILL)
-    third = Job.train([*args, "--run.steps", str(end)], tmp_path / "third")  # at once
+    env = _temporary_folder(tmp_path)
+    third = Job.train([*args, "--run.steps", str(end)], tmp_path / "third", env)  # at once
     try:
         while any(alive(pid) for pid in workers.values()) and time.monotonic() - killed < 5:
             time.sleep(0.02)
@@ -176,6 +194,7 @@ def test_one_job_per_run_folder_and_a_killed_jobs_lock_is_taken_over(tmp_path):
     assert steps == list(range(1, end + 1)), f"steps interleaved or repeated: {steps}"  # one writer at a time
     assert not [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.endswith(".partial")]
     assert not (run_dir / "run.lock").exists()  # released at the end
+    _assert_left_no_temporary_folders(env)
 
 
 @pytest.mark.slow

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
@@ -197,6 +199,7 @@ def elastic_run(
     Returns the workers' return values by global rank; raises the agent's
     ``ChildFailedError`` or ``SignalException``.
     """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # Workers get a fresh TCPStore per attempt instead of sharing the agent's: with the
@@ -206,12 +209,19 @@ def elastic_run(
     if quiet:
         quiet_agent_logs()
     start_worker_server([entry.__module__])  # at once, unless the command started it earlier
-    config = LaunchConfig(
-        min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=rdzv_id or uuid.uuid4().hex,
-        rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint or "127.0.0.1:0", max_restarts=max_restarts,
-        monitor_interval=0.2, start_method=start_method(), **_shutdown_timeout(LaunchConfig, shutdown_timeout_s),
-    )  # fmt: skip
-    return elastic_launch(config, _elastic_entry)(environment_changes(), launcher_identity(), entry, *args)
+    # the agent's folder for its workers' error files (by default a /tmp/torchelastic_* folder it
+    # never removes): one of ours, removed however the run ends
+    logs = tempfile.mkdtemp(prefix="loongtrain-agent-")
+    try:
+        config = LaunchConfig(
+            min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=rdzv_id or uuid.uuid4().hex,
+            rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint or "127.0.0.1:0", max_restarts=max_restarts,
+            monitor_interval=0.2, start_method=start_method(), logs_specs=DefaultLogsSpecs(log_dir=logs),
+            **_shutdown_timeout(LaunchConfig, shutdown_timeout_s),
+        )  # fmt: skip
+        return elastic_launch(config, _elastic_entry)(environment_changes(), launcher_identity(), entry, *args)
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
 
 
 def _shutdown_timeout(config_type: type, seconds: int) -> dict[str, int]:
