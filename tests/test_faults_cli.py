@@ -268,6 +268,7 @@ def test_bad_values_are_refused_before_spawning(tmp_path, monkeypatch, capsys):
     for override, message in [
         (["--optim.beta1", "1.5"], "optim.beta1=1.5 must be in [0, 1)"),
         (["--optim.eps", "-1"], "optim.eps=-1.0 must be positive"),
+        (["--optim.lr", "1e39"], "optim.lr=1e+39 does not fit float32, the dtype of AdamW's parameters and states"),
         (["--run.device", "cuda"], "run.device=cuda needs one GPU per local rank"),
         (["--max-restarts", "-1"], "--max-restarts must not be negative"),
     ]:
