@@ -195,9 +195,11 @@ def test_a_resolved_config_written_before_loads():
     assert cfg.parallel.layout == "fixed" and cfg.memory.activation_checkpoint == "full"
 
 
-def test_missing_config_file():
+def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("/nonexistent/x.toml")
+    with pytest.raises(ConfigError, match=r"config file '.*' is a folder, not a TOML file; give the file"):
+        load_config(tmp_path)
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.toml")))

@@ -577,6 +577,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg = TrainConfig()
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"config file {str(path)!r} is a folder, not a TOML file; give the file (see configs/)")
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         try:
