@@ -95,10 +95,10 @@ def _stat_fields(pid: int) -> list[str] | None:
     """Fields 3 and on of ``/proc/<pid>/stat`` (state, parent, ...), or None (no such process, no ``/proc``)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
+        # the command name (field 2) may hold spaces and parentheses: count from its closing one
+        return stat[stat.rindex(")") + 2 :].split() or None
     except (OSError, ValueError):
         return None
-    # the command name (field 2) may hold spaces and parentheses: count from its closing one
-    return stat[stat.rindex(")") + 2 :].split()
 
 
 def process_start_time(pid: int) -> int | None:
