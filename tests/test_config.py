@@ -69,6 +69,7 @@ def test_split_overrides():
         ("", ["optim.eps=-1"], "optim.eps=-1.0 must be positive"),
         ("", ["optim.eps=0"], "optim.eps=0.0 must be positive"),
         ("", ["optim.min_lr_ratio=2"], "optim.min_lr_ratio=2.0 must be at most 1"),
+        ("", ["model.rope_theta=1e39"], "model.rope_theta=1e+39 does not fit float32, the dtype of the RoPE frequ"),
         ("", ["run.timeout_s=0"], "run.timeout_s=0.0 must be positive"),
         ("", ["checkpoint.on_damaged=ignore"], "checkpoint.on_damaged='ignore'; choose one of ['fallback', 'stop']"),
         ("", ["memory.loss_chunk=-1"], "memory.loss_chunk=-1 must not be negative"),
@@ -194,9 +195,11 @@ def test_a_resolved_config_written_before_loads():
     assert cfg.parallel.layout == "fixed" and cfg.memory.activation_checkpoint == "full"
 
 
-def test_missing_config_file():
+def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("/nonexistent/x.toml")
+    with pytest.raises(ConfigError, match=r"config file '.*' is a folder, not a TOML file; give the file"):
+        load_config(tmp_path)
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.toml")))
@@ -337,3 +340,50 @@ def test_the_8_gpu_stage_configs_are_the_planners_first_row(name, capsys):
     plan_cli.main(parser.parse_args(argv))
     priced = json.loads(capsys.readouterr().out)["layout"]
     assert priced["fits"] and priced["rank"] == 1, priced["standing"]
+
+
+def _fits_float32_adamw(**optim: float) -> bool:
+    """torch's own answer: one float32 AdamW step (with clipping) with these [optim] values
+    runs and leaves finite weights, and each value is finite as a float32 scalar."""
+    import torch
+
+    o = {"lr": 1e-3, "eps": 1e-8, "weight_decay": 0.0, "beta1": 0.9, "grad_clip": 1.0, **optim}
+    if not all(torch.isfinite(torch.tensor(v, dtype=torch.float32)) for v in o.values()):
+        return False
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.full((4,), 0.5)
+    torch.nn.utils.clip_grads_with_norm_([p], o["grad_clip"], torch.linalg.vector_norm(p.grad))
+    opt = torch.optim.AdamW([p], lr=o["lr"], eps=o["eps"], weight_decay=o["weight_decay"], betas=(o["beta1"], 0.95))
+    try:
+        opt.step()
+    except RuntimeError:  # "value cannot be converted to type float without overflow"
+        return False
+    return bool(torch.isfinite(p).all())
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "largest"),
+    [
+        ({"lr": 1e39}, "lr", "3.402e+37"),  # the issue's case: it failed at the step, naming no key
+        ({"lr": 1e38}, "lr", "3.402e+37"),  # fits float32 itself, but the first step is lr / (1 - beta1)
+        ({"lr": 4e38, "beta1": 0.0}, "lr", "3.402e+38"),
+        ({"lr": 10.0, "weight_decay": 1e38}, "weight_decay", "3.402e+37"),
+        ({"eps": 1e39}, "eps", "3.402e+38"),
+        ({"grad_clip": 1e39}, "grad_clip", "3.402e+38"),
+    ],
+)
+def test_an_optimizer_float_beyond_float32_is_refused_naming_the_key_and_the_largest(overrides, key, largest):
+    """Refused by config validation (before any process), naming the key and the largest value
+    allowed; torch's float32 AdamW fails (or goes non-finite) at the refused value and trains
+    at the largest one named."""
+    items = [f"optim.{k}={v}" for k, v in overrides.items()]
+    with pytest.raises(ConfigError) as info:
+        load_config(None, items)
+    text = str(info.value)
+    print(f"\n{' '.join(items)}: {text}")
+    assert text.startswith(f"optim.{key}={overrides[key]:g} does not fit float32, the dtype of AdamW's parameters")
+    assert text.endswith(f"optim.{key} at most {largest}" if key in ("lr", "weight_decay") else f"at most {largest}")
+    assert not _fits_float32_adamw(**overrides)
+    allowed = {**overrides, key: float(largest)}
+    load_config(None, [f"optim.{k}={v}" for k, v in allowed.items()])
+    assert _fits_float32_adamw(**allowed)

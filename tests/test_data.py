@@ -38,6 +38,32 @@ def test_token_file_round_trip(tmp_path, vocab, width):
     assert path.stat().st_size == HEADER_BYTES + 1000 * width
 
 
+def test_a_folder_given_as_a_token_file_is_said_to_be_one(tmp_path):
+    """A folder where the token file belongs: said (not "does not exist"), with the token files
+    in it (found by their header) to choose from."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for name in ("train.tok", "val.tok"):
+        write_tokens(folder / name, np.arange(10), 16)
+    (folder / "notes.txt").write_text("LOONG but no token file")
+    with pytest.raises(TokenFileError) as e:
+        TokenFile(folder)
+    assert str(e.value) == (
+        f"token file {str(folder)!r} is a folder, not a token file; give one of the token files in it: train.tok, "
+        f"val.tok"
+    )
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TokenFileError, match=r"'.*empty' is a folder, not a token file; give the file `loongtrain "):
+        TokenFile(tmp_path / "empty")
+    # data.path of source=tokens, refused by preflight before any process starts
+    from loongtrain.config import load_config
+    from loongtrain.train.preflight import preflight
+
+    cfg = load_config(None, ["data.source=tokens", f"data.path={folder}", f"run.output_dir={tmp_path / 'run'}"])
+    with pytest.raises(TokenFileError, match=r"token file '.*data' is a folder, not a token file; give one of"):
+        preflight(cfg, 1)
+
+
 def test_token_file_errors(tmp_path):
     path = tmp_path / "t.tok"
     write_tokens(path, np.arange(100), 300)

@@ -5,16 +5,19 @@ lines, no traceback), how fast the job ends, and what is left on disk."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
 from fault_tools import SMALL, Job, alive, metrics, train_losses
 from loongtrain.train.checkpoint import CHECKSUM_FILE, checksum_problems, structure_problem
+from loongtrain.train.run_lock import read_holder
 
 pytestmark = [
     pytest.mark.e2e,
@@ -116,10 +119,25 @@ def test_a_frozen_rank_is_named_within_the_timeout(tmp_path):
             job.kill()
 
 
+def _temporary_folder(tmp_path) -> dict[str, str]:
+    """A fresh TMPDIR for one job: what the job leaves in it is its own."""
+    folder = tmp_path / "tmpdir"
+    folder.mkdir()
+    return {"TMPDIR": str(folder)}
+
+
+def _assert_left_no_temporary_folders(env: dict[str, str]) -> None:
+    """The launcher removes what it created there (the elastic agent's log folder, the reports);
+    inductor's cache folder (``torchinductor_<user>``, one for every run) may stay."""
+    left = sorted(p.name for p in Path(env["TMPDIR"]).iterdir() if not p.name.startswith("torchinductor_"))
+    assert left == [], f"left behind in TMPDIR: {left}"
+
+
 def test_a_killed_worker_ends_the_job_with_one_line(tmp_path):
     run_dir = tmp_path / "run"
+    env = _temporary_folder(tmp_path)
     job = Job.train(["--nproc", "2", *SMALL, "--run.steps", "100000", "--checkpoint.every", "2",
-                     "--run.output_dir", str(run_dir)], tmp_path)  # fmt: skip
+                     "--run.output_dir", str(run_dir)], tmp_path, env)  # fmt: skip
     job.wait_for_step(run_dir, 5)
     workers = job.workers()
     t0 = time.monotonic()
@@ -134,6 +152,7 @@ def test_a_killed_worker_ends_the_job_with_one_line(tmp_path):
     assert not alive(workers[0])
     latest = _checkpoints(run_dir)[-1]
     assert _intact(run_dir / "checkpoints" / latest)
+    _assert_left_no_temporary_folders(env)
 
 
 def test_one_job_per_run_folder_and_a_killed_jobs_lock_is_taken_over(tmp_path):
@@ -149,16 +168,33 @@ def test_one_job_per_run_folder_and_a_killed_jobs_lock_is_taken_over(tmp_path):
     assert line.startswith(f"loongtrain train: run folder {run_dir} is in use by job "), line
     assert f"(process {first.proc.pid} on " in line and "choose another run.output_dir" in line
     assert "process(es) on" not in second.stdout  # refused before any worker started
-    first.kill()  # SIGKILL, the launcher too: its lock stays behind
+    workers = first.workers()
+    assert sorted(w.pid for w in read_holder(run_dir).workers) == sorted(workers.values()), "workers registered"
+    # SIGKILL to the launcher alone (the pid in run.lock): its workers end with it, its lock stays behind
+    end = int(_checkpoints(run_dir)[-1].split("-")[1]) + 4
+    killed = time.monotonic()
+    os.kill(first.proc.pid, signal.SIGKILL)
+    env = _temporary_folder(tmp_path)
+    third = Job.train([*args, "--run.steps", str(end)], tmp_path / "third", env)  # at once
+    try:
+        while any(alive(pid) for pid in workers.values()) and time.monotonic() - killed < 5:
+            time.sleep(0.02)
+        print(f"\nthe workers were gone {time.monotonic() - killed:.2f} s after their launcher's SIGKILL")
+        assert not any(alive(pid) for pid in workers.values()), "workers outlived their launcher"
+        latest = int(_checkpoints(run_dir)[-1].split("-")[1])
+        done = third.wait(timeout=120)
+    finally:
+        first.kill()
+        third.kill()
+    _show("after the launcher alone was killed", done)
+    assert done.returncode == 0, done.stderr
+    assert f"took over {run_dir}/run.lock from a job that is gone" in done.stderr
+    assert f"resumed from {run_dir / 'checkpoints' / f'step-{latest}'}" in done.stdout
     steps = [r["step"] for r in metrics(run_dir) if r["kind"] == "train"]
-    assert steps == list(range(1, len(steps) + 1))  # one run's steps, in order: nothing mixed in
-    latest = int(_checkpoints(run_dir)[-1].split("-")[1])
-    third = Job.train([*args, "--run.steps", str(latest + 1)], tmp_path / "third").wait(timeout=120)
-    _show("after the holder was killed", third)
-    assert third.returncode == 0, third.stderr
-    assert f"took over {run_dir}/run.lock from a job that is gone" in third.stderr
-    assert f"resumed from {run_dir / 'checkpoints' / f'step-{latest}'}" in third.stdout
+    assert steps == list(range(1, end + 1)), f"steps interleaved or repeated: {steps}"  # one writer at a time
+    assert not [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.endswith(".partial")]
     assert not (run_dir / "run.lock").exists()  # released at the end
+    _assert_left_no_temporary_folders(env)
 
 
 @pytest.mark.slow
@@ -264,6 +300,7 @@ def test_bad_values_are_refused_before_spawning(tmp_path, monkeypatch, capsys):
     for override, message in [
         (["--optim.beta1", "1.5"], "optim.beta1=1.5 must be in [0, 1)"),
         (["--optim.eps", "-1"], "optim.eps=-1.0 must be positive"),
+        (["--optim.lr", "1e39"], "optim.lr=1e+39 does not fit float32, the dtype of AdamW's parameters and states"),
         (["--run.device", "cuda"], "run.device=cuda needs one GPU per local rank"),
         (["--max-restarts", "-1"], "--max-restarts must not be negative"),
     ]:

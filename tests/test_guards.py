@@ -482,12 +482,13 @@ def test_a_checkpoint_holding_a_nan_on_disk_is_set_aside_at_resume(dist_pool, tm
 
 
 def test_finite_but_ruined_weights_never_become_the_last_good_checkpoint(dist_pool, tmp_path):
-    # issue 56's case: a huge learning rate on resume ruins the weights at step 6 (finite), steps 7.. are not
+    # issue 56's case (its lr 1e38 is refused in preflight now; 3e37 is not): a huge learning rate on resume ruins
+    # the weights at step 6 (finite), steps 7.. are not
     # finite and skipped; keep=2 must not lose step-4/step-5 to them, and the printed resume must train on
     pool = dist_pool(2)
     base = ["checkpoint.every=1", "checkpoint.keep=2", f"run.output_dir={tmp_path}"]
     pool.run(_train, [*base, "run.steps=5"])
-    ruin = ["optim.lr=1e38", "guard.nonfinite=skip", "guard.max_skips=3", "run.steps=12"]
+    ruin = ["optim.lr=3e37", "guard.nonfinite=skip", "guard.max_skips=3", "run.steps=12"]
     stopped = pool.run(_train, [*base, *ruin])[0]["stopped"]
     print(stopped)
     assert stopped.startswith("GuardStop: step 10: the loss is nan"), stopped

@@ -95,6 +95,20 @@ CASES = {
 }  # fmt: skip
 
 
+def test_a_file_given_as_the_model_folder_is_said_to_be_one(tmp_path):
+    weights = tmp_path / "model" / "model.safetensors"
+    weights.parent.mkdir()
+    weights.write_bytes(b"{}")
+    for path, message in [
+        (weights, f"is a file, not a folder; give the folder that holds config.json and the \\*.safetensors "
+                  f"\\(e.g. '{weights.parent}'\\)"),
+        (tmp_path / "nope", "does not exist$"),
+    ]:  # fmt: skip
+        cfg = load_config(None, [f"model.init_from={path}", f"run.output_dir={tmp_path / 'run'}"])
+        with pytest.raises(ConfigError, match=f"Hugging Face model folder '{path}' {message}"):
+            preflight(cfg, 1)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_folder_is_refused_before_start_up(tmp_path, case):
     folder = tmp_path / "model"

@@ -392,6 +392,8 @@ def test_file_refusals_name_the_source_before_any_process(tmp_path, files, monke
     assert isinstance(spec.source, MixtureSource) and spec.source.names == ("code", "books", "short")
     missing = f"data.sources.books.path={tmp_path}/nope.tok"
     refused(r"data.sources.books.path: token file '.*nope.tok' does not exist", missing)
+    refused(r"data.sources.books.path: token file '.*' is a folder, not a token file; give one of the token files in "
+            r"it: ", f"data.sources.books.path={files['books'].parent}")  # fmt: skip
     locked = tmp_path / "locked.tok"
     shutil.copyfile(files["books"], locked)
     locked.chmod(0)

@@ -160,6 +160,11 @@ def test_stage_and_resume_refusals(tmp_path):
     cfg = load_config(None, [*common, f"checkpoint.init_from={tmp_path}", f"run.output_dir={tmp_path / 'r'}"])
     with pytest.raises(CheckpointError, match="is neither a run folder .* nor a checkpoint folder"):
         preflight(cfg, 1)
+    for path, what in [(done / STATE_FILE, "is a file, not a run folder .* or a checkpoint folder"),
+                       (tmp_path / "nope", "does not exist; give the previous stage's run.output_dir")]:  # fmt: skip
+        cfg = load_config(None, [*common, f"checkpoint.init_from={path}", f"run.output_dir={tmp_path / 'r'}"])
+        with pytest.raises(CheckpointError, match=f"checkpoint.init_from='.*' {what}"):
+            preflight(cfg, 1)
     with pytest.raises(ConfigError, match="both give the initial weights: keep one"):
         load_config(None, [*common, f"checkpoint.init_from={tmp_path}", f"model.init_from={tmp_path}"])
     # a resume whose data changed: the checkpoint records the fingerprint of the data it was written on

@@ -324,6 +324,45 @@ class OptimSection:
     grad_clip: float = option(1.0, "clip the global gradient norm to this (0: no clipping)", bound="non_negative")
 
 
+#: The largest float32 (``torch.finfo(torch.float32).max``): AdamW's parameters and states are
+#: float32 (``param_dtype = "bfloat16"`` keeps a float32 master copy).
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _at_most(limit: float) -> str:
+    """``limit`` in 4 significant digits, rounded down (the printed value itself is allowed)."""
+    unit = 10.0 ** (math.floor(math.log10(limit)) - 3)
+    return f"{math.floor(limit / unit) * unit:.4g}"
+
+
+def optimizer_range_error(o: OptimSection) -> str | None:
+    """Why an ``[optim]`` float does not fit AdamW's float32 parameters and states (naming the
+    key and the largest value allowed), or None. The floats that reach a float32 tensor: ``lr``
+    (AdamW's first step moves each weight by up to lr / (1 - beta1), larger than any later
+    step's, and weight decay scales it by 1 - lr * weight_decay), ``weight_decay`` (in that
+    product), ``eps`` (added to the second moment's root) and ``grad_clip`` (divided by the
+    gradient norm). Beyond float32 torch either stops at the step ("value cannot be converted to
+    type float without overflow") or turns the value into inf (eps, weight decay, clipping)."""
+    why = "does not fit float32, the dtype of AdamW's parameters and states:"
+    for key in ("eps", "grad_clip"):
+        value = getattr(o, key)
+        if value > FLOAT32_MAX:
+            return f"optim.{key}={value:g} {why} at most {_at_most(FLOAT32_MAX)}"
+    first_step = FLOAT32_MAX * (1 - o.beta1)
+    if o.lr > first_step:
+        return (
+            f"optim.lr={o.lr:g} {why} AdamW's first step moves a weight by up to lr / (1 - beta1) = "
+            f"{o.lr / (1 - o.beta1):.4g}; with optim.beta1={o.beta1:g}, optim.lr at most {_at_most(first_step)}"
+        )
+    if o.lr * o.weight_decay > FLOAT32_MAX:
+        return (
+            f"optim.weight_decay={o.weight_decay:g} {why} AdamW scales the weights by 1 - lr * weight_decay = "
+            f"{1 - o.lr * o.weight_decay:.4g}; with optim.lr={o.lr:g}, optim.weight_decay at most "
+            f"{_at_most(FLOAT32_MAX / o.lr)}"
+        )
+    return None
+
+
 @dataclass
 class CheckpointSection:
     every: int = option(0, "save a checkpoint every this many steps (0: only at the end)", bound="non_negative")
@@ -562,6 +601,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg = TrainConfig()
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"config file {str(path)!r} is a folder, not a TOML file; give the file (see configs/)")
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         try:
@@ -622,6 +663,14 @@ def validate(cfg: TrainConfig) -> None:
         value = getattr(cfg.optim, name)
         if not 0.0 <= value < 1.0:
             raise ConfigError(f"optim.{name}={value} must be in [0, 1) (AdamW's moving-average factor; e.g. 0.9)")
+    range_error = optimizer_range_error(cfg.optim)
+    if range_error is not None:
+        raise ConfigError(range_error)
+    if cfg.model.rope_theta > FLOAT32_MAX:  # the base of the float32 RoPE frequencies: inf turns them to 0
+        raise ConfigError(
+            f"model.rope_theta={cfg.model.rope_theta:g} does not fit float32, the dtype of the RoPE frequencies: at "
+            f"most {_at_most(FLOAT32_MAX)}"
+        )
     if cfg.optim.min_lr_ratio > 1:
         raise ConfigError(
             f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must be at most 1 (the final lr is this fraction of lr)"

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
@@ -21,7 +23,9 @@ from loongtrain.local_workers import (
     EnvChanges,
     allow_ctrl_c,
     apply_environment,
+    die_with,
     environment_changes,
+    launcher_identity,
     start_method,
     start_worker_server,
     under_torchrun,
@@ -187,13 +191,15 @@ def elastic_run(
     (``torch.distributed.launcher.api``, what ``torchrun`` itself runs): it sets each
     worker's RANK/WORLD_SIZE/... environment, stops every worker when one fails (SIGTERM,
     SIGKILL after the agent's 30 s) or this process gets SIGINT/SIGTERM (SIGKILL after
-    ``shutdown_timeout_s``), and restarts the whole group up to ``max_restarts`` times.
+    ``shutdown_timeout_s``), and restarts the whole group up to ``max_restarts`` times. A
+    worker ends at once when this process is gone (killed hard: :func:`~loongtrain.local_workers.die_with`).
     Several nodes: the same call on each node with ``nnodes``, a common ``rdzv_endpoint``
     (host:port of one node) and ``rdzv_id``.
 
     Returns the workers' return values by global rank; raises the agent's
     ``ChildFailedError`` or ``SignalException``.
     """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # Workers get a fresh TCPStore per attempt instead of sharing the agent's: with the
@@ -203,12 +209,19 @@ def elastic_run(
     if quiet:
         quiet_agent_logs()
     start_worker_server([entry.__module__])  # at once, unless the command started it earlier
-    config = LaunchConfig(
-        min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=rdzv_id or uuid.uuid4().hex,
-        rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint or "127.0.0.1:0", max_restarts=max_restarts,
-        monitor_interval=0.2, start_method=start_method(), **_shutdown_timeout(LaunchConfig, shutdown_timeout_s),
-    )  # fmt: skip
-    return elastic_launch(config, _elastic_entry)(environment_changes(), entry, *args)
+    # the agent's folder for its workers' error files (by default a /tmp/torchelastic_* folder it
+    # never removes): one of ours, removed however the run ends
+    logs = tempfile.mkdtemp(prefix="loongtrain-agent-")
+    try:
+        config = LaunchConfig(
+            min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=rdzv_id or uuid.uuid4().hex,
+            rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint or "127.0.0.1:0", max_restarts=max_restarts,
+            monitor_interval=0.2, start_method=start_method(), logs_specs=DefaultLogsSpecs(log_dir=logs),
+            **_shutdown_timeout(LaunchConfig, shutdown_timeout_s),
+        )  # fmt: skip
+        return elastic_launch(config, _elastic_entry)(environment_changes(), launcher_identity(), entry, *args)
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
 
 
 def _shutdown_timeout(config_type: type, seconds: int) -> dict[str, int]:
@@ -220,7 +233,9 @@ def _shutdown_timeout(config_type: type, seconds: int) -> dict[str, int]:
     return {"shutdown_timeout": seconds} if "shutdown_timeout" in names else {}
 
 
-def _elastic_entry(env: EnvChanges, entry: Callable, *args: Any) -> Any:
-    """A worker of :func:`elastic_run`: the launcher's environment (the agent set the rank's), then ``entry``."""
+def _elastic_entry(env: EnvChanges, launcher: str, entry: Callable, *args: Any) -> Any:
+    """A worker of :func:`elastic_run`: bound to its launcher (it ends when the launcher is
+    gone, killed hard or not), the launcher's environment (the agent set the rank's), then ``entry``."""
+    die_with(launcher)
     apply_environment(env)
     return entry(*args)

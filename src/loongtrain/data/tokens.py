@@ -153,6 +153,26 @@ def write_tokens(
         writer.write(tokens, flags)
 
 
+def _token_files_hint(folder: Path, most: int = 3) -> str:
+    """What to give instead of ``folder``: the token files in it (by their header), if any."""
+    found = []
+    try:
+        for entry in sorted(folder.iterdir())[:1000]:
+            try:
+                if entry.is_file():
+                    with entry.open("rb") as f:
+                        if f.read(len(MAGIC)) == MAGIC:
+                            found.append(entry.name)
+            except OSError:
+                continue
+    except OSError:
+        pass
+    if not found:
+        return ", not a token file; give the file `loongtrain prepare` wrote"
+    shown = ", ".join(found[:most]) + (f" and {len(found) - most} more" if len(found) > most else "")
+    return f", not a token file; give one of the token files in it: {shown}"
+
+
 class TokenFile:
     """A validated, memory-mapped token file (version 1 or 2).
 
@@ -163,6 +183,8 @@ class TokenFile:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        if self.path.is_dir():
+            raise TokenFileError(f"token file {str(self.path)!r} is a folder{_token_files_hint(self.path)}")
         if not self.path.is_file():
             raise TokenFileError(f"token file {str(self.path)!r} does not exist")
         size = self.path.stat().st_size

@@ -104,21 +104,37 @@ def build_eval_model(device: torch.device, cfg: TrainConfig, spec: RunSpec, stat
     return model
 
 
+def _refuse_nonfinite(model: torch.nn.Module, device: torch.device, what: str, error: type, fix: str) -> None:
+    """Collective: raise ``error`` naming the first parameter of the loaded ``model`` that holds
+    a NaN or an infinity (every output computed from it would be NaN), as a resume refuses one."""
+    from loongtrain.train.guard import first_nonfinite_parameter
+
+    name = first_nonfinite_parameter(model, device)
+    if name is not None:
+        raise error(
+            f"{what} holds non-finite weights (NaN or infinity) in {name}: every result computed from it would be "
+            f"NaN; {fix}"
+        )
+
+
 def load_eval_weights(model: torch.nn.Module, device: torch.device, weights: Weights, say=print) -> str:
     """Collective: fill ``model`` from ``weights``; returns what was loaded (one line).
 
     A checkpoint is verified first (every file's size and checksum, shared by the ranks, as a
     resume does); a damaged newest checkpoint is reported and the next older one tried (the
-    run folder is left as it is), a damaged ``--step`` is an error."""
+    run folder is left as it is), a damaged ``--step`` is an error. Weights holding a NaN or
+    an infinity are refused, naming the parameter."""
     if weights.kind == "random":
         materialize(model, device, seed=weights.seed)
         return weights.describe()
     if weights.kind == "hf":
         from loongtrain.apply.init import states_device
+        from loongtrain.hf.folder import HFFormatError
         from loongtrain.hf.load import load_weights, read_folder
 
         model.to_empty(device=states_device(model, device))
         load_weights(model, read_folder(weights.folder))
+        _refuse_nonfinite(model, device, weights.describe(), HFFormatError, "use an intact copy of the model")
         return weights.describe()
     manager = CheckpointManager(Path(weights.folder), keep=1, say=say)
     for step in weights.steps:
@@ -129,6 +145,8 @@ def load_eval_weights(model: torch.nn.Module, device: torch.device, weights: Wei
 
             model.to_empty(device=states_device(model, device))
             manager.load_model(path, model)
+            fix = "evaluate an older checkpoint of the run (--step N)"
+            _refuse_nonfinite(model, device, f"checkpoint {path}", CheckpointError, fix)
             return f"checkpoint {path}"
         if len(weights.steps) == 1:
             raise CheckpointError(f"checkpoint {path} is damaged: {problem}")

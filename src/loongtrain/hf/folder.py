@@ -63,8 +63,13 @@ class TensorEntry:
 def read_config(folder: str | Path) -> dict:
     """The parsed ``config.json`` of ``folder``; raises HFFormatError naming what is wrong."""
     folder = Path(folder)
+    if folder.is_file():
+        raise HFFormatError(
+            f"Hugging Face model folder {str(folder)!r} is a file, not a folder; give the folder that holds "
+            f"config.json and the *.safetensors (e.g. {str(folder.parent)!r})"
+        )
     if not folder.is_dir():
-        raise HFFormatError(f"Hugging Face model folder {str(folder)!r} does not exist (or is not a folder)")
+        raise HFFormatError(f"Hugging Face model folder {str(folder)!r} does not exist")
     path = folder / CONFIG_FILE
     if not path.is_file():
         raise HFFormatError(

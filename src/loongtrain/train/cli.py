@@ -21,6 +21,7 @@ from pathlib import Path
 
 from loongtrain.config import ConfigError, TrainConfig, describe, load_config
 from loongtrain.launch import elastic_run, under_torchrun
+from loongtrain.local_workers import die_with, launcher_identity
 from loongtrain.train.checkpoint import CheckpointManager
 from loongtrain.train.faults import (
     DEBUG_ENV,
@@ -37,7 +38,7 @@ from loongtrain.train.faults import (
 )
 from loongtrain.train.preflight import preflight
 from loongtrain.train.run_folder import discard_new_run, holds_run
-from loongtrain.train.run_lock import LOCK_FILE, Holder, RunFolderBusy, acquire, release
+from loongtrain.train.run_lock import Holder, RunFolderBusy, acquire, release
 from loongtrain.train.spec import RunSpec
 from loongtrain.train.trainer import AfterStep
 from loongtrain.train.worker import USER_ERRORS, main_under_torchrun, run_worker
@@ -123,17 +124,17 @@ def supervise(
     except OSError as e:
         say(f"cannot take the run folder {run_dir} ({e}); fix its permissions or choose another run.output_dir")
         return 2
-    if taken == "taken over":
-        say(f"notice: took over {run_dir}/{LOCK_FILE} from a job that is gone")
+    if taken.notice:
+        say(f"notice: {taken.notice}")
     try:
-        return _supervise(cfg, spec, args, argv, after_step, run_dir, existed, held_run)
+        return _supervise(cfg, spec, args, argv, after_step, run_dir, existed, held_run, job)
     finally:
         release(run_dir, holder)
 
 
 def _supervise(
     cfg: TrainConfig, spec: RunSpec, args: argparse.Namespace, argv: list[str], after_step: AfterStep | None,
-    run_dir: Path, existed: bool, held_run: bool,
+    run_dir: Path, existed: bool, held_run: bool, job: str,
 ) -> int:  # fmt: skip
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -149,7 +150,7 @@ def _supervise(
         report_dir = tempfile.mkdtemp(prefix="loongtrain-reports-")
         os.environ[REPORT_DIR_ENV] = report_dir
         results = elastic_run(
-            run_worker, cfg, spec, after_step, nproc=args.nproc, nnodes=args.nnodes,
+            run_worker, cfg, spec, after_step, job, nproc=args.nproc, nnodes=args.nnodes,
             rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, max_restarts=args.max_restarts,
             quiet=not debug_enabled(),
         )  # fmt: skip
@@ -223,12 +224,15 @@ def main(
         # default run id is "none" for every job: then the job is this node's agent
         job = os.environ.get("TORCHELASTIC_RUN_ID", "none")
         job = f"torchrun-{socket.gethostname()}-{os.getppid()}" if job == "none" else job
+        die_with(launcher_identity(os.getppid()))  # the agent killed hard: its ranks end too
         try:
-            acquire(cfg.run.output_dir, Holder.this_process(job, pid=os.getppid(), command="torchrun"))
+            taken = acquire(cfg.run.output_dir, Holder.this_process(job, pid=os.getppid(), command="torchrun"))
         except (RunFolderBusy, OSError) as e:
             say(str(e))
             raise SystemExit(2) from None
-        main_under_torchrun(cfg, spec, after_step)
+        if taken.notice:
+            say(f"notice: {taken.notice}")
+        main_under_torchrun(cfg, spec, after_step, job)
         return
     try:
         code = supervise(cfg, spec, args, sys.argv[1:], after_step)

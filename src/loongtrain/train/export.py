@@ -15,7 +15,9 @@ checkpoint is read one output shard at a time with ``torch.distributed.checkpoin
 (resharded from whatever layout trained it), so memory holds one shard, not the model.
 
 Everything is written into a hidden sibling folder that is renamed to the target only
-when complete; on any error it is removed, so no partial output folder is left.
+when complete; on any error it is removed, so no partial output folder is left. A
+checkpoint holding a NaN or an infinity is refused, naming the tensor (``--allow-nonfinite``
+writes it anyway, for debugging).
 """
 
 from __future__ import annotations
@@ -153,18 +155,26 @@ def resolve_checkpoint(path: str | Path, say: Callable[[str], None] = _say) -> P
     raise HFFormatError(f"every checkpoint of {path} is damaged ({'; '.join(damaged)}); nothing to export")
 
 
+def _nonfinite_values(tensor: torch.Tensor) -> int:
+    """How many of ``tensor``'s values are NaN or infinite."""
+    return 0 if bool(torch.isfinite(tensor).all()) else int((~torch.isfinite(tensor)).sum())
+
+
 def export_checkpoint(
     step_dir: str | Path,
     out: str | Path,
     dtype: str = "source",
     max_shard_bytes: int = 5 * 2**30,
     say: Callable[[str], None] = _say,
+    allow_nonfinite: bool = False,
 ) -> ExportResult:
     """Write the checkpoint ``step_dir`` (or the newest intact one of a run folder) as a
     Hugging Face folder ``out`` (must not exist); ``say`` prints one-line notices.
 
     ``dtype``: ``source`` (the imported model's dtype; float32 for a run that did not
-    import one), ``float32``, ``bfloat16`` or ``float16``.
+    import one), ``float32``, ``bfloat16`` or ``float16``. A checkpoint holding a NaN or an
+    infinity is refused naming the tensor (nothing is written), unless ``allow_nonfinite``
+    (for debugging: written, each such tensor named by ``say``).
     """
     out = Path(out)
     if out.exists():
@@ -213,6 +223,15 @@ def export_checkpoint(
             tensors = {}
             for name in group:
                 tensor = state.pop(name)
+                bad = _nonfinite_values(tensor)
+                if bad:
+                    found = f"checkpoint {step_dir} holds {bad} non-finite value(s) (NaN or infinity) in {name}"
+                    if not allow_nonfinite:
+                        raise HFFormatError(
+                            f"{found}: every output of the exported model would be NaN; export an older checkpoint "
+                            "(<run>/checkpoints/step-N), or pass --allow-nonfinite to write it anyway for debugging"
+                        )
+                    say(f"{found}; written anyway (--allow-nonfinite)")
                 target = mapping[name]
                 tensors[target.hf_name] = to_hf_tensor(cfg, target, tensor).to(torch_dtype).contiguous()
                 weight_map[target.hf_name] = file
@@ -241,11 +260,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="weights' dtype (source: the imported model's, else float32)",
     )  # fmt: skip
     parser.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file, in GiB")
+    parser.add_argument(
+        "--allow-nonfinite", action="store_true",
+        help="write a checkpoint that holds NaN or infinite weights anyway (for debugging; refused otherwise)",
+    )  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> None:
     try:
-        result = export_checkpoint(args.checkpoint, args.output, args.dtype, int(args.max_shard_gb * 2**30), _say)
+        result = export_checkpoint(
+            args.checkpoint, args.output, args.dtype, int(args.max_shard_gb * 2**30), _say, args.allow_nonfinite
+        )
     except (HFFormatError, OSError) as e:
         print(f"loongtrain export: {e}", file=sys.stderr)
         raise SystemExit(2) from None

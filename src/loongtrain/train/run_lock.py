@@ -10,6 +10,14 @@ The processes of one job share the lock: the nodes of a multi-node launch (same 
 and the ranks of an external torchrun (same ``TORCHELASTIC_RUN_ID``; their holder is the
 torchrun agent, the ranks' parent). Released on every exit of the holder (a kill leaves a
 stale lock, taken over by the next job). Pure file operations, no torch.
+
+The lock also knows the job's workers: each registers itself (host, process id, start time)
+when it starts (:func:`register_worker`). A lock whose holder is gone is taken over only when
+every worker registered on this host is gone too (workers end with their launcher within a
+fraction of a second, :func:`loongtrain.local_workers.die_with`; one that has not yet is named
+in the refusal). A lock that cannot be read or holds a malformed record (a torn write, a hand
+edit: a wrong type, a missing key, a process id out of range) names nobody: it is taken over
+with a notice that says what was wrong.
 """
 
 from __future__ import annotations
@@ -21,50 +29,49 @@ import json
 import os
 import socket
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
+
+from loongtrain.local_workers import process_alive, process_start_time
+
+__all__ = [
+    "LOCK_FILE", "Holder", "RunFolderBusy", "Taken", "Worker", "acquire", "process_alive",
+    "process_start_time", "read_holder", "read_lock", "register_worker", "release",
+]  # fmt: skip
 
 LOCK_FILE = "run.lock"
 # held (flock) only while the lock file is checked and written; never removed (a process waiting
 # on a removed one would lock another file than the next comer)
 _MUTEX_FILE = ".run.lock.mutex"
+# the largest process id Linux can give (PID_MAX_LIMIT on 64-bit); a recorded id above it names no process
+_PID_LIMIT = 2**22
 
 
 class RunFolderBusy(RuntimeError):
     """Another job holds the run folder; the message names it and the fix."""
 
 
-def process_start_time(pid: int) -> int | None:
-    """The start time of process ``pid`` in clock ticks since boot (Linux ``/proc``), or None
-    if it cannot be read (no such process, or no ``/proc``)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # the command name (field 2) may hold spaces and parentheses: count from its closing one
-    return int(stat[stat.rindex(")") + 2 :].split()[19])
+@dataclass(frozen=True)
+class Worker:
+    """A worker process of the job that holds a run folder."""
 
+    host: str
+    pid: int
+    start_time: int | None  # of process ``pid``, in clock ticks since boot (None: unknown)
 
-def process_alive(pid: int, start_time: int | None) -> bool:
-    """Whether process ``pid`` runs and, where ``start_time`` is known, is the same process
-    (not a later one that reuses the id)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # it exists, under another user
-    if start_time is None:
-        return True
-    now = process_start_time(pid)
-    return now is None or now == start_time
+    @classmethod
+    def this_process(cls) -> Worker:
+        return cls(socket.gethostname(), os.getpid(), process_start_time(os.getpid()))
+
+    def alive_here(self) -> bool:
+        """On this host, and still running (not a later process that reuses its id)."""
+        return self.host == socket.gethostname() and process_alive(self.pid, self.start_time)
 
 
 @dataclass(frozen=True)
 class Holder:
-    """Who holds a run folder."""
+    """Who holds a run folder, and the workers of its job that registered."""
 
     host: str
     pid: int
@@ -72,6 +79,7 @@ class Holder:
     since: str  # when the lock was taken (local time)
     job: str  # the job's id: processes with the same id share the lock
     command: str = ""
+    workers: tuple[Worker, ...] = ()
 
     @classmethod
     def this_process(cls, job: str, pid: int | None = None, command: str = "") -> Holder:
@@ -88,18 +96,91 @@ class Holder:
         return text + (f": {self.command}" if self.command else "")
 
 
+def read_lock(run_dir: Path) -> Holder | str | None:
+    """The holder recorded in ``run_dir``'s lock; None if there is no lock; for a lock that
+    cannot be read or whose record is malformed, what is wrong with it."""
+    path = Path(run_dir) / LOCK_FILE
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:  # not a file, no permission, not UTF-8
+        return f"cannot be read: {e}"
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return "not a JSON record (a torn write?)"
+    return _holder(data)
+
+
 def read_holder(run_dir: Path) -> Holder | None:
     """The holder recorded in ``run_dir``'s lock, or None if there is none (or it is unreadable)."""
-    try:
-        data = json.loads((Path(run_dir) / LOCK_FILE).read_text())
-        return Holder(**data)
-    except (OSError, ValueError, TypeError):
-        return None
+    found = read_lock(run_dir)
+    return found if isinstance(found, Holder) else None
+
+
+# what each key of the record holds: its JSON types, and those in words
+_STRING, _INTEGER, _START = ((str,), "a string"), ((int,), "an integer"), ((int, type(None)), "an integer or null")
+_HOLDER_KEYS = {"host": _STRING, "pid": _INTEGER, "start_time": _START, "since": _STRING, "job": _STRING}
+_WORKER_KEYS = {key: _HOLDER_KEYS[key] for key in ("host", "pid", "start_time")}
+
+
+def _kind(value: Any) -> str:
+    """A JSON value's kind in words."""
+    kinds = {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "an array",
+        dict: "an object",
+    }
+    return kinds.get(type(value), "null")
+
+
+def _problem(data: Any, keys: dict[str, tuple[tuple[type, ...], str]], what: str) -> str | None:
+    """What is wrong with ``data`` as a record of ``keys`` (key -> its types, in words), or None."""
+    if not isinstance(data, dict):
+        return f"{what} is {_kind(data)}, not an object"
+    missing = [key for key in keys if key not in data]
+    if missing:
+        return f"{what} has no {', '.join(missing)}"
+    for key, (types, words) in keys.items():
+        value = data[key]
+        if isinstance(value, bool) or not isinstance(value, types):
+            return f"{what}'s {key} {json.dumps(value)} is {_kind(value)}, not {words}"
+    if not 0 < data["pid"] <= _PID_LIMIT:
+        return f"{what}'s pid {data['pid']} is no process id (1 to {_PID_LIMIT})"
+    if data["start_time"] is not None and not 0 <= data["start_time"] < 2**63:
+        return f"{what}'s start_time {data['start_time']} is out of range"
+    return None
+
+
+def _holder(data: Any) -> Holder | str:
+    """The holder in a lock's JSON record, or what is wrong with the record."""
+    problem = _problem(data, _HOLDER_KEYS, "the record")
+    if problem is not None:
+        return problem
+    command, workers = data.get("command", ""), data.get("workers", [])
+    if not isinstance(command, str):
+        return f"the record's command {json.dumps(command)} is {_kind(command)}, not a string"
+    if not isinstance(workers, list):
+        return f"the record's workers {json.dumps(workers)} is {_kind(workers)}, not an array"
+    for i, worker in enumerate(workers):
+        problem = _problem(worker, _WORKER_KEYS, f"worker {i}")
+        if problem is not None:
+            return problem
+    return Holder(
+        data["host"], data["pid"], data["start_time"], data["since"], data["job"], command,
+        tuple(Worker(w["host"], w["pid"], w["start_time"]) for w in workers),
+    )  # fmt: skip
 
 
 def _write(path: Path, holder: Holder) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(asdict(holder), indent=1))
+    record = asdict(holder)
+    record["workers"] = [asdict(w) for w in holder.workers]
+    tmp.write_text(json.dumps(record, indent=1))
     tmp.replace(path)
 
 
@@ -114,23 +195,43 @@ def _mutex(run_dir: Path):
         os.close(fd)
 
 
-def acquire(run_dir: str | Path, holder: Holder) -> str:
-    """Take ``run_dir`` for ``holder``'s job (creating the folder). Returns ``"taken"``,
-    ``"shared"`` (the same job holds it: another node, a restart) or ``"taken over"`` (from a
-    holder that is provably gone). Raises :class:`RunFolderBusy` if another job holds it."""
+@dataclass(frozen=True)
+class Taken:
+    """How :func:`acquire` took a run folder: ``how`` is ``"taken"``, ``"shared"`` (the same
+    job holds it: another node, a restart) or ``"taken over"``; ``notice`` says, for a
+    takeover, from whom (or what was wrong with an unreadable lock)."""
+
+    how: str
+    notice: str = ""
+
+
+def acquire(run_dir: str | Path, holder: Holder) -> Taken:
+    """Take ``run_dir`` for ``holder``'s job (creating the folder). Takes over a lock whose
+    holder and workers on this host are provably gone, and an unreadable one. Raises
+    :class:`RunFolderBusy` if another job holds it, or its holder is gone but some of its
+    workers still run."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_FILE
     with _mutex(run_dir):
-        current = read_holder(run_dir)
-        if current is None and path.exists():
-            outcome = "taken over"  # an unreadable lock (a torn write): nobody can be named as its holder
+        current = read_lock(run_dir)
+        if isinstance(current, str):
+            taken = Taken("taken over", f"took over {path}, which names no job: {current}")
         elif current is None:
-            outcome = "taken"
+            taken = Taken("taken")
         elif current.job == holder.job:
-            return "shared"
+            return Taken("shared")
         elif current.gone():
-            outcome = "taken over"
+            live = [w for w in current.workers if w.alive_here()]
+            if live:
+                pids = " ".join(str(w.pid) for w in live)
+                raise RunFolderBusy(
+                    f"run folder {run_dir} is in use by worker process(es) {pids} of {current.describe()}, whose "
+                    f"launcher is gone: two jobs in one folder would mix their metrics and checkpoints. They end "
+                    f"within a second of their launcher; if they do not, stop them (kill {pids}) and start again"
+                )
+            gone = f"job {current.job}, process {current.pid} on {current.host}, since {current.since}"
+            taken = Taken("taken over", f"took over {path} from a job that is gone ({gone})")
         else:
             raise RunFolderBusy(
                 f"run folder {run_dir} is in use by {current.describe()}: two jobs in one folder would mix their "
@@ -142,7 +243,25 @@ def acquire(run_dir: str | Path, holder: Holder) -> str:
                 )
             )
         _write(path, holder)
-    return outcome
+    return taken
+
+
+def register_worker(run_dir: str | Path, job: str, worker: Worker | None = None) -> None:
+    """Record ``worker`` (default: this process) among the workers of ``job``, which holds
+    ``run_dir`` (workers of this host that are gone are dropped: a restarted group's). Raises
+    :class:`RunFolderBusy` if the lock no longer names ``job`` (removed or replaced by hand)."""
+    run_dir = Path(run_dir)
+    worker = Worker.this_process() if worker is None else worker
+    with _mutex(run_dir):
+        current = read_lock(run_dir)
+        if not isinstance(current, Holder) or current.job != job:
+            raise RunFolderBusy(
+                f"run folder {run_dir} is no longer held by this job ({job}): its {LOCK_FILE} was removed or "
+                "replaced while the job started; stopping so that two jobs do not write into one folder"
+            )
+        here = socket.gethostname()
+        kept = tuple(w for w in current.workers if w != worker and (w.host != here or w.alive_here()))
+        _write(run_dir / LOCK_FILE, replace(current, workers=(*kept, worker)))
 
 
 def release(run_dir: str | Path, holder: Holder) -> None:

@@ -49,9 +49,14 @@ def stage_checkpoint(init_from: str | Path) -> Path:
             )
         found = complete[-1][1]
     else:
+        kinds = f"a run folder (with checkpoints/) {{}} a checkpoint folder (step-N with {STATE_FILE})"
+        what = (
+            "does not exist" if not path.exists()
+            else f"is a file, not {kinds.format('or')}" if not path.is_dir()
+            else f"is neither {kinds.format('nor')}"
+        )  # fmt: skip
         raise CheckpointError(
-            f"checkpoint.init_from={str(init_from)!r} is neither a run folder (with checkpoints/) nor a checkpoint "
-            f"folder (step-N with {STATE_FILE}); give the previous stage's run.output_dir"
+            f"checkpoint.init_from={str(init_from)!r} {what}; give the previous stage's run.output_dir"
         )
     trouble = structure_problem(found)
     if trouble is not None:

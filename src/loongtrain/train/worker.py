@@ -30,12 +30,13 @@ from loongtrain.train.faults import (
     write_report,
 )
 from loongtrain.train.guard import GuardStop
+from loongtrain.train.run_lock import RunFolderBusy, register_worker
 from loongtrain.train.spec import RunSpec
 from loongtrain.train.trainer import AfterStep, train
 from loongtrain.train.watchdog import Watchdog, connect_store
 
 # errors every rank raises alike, whose message names the fix: reported once, never restarted
-USER_ERRORS = (ConfigError, TokenFileError, CheckpointError, GuardStop)
+USER_ERRORS = (ConfigError, TokenFileError, CheckpointError, GuardStop, RunFolderBusy)
 # the bad-input ones among them (config, model folder, token file): no resume can fix them
 INPUT_ERRORS = (ConfigError, TokenFileError)
 # the agent polls its workers every 0.2 s; a rank that only lost a connection exits after this
@@ -61,9 +62,11 @@ def _start_watchdog(cfg: TrainConfig, rank: int, world: int) -> Watchdog | None:
     return Watchdog(store, rank, world, cfg.run.timeout_s, report).start()
 
 
-def run_worker(cfg: TrainConfig, spec: RunSpec, after_step: AfterStep | None = None) -> dict:
-    """Train on this rank (``after_step``: see :func:`~loongtrain.train.trainer.train`).
-    Returns ``{"final_step": n}``, or ``{"fatal": message}`` for an
+def run_worker(cfg: TrainConfig, spec: RunSpec, after_step: AfterStep | None = None, job: str | None = None) -> dict:
+    """Train on this rank (``after_step``: see :func:`~loongtrain.train.trainer.train`); with
+    ``job`` (the id of the job that holds the run folder's lock) this process first registers
+    in the lock as one of the job's workers, so that no other job takes the folder over while
+    it runs. Returns ``{"final_step": n}``, or ``{"fatal": message}`` for an
     error every rank agrees on (the process then exits cleanly, so the agent does not
     restart a run that would fail again); any other failure is reported and the process
     exits with code 1 at once."""
@@ -74,6 +77,8 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, after_step: AfterStep | None = N
     write_report(WorkerReport(rank, RUNNING, "", current_attempt()))
     watchdog = None
     try:
+        if job is not None:
+            register_worker(cfg.run.output_dir, job)
         # the process group's timeout is the backstop behind the watchdog's diagnosis
         device = init_distributed(timeout_s=cfg.run.timeout_s + max(cfg.run.timeout_s, 30.0), device=cfg.run.device)
         watchdog = _start_watchdog(cfg, rank, dist.get_world_size())
@@ -106,7 +111,9 @@ def run_worker(cfg: TrainConfig, spec: RunSpec, after_step: AfterStep | None = N
     return outcome
 
 
-def main_under_torchrun(cfg: TrainConfig, spec: RunSpec, after_step: AfterStep | None = None) -> None:
-    """``loongtrain train`` started by an external torchrun: this process is one rank."""
-    if "fatal" in run_worker(cfg, spec, after_step):
+def main_under_torchrun(
+    cfg: TrainConfig, spec: RunSpec, after_step: AfterStep | None = None, job: str | None = None
+) -> None:
+    """``loongtrain train`` started by an external torchrun: this process is one rank (of ``job``)."""
+    if "fatal" in run_worker(cfg, spec, after_step, job):
         sys.exit(2)
