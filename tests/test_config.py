@@ -387,3 +387,17 @@ def test_an_optimizer_float_beyond_float32_is_refused_naming_the_key_and_the_lar
     allowed = {**overrides, key: float(largest)}
     load_config(None, [f"optim.{k}={v}" for k, v in allowed.items()])
     assert _fits_float32_adamw(**allowed)
+
+
+def test_an_epsilon_that_is_zero_in_float32_is_refused():
+    """Issue 56's first case (``optim.eps 1e-50``): 0 in float32, so AdamW's first update divides 0
+    by 0 where a gradient is 0 (checked with torch's own AdamW below); refused naming the key."""
+    import torch
+
+    with pytest.raises(ConfigError, match=r"optim.eps=1e-50 is below float32's smallest normal number"):
+        load_config(None, ["optim.eps=1e-50"])
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    torch.optim.AdamW([p], lr=1e-3, eps=1e-50).step()
+    assert not torch.isfinite(p).all()  # 0 / (sqrt(0) + 0): what the refusal prevents
+    load_config(None, ["optim.eps=1.2e-38"])

@@ -327,6 +327,8 @@ class OptimSection:
 #: The largest float32 (``torch.finfo(torch.float32).max``): AdamW's parameters and states are
 #: float32 (``param_dtype = "bfloat16"`` keeps a float32 master copy).
 FLOAT32_MAX = 3.4028234663852886e38
+#: The smallest normal float32 (``torch.finfo(torch.float32).tiny``).
+FLOAT32_TINY = 1.1754943508222875e-38
 
 
 def _at_most(limit: float) -> str:
@@ -348,6 +350,12 @@ def optimizer_range_error(o: OptimSection) -> str | None:
         value = getattr(o, key)
         if value > FLOAT32_MAX:
             return f"optim.{key}={value:g} {why} at most {_at_most(FLOAT32_MAX)}"
+    if 0 < o.eps < FLOAT32_TINY:  # 1e-50 is 0 in float32: AdamW then divides 0 by 0 where a gradient is 0
+        return (
+            f"optim.eps={o.eps:g} is below float32's smallest normal number ({FLOAT32_TINY:.4g}), the dtype of "
+            f"AdamW's states: it rounds to (nearly) 0, and AdamW divides 0 by 0 wherever a gradient is 0 (rows of "
+            f"the embedding no token reached); use at least {FLOAT32_TINY:.4g} (1e-8 is usual)"
+        )
     first_step = FLOAT32_MAX * (1 - o.beta1)
     if o.lr > first_step:
         return (
