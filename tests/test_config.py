@@ -401,3 +401,16 @@ def test_an_epsilon_that_is_zero_in_float32_is_refused():
     torch.optim.AdamW([p], lr=1e-3, eps=1e-50).step()
     assert not torch.isfinite(p).all()  # 0 / (sqrt(0) + 0): what the refusal prevents
     load_config(None, ["optim.eps=1.2e-38"])
+
+
+def test_a_timeout_no_timer_can_hold_is_refused():
+    """A huge ``run.timeout_s`` overflowed ``timedelta`` inside the workers; refused naming the key."""
+    from datetime import timedelta
+
+    with pytest.raises(OverflowError):
+        timedelta(seconds=2e300)  # what the workers would have met
+    refused = r"run.timeout_s=1e\+300 is longer than a timer can hold here; at most 1e\+09"
+    with pytest.raises(ConfigError, match=refused):
+        load_config(None, ["run.timeout_s=1e300"])
+    timedelta(seconds=2 * 1e9)  # the largest allowed, doubled as the backstop: fine
+    load_config(None, ["run.timeout_s=1e9"])

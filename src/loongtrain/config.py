@@ -327,6 +327,9 @@ class OptimSection:
 #: The largest float32 (``torch.finfo(torch.float32).max``): AdamW's parameters and states are
 #: float32 (``param_dtype = "bfloat16"`` keeps a float32 master copy).
 FLOAT32_MAX = 3.4028234663852886e38
+#: The longest ``run.timeout_s`` (``datetime.timedelta`` holds up to 999,999,999 days; the
+#: collectives' backstop is twice the timeout): a billion seconds.
+MAX_TIMEOUT_S = 1e9
 #: The smallest normal float32 (``torch.finfo(torch.float32).tiny``).
 FLOAT32_TINY = 1.1754943508222875e-38
 
@@ -671,6 +674,13 @@ def validate(cfg: TrainConfig) -> None:
         value = getattr(cfg.optim, name)
         if not 0.0 <= value < 1.0:
             raise ConfigError(f"optim.{name}={value} must be in [0, 1) (AdamW's moving-average factor; e.g. 0.9)")
+    for key in ("timeout_s",):  # the process group's timeout and the watchdog hold it as a timedelta
+        value = getattr(cfg.run, key)
+        if value > MAX_TIMEOUT_S:
+            raise ConfigError(
+                f"run.{key}={value:g} is longer than a timer can hold here; at most {MAX_TIMEOUT_S:g} s (about 31 "
+                f"years): use a large value, not an infinite one"
+            )
     range_error = optimizer_range_error(cfg.optim)
     if range_error is not None:
         raise ConfigError(range_error)
