@@ -101,6 +101,50 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class LayerKind:
+    """One layer's attention: full causal or a sliding window, and its RoPE (transformers'
+    ``layer_types`` and ``no_rope_layers``; Gemma 3's two RoPE bases).
+
+    ``rope_theta`` 0: the model's base and scaling (which ``extend_context`` changes);
+    ``rope_theta`` > 0: this kind's own base with its own ``rope_scaling`` (None: plain).
+    """
+
+    sliding_window: int = 0  # token i sees j only if i - j < sliding_window; 0: full causal attention
+    rope: bool = True  # False: the layer applies no RoPE (a NoPE layer)
+    rope_theta: float = 0.0  # > 0: this kind's own RoPE base; 0: the model's
+    rope_scaling: RopeScaling | None = None  # with rope_theta > 0: this kind's own scaling
+
+    def __post_init__(self) -> None:
+        w = self.sliding_window
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            raise ValueError(f"LayerKind: sliding_window={w!r} must be 0 (full attention) or positive")
+        if not self.rope_theta >= 0:
+            raise ValueError(f"LayerKind: rope_theta={self.rope_theta} must be 0 (the model's) or positive")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise TypeError(f"LayerKind: rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
+        if self.rope_scaling is not None and self.rope_theta == 0:
+            raise ValueError("LayerKind: rope_scaling needs this kind's own rope_theta (0 takes the model's RoPE)")
+
+    @property
+    def name(self) -> str:
+        """A short label: ``full``, ``sliding 512``, with ``nope`` or the kind's own RoPE base."""
+        label = f"sliding {self.sliding_window}" if self.sliding_window else "full"
+        if not self.rope:
+            return f"{label} nope"
+        return f"{label} rope {self.rope_theta:g}" if self.rope_theta else label
+
+
+def layer_kind_of(value) -> LayerKind:
+    """A :class:`LayerKind` from itself or its dict (a checkpoint's ``model_shape``, JSON)."""
+    if isinstance(value, LayerKind):
+        return value
+    if not isinstance(value, dict):
+        raise TypeError(f"a layer kind must be a LayerKind or a dict of its fields, got {value!r}")
+    scaling = value.get("rope_scaling")
+    return LayerKind(**{**value, "rope_scaling": RopeScaling(**scaling) if isinstance(scaling, dict) else scaling})
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shape of a Llama-style decoder."""
 
@@ -120,6 +164,9 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None  # context extension of RoPE (None: plain RoPE)
     max_positions: int = 0  # context length the model is meant for (HF max_position_embeddings); 0: unset
     sliding_window: int = 0  # token i sees j only if i - j < sliding_window (Mistral style); 0: no window
+    # one LayerKind per layer (its window and RoPE); empty: every layer full (or ``sliding_window``)
+    # with the model's RoPE
+    layer_kinds: tuple[LayerKind, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
@@ -142,6 +189,49 @@ class ModelConfig:
             raise ValueError(f"ModelConfig: sliding_window={self.sliding_window!r} must be 0 (none) or positive")
         if self.head_dim % 2 != 0:
             raise ValueError(f"ModelConfig: head_dim={self.head_dim} must be even for RoPE")
+        if self.layer_kinds:
+            if not isinstance(self.layer_kinds, tuple):
+                object.__setattr__(self, "layer_kinds", tuple(self.layer_kinds))
+            object.__setattr__(self, "layer_kinds", tuple(layer_kind_of(k) for k in self.layer_kinds))
+            if len(self.layer_kinds) != self.n_layers:
+                raise ValueError(
+                    f"ModelConfig: {len(self.layer_kinds)} layer_kinds for n_layers={self.n_layers}; give one per layer"
+                )
+            if self.sliding_window:
+                raise ValueError(
+                    f"ModelConfig: sliding_window={self.sliding_window} and layer_kinds both set; give each layer's "
+                    "window in its LayerKind (sliding_window is the one window of every layer)"
+                )
+        longest = max((k.sliding_window for k in self.layer_kinds), default=0)
+        if self.max_positions and longest > self.max_positions:
+            raise ValueError(
+                f"ModelConfig: a sliding window of {longest} tokens is larger than the model's positions "
+                f"(max_positions={self.max_positions}); no token could reach its end"
+            )
+
+    def layer_kind(self, index: int) -> LayerKind:
+        """Layer ``index``'s kind, resolved: its window (``sliding_window`` when no kinds are
+        given), and its RoPE base and scaling (the model's unless the kind has its own)."""
+        return self.kinds[index]
+
+    @functools.cached_property
+    def kinds(self) -> tuple[LayerKind, ...]:
+        """Every layer's resolved :meth:`layer_kind`."""
+        given = self.layer_kinds or (LayerKind(self.sliding_window),) * self.n_layers
+        return tuple(
+            k if k.rope_theta else replace(k, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling)
+            for k in given
+        )
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """Each layer's sliding window (0: full attention)."""
+        return tuple(k.sliding_window for k in self.kinds)
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every layer has the same window and RoPE (one kind)."""
+        return len(set(self.kinds)) == 1
 
     @functools.cached_property  # the fields are frozen; the planner reads it hundreds of thousands of times
     def head_dim(self) -> int:
@@ -209,6 +299,14 @@ PRESETS: dict[str, ModelConfig] = {
         vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, rope_theta=500000.0
     ),
 }
+
+
+def config_of_shape(shape: dict) -> ModelConfig:
+    """The :class:`ModelConfig` of its fields as a dict (``dataclasses.asdict`` or its JSON: a
+    checkpoint's ``model_shape``), its RoPE scaling and layer kinds made again."""
+    scaling = shape.get("rope_scaling")
+    kinds = tuple(layer_kind_of(k) for k in shape.get("layer_kinds") or ())
+    return ModelConfig(**{**shape, "rope_scaling": RopeScaling(**scaling) if scaling else None, "layer_kinds": kinds})
 
 
 def model_config(name: str, **overrides) -> ModelConfig:

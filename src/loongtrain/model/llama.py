@@ -3,7 +3,9 @@
 Options for the Hugging Face families (``loongtrain.hf``): q/k/v biases (Qwen2), an
 RMSNorm over each q/k head before RoPE (Qwen3), a head size other than dim / n_heads,
 RoPE scaled for a longer context (linear, llama3, yarn; :mod:`loongtrain.model.rope`),
-and a sliding window (Mistral).
+and per-layer attention kinds (``ModelConfig.layer_kinds``: each layer full or sliding with
+its window, with its own RoPE or none; Gemma 3, OLMo 3, SmolLM3), or one sliding window on
+every layer (Mistral).
 
 It reads as the plain model: each piece is its formula. ``loongtrain.parallelize`` swaps in
 the memory-lean versions (:mod:`loongtrain.model.lean`, :mod:`loongtrain.model.tiled_mlp`),
@@ -16,8 +18,9 @@ local sequence (one device). ``loongtrain.parallelize`` swaps in the distributed
 attention. Positions are passed in, so the same module runs on sequence shards: RoPE uses
 each token's position (which restarts at 0 in each document of a packed sequence).
 ``layout`` (a :class:`~loongtrain.attention.layout.SequenceLayout`: the packed
-documents of the whole sequence and how it was sharded, or None) and the model's sliding
-window only reach the attention function.
+documents of the whole sequence and how it was sharded, or None) and each layer's sliding
+window only reach the attention function. The model makes one cos/sin table per RoPE kind
+(``ropes``, keyed by base and scaling) and each layer takes its own.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from torch import nn
 
 from loongtrain.attention.layout import SequenceLayout
 from loongtrain.attention.local import masked_attention
-from loongtrain.model.config import ModelConfig, RopeScaling
+from loongtrain.model.config import LayerKind, ModelConfig, RopeScaling
 from loongtrain.model.loss import lm_loss, token_scores
 from loongtrain.model.norm import RMSNorm
 from loongtrain.model.rope import rope_frequencies
@@ -88,15 +91,31 @@ def normed_mlp(x: Tensor, norm: RMSNorm, w1: nn.Linear, w3: nn.Linear, w2: nn.Li
     return w2(F.silu(w1(h)) * w3(h))
 
 
+#: one cos/sin table per RoPE kind of the model, keyed by :func:`rope_key` (what a layer takes)
+Ropes = dict[tuple, tuple[Tensor, Tensor]]
+
+
+def rope_key(kind: LayerKind) -> tuple | None:
+    """The key of a (resolved) layer kind's cos/sin table in :data:`Ropes`; None: no RoPE."""
+    return (kind.rope_theta, kind.rope_scaling) if kind.rope else None
+
+
+def rope_tables_of(cfg: ModelConfig, positions: Tensor) -> Ropes:
+    """The cos/sin tables of every RoPE kind of ``cfg``'s layers for ``positions``."""
+    keys = {rope_key(k) for k in cfg.kinds} - {None}
+    return {key: rope_tables(positions, cfg.head_dim, *key) for key in keys}
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kind: LayerKind | None = None) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
-        self.sliding_window = cfg.sliding_window or None
+        kind = kind if kind is not None else cfg.layer_kind(0)
+        self.sliding_window = kind.sliding_window or None
         # Qwen3: RMSNorm over each head of q and k (weights shared by the heads)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
@@ -110,9 +129,9 @@ class Attention(nn.Module):
         self.over_head_groups: Callable[..., Tensor] | None = None
 
     def forward(
-        self, x: Tensor, norm: RMSNorm, cos: Tensor, sin: Tensor, layout: SequenceLayout | None = None
+        self, x: Tensor, norm: RMSNorm, cos: Tensor | None, sin: Tensor | None, layout: SequenceLayout | None = None
     ) -> Tensor:
-        """Attention of ``norm(x)`` for ``x`` [B, S, dim]."""
+        """Attention of ``norm(x)`` for ``x`` [B, S, dim]; RoPE by ``cos``/``sin`` (None: a NoPE layer)."""
         if self.over_head_groups is not None:
             return self.over_head_groups(self, x, norm, cos, sin, layout)
         b, s, _ = x.shape
@@ -122,7 +141,8 @@ class Attention(nn.Module):
         v = v.view(b, s, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
+        if cos is not None:
+            q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         out = self.attention_fn(q, k, v, layout=layout, sliding_window=self.sliding_window)
         return self.wo(out.reshape(b, s, -1))
 
@@ -143,14 +163,19 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """One layer of its kind (``cfg.layer_kind(index)``): its window and its RoPE table."""
+
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
+        kind = cfg.layer_kind(index)
+        self.rope_key = rope_key(kind)
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention = Attention(cfg, kind)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: SequenceLayout | None = None) -> Tensor:
+    def forward(self, x: Tensor, ropes: Ropes, layout: SequenceLayout | None = None) -> Tensor:
+        cos, sin = ropes[self.rope_key] if self.rope_key is not None else (None, None)
         h = x + self.attention(x, self.attention_norm, cos, sin, layout)
         return h + self.feed_forward(h, self.ffn_norm)
 
@@ -259,7 +284,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.tok_embeddings = Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else OutputLayer(cfg.dim, cfg.vocab_size)
         self.loss_chunk = 0  # tokens of logits at a time in the loss (0: all at once)
@@ -268,14 +293,14 @@ class Transformer(nn.Module):
         """The last block's output [B, S, dim] (before the final norm)."""
         if positions.dim() == 1:
             positions = positions.unsqueeze(0)
-        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
-        return self.run_layers(self.tok_embeddings.lookup(tokens), cos, sin, layout)
+        ropes = rope_tables_of(self.config, positions)
+        return self.run_layers(self.tok_embeddings.lookup(tokens), ropes, layout)
 
-    def run_layers(self, h: Tensor, cos: Tensor, sin: Tensor, layout: SequenceLayout | None) -> Tensor:
-        """The blocks in turn (``loongtrain.apply`` runs spans of them in one checkpoint for
-        ``memory.activation_checkpoint_span``)."""
+    def run_layers(self, h: Tensor, ropes: Ropes, layout: SequenceLayout | None) -> Tensor:
+        """The blocks in turn, each with its RoPE table from ``ropes`` (``loongtrain.apply``
+        runs spans of them in one checkpoint for ``memory.activation_checkpoint_span``)."""
         for layer in self.layers:
-            h = layer(h, cos, sin, layout)
+            h = layer(h, ropes, layout)
         return h
 
     def hidden_states(self, tokens: Tensor, positions: Tensor, layout: SequenceLayout | None = None) -> Tensor:
