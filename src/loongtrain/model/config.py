@@ -219,8 +219,7 @@ class ModelConfig:
         """Every layer's resolved :meth:`layer_kind`."""
         given = self.layer_kinds or (LayerKind(self.sliding_window),) * self.n_layers
         return tuple(
-            k if k.rope_theta else replace(k, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling)
-            for k in given
+            k if k.rope_theta else replace(k, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling) for k in given
         )
 
     @property

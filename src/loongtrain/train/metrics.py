@@ -36,9 +36,7 @@ def batch_flops_per_token(cfg: ModelConfig, microbatches: list) -> float:
     masks and each layer's sliding window cut the causal ``(S + 1) / 2`` (averaged over the layers)."""
     tokens = sum(mb.tokens.numel() for mb in microbatches)
     windows = cfg.windows
-    keys = sum(
-        windows.count(w) * sum(mb.attention_keys(w) for mb in microbatches) for w in set(windows)
-    ) / len(windows)
+    keys = sum(windows.count(w) * sum(mb.attention_keys(w) for mb in microbatches) for w in set(windows)) / len(windows)
     return cfg.flops_per_token(microbatches[0].tokens.shape[1], keys_per_query=keys / tokens)
 
 
