@@ -19,6 +19,11 @@ FAMILY_KWARGS = {
     "mistral-window": {"sliding_window": 5},  # a sliding window on every layer
     "qwen2": {"tie_word_embeddings": True},
     "qwen3": {"head_dim": 32},  # 4 heads x 32 != hidden 64
+    # a window on layer 1 only (max_window_layers), no longer refused
+    "qwen2-window": {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1},
+    # layer 1 without RoPE and with a window (SmolLM3 makes its NoPE layers the sliding ones)
+    "smollm3": {"no_rope_layers": [1, 0], "use_sliding_window": True, "sliding_window": 5, "pad_token_id": None,
+                "bos_token_id": 1, "eos_token_id": 2},
 }  # fmt: skip
 FAMILIES = tuple(FAMILY_KWARGS)
 
@@ -26,7 +31,7 @@ FAMILIES = tuple(FAMILY_KWARGS)
 def hf_config(family: str, **overrides):
     import transformers
 
-    model_type = {"llama3": "llama", "mistral-window": "mistral"}.get(family, family)
+    model_type = {"llama3": "llama", "mistral-window": "mistral", "qwen2-window": "qwen2"}.get(family, family)
     kwargs = {**SMALL, **FAMILY_KWARGS[family], **overrides}
     return transformers.AutoConfig.for_model(model_type, **kwargs)
 

@@ -72,6 +72,9 @@ EXTENSIONS = {
     "mistral-window": ["model.sliding_window=9", "model.rope_scaling=linear", "model.rope_factor=2"],  # window 5 -> 9
     "qwen2": ["model.rope_scaling=yarn", "model.rope_factor=4"],
     "qwen3": ["model.rope_scaling=llama3", "model.rope_factor=4", "model.max_positions=300"],
+    # the sliding layer's window 5 -> 9, the full one stays full
+    "qwen2-window": ["model.sliding_window=9", "model.rope_scaling=linear", "model.rope_factor=2"],
+    "smollm3": ["model.rope_scaling=yarn", "model.rope_factor=4"],  # its RoPE layers scaled, the NoPE one not
 }
 
 

@@ -2,11 +2,14 @@
 
 Import reads ``config.json`` through transformers' own config classes (so defaults and
 legacy keys such as ``rope_scaling`` mean what they mean to transformers) and refuses,
-with the fix, whatever the loongtrain model would compute differently (a sliding window on
-some layers only, partial rotary, other RoPE types, an output-projection bias, dropout,
-another activation). A sliding window on every layer (Mistral's ``sliding_window``, Qwen's
-``use_sliding_window`` with ``max_window_layers = 0``) becomes ``ModelConfig.sliding_window``.
-Export writes the config back as a plain dict for those classes.
+with the fix, whatever the loongtrain model would compute differently (partial rotary, other
+RoPE types, an output-projection bias, dropout, another activation, softcapping, attention
+sinks, chunked attention, a ``layer_types`` entry other than full or sliding attention). A
+sliding window on every layer (Mistral's ``sliding_window``, Qwen's ``use_sliding_window`` with
+``max_window_layers = 0``) becomes ``ModelConfig.sliding_window``; a window on some layers
+(``layer_types``: Qwen's ``max_window_layers``, SmolLM3) or layers without RoPE (SmolLM3's
+``no_rope_layers``) become ``ModelConfig.layer_kinds``. Export writes the config back as a
+plain dict for those classes.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import math
 
 from loongtrain.hf.folder import HFFormatError
-from loongtrain.model.config import ModelConfig, RopeScaling
+from loongtrain.model.config import LayerKind, ModelConfig, RopeScaling
 
 # model_type -> what the family adds to Llama
 FAMILIES: dict[str, dict] = {
@@ -22,6 +25,18 @@ FAMILIES: dict[str, dict] = {
     "mistral": {"architecture": "MistralForCausalLM"},
     "qwen2": {"architecture": "Qwen2ForCausalLM", "qkv_bias": True},
     "qwen3": {"architecture": "Qwen3ForCausalLM", "qk_norm": True},
+    "smollm3": {"architecture": "SmolLM3ForCausalLM"},  # Llama with no_rope_layers (and layer_types)
+}
+#: families whose ``sliding_window`` counts only with ``use_sliding_window``
+WINDOW_SWITCHED = ("qwen2", "qwen3", "smollm3")
+#: transformers' ``layer_types`` entries the loongtrain model computes
+LAYER_TYPES = ("full_attention", "sliding_attention")
+#: config keys of computations the loongtrain model does not do, refused when set
+UNSUPPORTED_FEATURES = {
+    "attn_logit_softcapping": "softcapping of the attention scores",
+    "final_logit_softcapping": "softcapping of the logits",
+    "attention_chunk_size": "chunked attention",
+    "use_sinks": "attention sinks",
 }
 
 
@@ -117,17 +132,11 @@ def model_config_from_hf(hf) -> ModelConfig:
         refuse("attention_bias=true (biases on every projection, o_proj included)", "only q/k/v biases (Qwen2) are")
     if getattr(hf, "attention_dropout", 0.0):
         refuse(f"attention_dropout={hf.attention_dropout}", "set it to 0.0 in config.json")
-    layer_types = getattr(hf, "layer_types", None) or []
-    window = getattr(hf, "sliding_window", None)
-    if window is not None and hf.model_type in ("qwen2", "qwen3") and not getattr(hf, "use_sliding_window", False):
-        window = None  # transformers ignores the value unless use_sliding_window is set
-    if window is not None and any(t != "sliding_attention" for t in layer_types):
-        refuse(
-            f"a sliding window on some layers only (sliding_window={window}, layer_types={layer_types})",
-            "loongtrain applies one window to every layer: set max_window_layers to 0 for a window everywhere, "
-            "or sliding_window to null (use_sliding_window false) for full causal attention",
-        )
+    for key, what in UNSUPPORTED_FEATURES.items():
+        if getattr(hf, key, None):
+            refuse(f"{key}={getattr(hf, key)!r} ({what})", f"set {key} to null in config.json or use another model")
     max_positions = int(getattr(hf, "max_position_embeddings", 0) or 0)
+    window, kinds = layer_kinds_from_hf(hf, max_positions, refuse)
     theta, scaling = rope_from_hf(dict(hf.rope_parameters), max_positions, where)
     heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
@@ -138,16 +147,45 @@ def model_config_from_hf(hf) -> ModelConfig:
             rope_theta=theta, tie_embeddings=bool(hf.tie_word_embeddings),
             head_dim_override=0 if head_dim * heads == hf.hidden_size else head_dim,
             qkv_bias=family.get("qkv_bias", False), qk_norm=family.get("qk_norm", False),
-            rope_scaling=scaling, max_positions=max_positions, sliding_window=int(window or 0),
+            rope_scaling=scaling, max_positions=max_positions, sliding_window=window, layer_kinds=kinds,
         )  # fmt: skip
     except ValueError as e:
         raise HFFormatError(f"{where}: {e}") from None
+
+
+def layer_kinds_from_hf(hf, max_positions: int, refuse) -> tuple[int, tuple[LayerKind, ...]]:
+    """``(sliding_window, layer_kinds)`` of a transformers config: one window on every layer
+    (``layer_kinds`` empty) or each layer's kind from ``layer_types`` and ``no_rope_layers``."""
+    window = getattr(hf, "sliding_window", None)
+    if hf.model_type in WINDOW_SWITCHED and not getattr(hf, "use_sliding_window", False):
+        window = None  # transformers ignores the value unless use_sliding_window is set
+    n = hf.num_hidden_layers
+    layer_types = list(getattr(hf, "layer_types", None) or [])
+    unknown = sorted({t for t in layer_types if t not in LAYER_TYPES})
+    if unknown:
+        refuse(f"layer_types entries {unknown}", f"loongtrain computes {list(LAYER_TYPES)}")
+    if layer_types and len(layer_types) != n:
+        refuse(f"{len(layer_types)} layer_types for {n} layers", "give one entry per layer")
+    if window is not None and max_positions and window > max_positions:
+        refuse(
+            f"sliding_window={window} larger than max_position_embeddings={max_positions}",
+            "lower sliding_window (a window longer than the positions is full attention: set it to null)",
+        )
+    windows = [int(window or 0) if t == "sliding_attention" else 0 for t in layer_types] or [int(window or 0)] * n
+    ropes = [bool(r) for r in getattr(hf, "no_rope_layers", None) or [1] * n]
+    if len(ropes) != n:
+        refuse(f"{len(ropes)} no_rope_layers entries for {n} layers", "give one entry per layer")
+    if len(set(windows)) == 1 and all(ropes):
+        return windows[0], ()
+    return 0, tuple(LayerKind(w, rope=r) for w, r in zip(windows, ropes))
 
 
 def family_of(cfg: ModelConfig) -> str:
     """The HF model_type that computes what ``cfg`` computes (for export without a source)."""
     if cfg.qkv_bias and cfg.qk_norm:
         raise HFFormatError("no supported Hugging Face family has both q/k/v biases and q/k norms")
+    if cfg.layer_kinds and not (cfg.qkv_bias or cfg.qk_norm):
+        return "smollm3"  # Llama with layer_types and no_rope_layers
     return "qwen2" if cfg.qkv_bias else "qwen3" if cfg.qk_norm else "mistral" if cfg.sliding_window else "llama"
 
 
@@ -180,7 +218,35 @@ def export_family(cfg: ModelConfig, source_type: str) -> tuple[str, str | None]:
             f"the run trained with a sliding window of {cfg.sliding_window} tokens and Llama's config has no sliding "
             "window (Mistral is Llama with one)"
         )
+    if source_type in ("llama", "mistral") and cfg.layer_kinds:
+        return "smollm3", (
+            f"the run trained with layer kinds ({', '.join(k.name for k in cfg.kinds)}) and {source_type}'s config "
+            "has none (SmolLM3 is Llama with layer_types and no_rope_layers)"
+        )
     return source_type, None
+
+
+def layer_kinds_to_hf(cfg: ModelConfig, model_type: str) -> dict:
+    """The config keys of ``cfg``'s layer kinds for ``model_type``: ``layer_types`` and one
+    ``sliding_window`` (and SmolLM3's ``no_rope_layers``); raises what the family cannot state."""
+    kinds = cfg.kinds
+    windows = sorted({k.sliding_window for k in kinds} - {0})
+    if len(windows) > 1:
+        raise HFFormatError(f"the model's layers have several windows {windows}; {model_type} states one")
+    if any(k.rope_theta != cfg.rope_theta or k.rope_scaling != cfg.rope_scaling for k in kinds if k.rope):
+        raise HFFormatError(f"the model's layers have RoPE bases of their own; {model_type} states one")
+    nope = [i for i, k in enumerate(kinds) if not k.rope]
+    if nope and model_type != "smollm3":
+        raise HFFormatError(f"layers {nope} apply no RoPE; {model_type} has no such layers (export as smollm3)")
+    out = {
+        "sliding_window": windows[0] if windows else None,
+        "layer_types": ["sliding_attention" if k.sliding_window else "full_attention" for k in kinds],
+    }
+    if model_type in WINDOW_SWITCHED:
+        out["use_sliding_window"] = bool(windows)
+    if model_type == "smollm3":
+        out["no_rope_layers"] = [int(k.rope) for k in kinds]
+    return out
 
 
 # keys of a source config.json that the export rewrites from the trained model's config
@@ -209,10 +275,16 @@ def hf_config_dict(cfg: ModelConfig, source: dict | None, dtype: str, max_positi
     )  # fmt: skip
     if cfg.head_dim_override or "head_dim" in out or model_type == "qwen3":  # Qwen3's default is not dim/heads
         out["head_dim"] = cfg.head_dim
-    if model_type in ("qwen2", "qwen3", "mistral"):
+    if model_type in ("qwen2", "qwen3", "mistral", "smollm3"):
         out["sliding_window"] = cfg.sliding_window or None
         out.pop("layer_types", None)
-    if model_type in ("qwen2", "qwen3"):
+        out.pop("no_rope_layers", None)
+    if model_type in WINDOW_SWITCHED:
         out["use_sliding_window"] = bool(cfg.sliding_window)
-        out["max_window_layers"] = 0  # the window (if any) on every layer
+    if model_type in ("qwen2", "qwen3"):
+        out["max_window_layers"] = 0  # the window (if any) on every layer, unless layer_types says otherwise
+    if cfg.layer_kinds:
+        out.update(layer_kinds_to_hf(cfg, model_type))
+    elif model_type == "smollm3":
+        out["no_rope_layers"] = [1] * cfg.n_layers
     return out

@@ -222,6 +222,14 @@ class ModelConfig:
             k if k.rope_theta else replace(k, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling) for k in given
         )
 
+    def with_window(self, window: int) -> ModelConfig:
+        """This model with sliding window ``window``: on every layer, or with layer kinds on
+        each sliding layer (the full layers stay full)."""
+        if not self.layer_kinds:
+            return replace(self, sliding_window=window)
+        kinds = tuple(replace(k, sliding_window=window) if k.sliding_window else k for k in self.layer_kinds)
+        return replace(self, layer_kinds=kinds)
+
     @property
     def windows(self) -> tuple[int, ...]:
         """Each layer's sliding window (0: full attention)."""
@@ -316,7 +324,9 @@ def model_config(name: str, **overrides) -> ModelConfig:
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise ValueError(f"unknown ModelConfig field(s) {unknown}; known fields: {sorted(known)}")
-    return replace(PRESETS[name], **overrides)
+    window = overrides.pop("sliding_window", None)
+    cfg = replace(PRESETS[name], **overrides)
+    return cfg if window is None else cfg.with_window(window)
 
 
 def extend_context(
