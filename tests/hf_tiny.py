@@ -24,6 +24,13 @@ FAMILY_KWARGS = {
     # layer 1 without RoPE and with a window (SmolLM3 makes its NoPE layers the sliding ones)
     "smollm3": {"no_rope_layers": [1, 0], "use_sliding_window": True, "sliding_window": 5, "pad_token_id": None,
                 "bos_token_id": 1, "eos_token_id": 2},
+    # OLMo 3: norms after attention and the MLP, q/k norms over the projections; a sliding layer with its
+    # own RoPE beside a full one with YaRN
+    "olmo3": {"sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"],
+              "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                  "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 2.0,
+                                                     "original_max_position_embeddings": 32}},
+              "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2},
 }  # fmt: skip
 FAMILIES = tuple(FAMILY_KWARGS)
 

@@ -75,6 +75,7 @@ EXTENSIONS = {
     # the sliding layer's window 5 -> 9, the full one stays full
     "qwen2-window": ["model.sliding_window=9", "model.rope_scaling=linear", "model.rope_factor=2"],
     "smollm3": ["model.rope_scaling=yarn", "model.rope_factor=4"],  # its RoPE layers scaled, the NoPE one not
+    "olmo3": ["model.sliding_window=9", "model.allow_longer_context=true"],  # keeps its YaRN full layer
 }
 
 

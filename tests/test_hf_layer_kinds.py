@@ -13,7 +13,9 @@ from torch.distributed.tensor import DTensor
 from hf_tiny import make_hf_model, rel_err
 
 pytest.importorskip("transformers")
-FAMILIES = ("qwen2-window", "smollm3")  # a window on layer 1 only; a NoPE sliding layer beside a RoPE full one
+# a window on layer 1 only; a NoPE sliding layer beside a RoPE full one; OLMo 3's post-norms, projection-wide
+# q/k norms, a sliding layer with its own RoPE beside a YaRN full one
+FAMILIES = ("qwen2-window", "smollm3", "olmo3")
 SEQ, CU = 64, [0, 9, 30, 33, 64]  # documents longer and shorter than the window (5) and the chunks
 
 

@@ -287,7 +287,6 @@ def test_layer_kinds_match_a_float64_model_written_out():
     [
         ({"layer_kinds": (1,) * 2}, "layer kind must be a LayerKind"),
         ({"n_layers": 3, "layer_kinds": ({},) * 2}, "2 layer_kinds for n_layers=3"),
-        ({"sliding_window": 4, "layer_kinds": ({}, {})}, "both set"),
         ({"max_positions": 64, "layer_kinds": ({"sliding_window": 128}, {})}, "larger than the model's positions"),
         ({"layer_kinds": ({"sliding_window": -1}, {})}, "must be 0"),
     ],
@@ -295,3 +294,12 @@ def test_layer_kinds_match_a_float64_model_written_out():
 def test_bad_layer_kinds_are_refused(overrides, match):
     with pytest.raises((ValueError, TypeError), match=match):
         model_config("debug", **overrides)
+
+
+def test_a_window_on_a_model_with_layer_kinds_sets_its_sliding_layers():
+    from loongtrain.model.config import LayerKind, ModelConfig
+
+    with pytest.raises(ValueError, match="both set"):
+        ModelConfig(sliding_window=4, layer_kinds=(LayerKind(), LayerKind()))
+    cfg = model_config("debug", layer_kinds=({"sliding_window": 3}, {}), sliding_window=9)
+    assert cfg.windows == (9, 0) and cfg.sliding_window == 0

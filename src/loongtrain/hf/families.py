@@ -26,7 +26,12 @@ FAMILIES: dict[str, dict] = {
     "qwen2": {"architecture": "Qwen2ForCausalLM", "qkv_bias": True},
     "qwen3": {"architecture": "Qwen3ForCausalLM", "qk_norm": True},
     "smollm3": {"architecture": "SmolLM3ForCausalLM"},  # Llama with no_rope_layers (and layer_types)
-}
+    # norms after attention and the MLP (none before), q/k norms over the whole projections, a RoPE per layer type
+    "olmo3": {"architecture": "Olmo3ForCausalLM", "qk_norm": True, "qk_norm_scope": "projection",
+              "norm_placement": "post"},
+}  # fmt: skip
+#: families whose ``rope_parameters`` hold one RoPE per layer type
+ROPE_PER_LAYER_TYPE = ("olmo3",)
 #: families whose ``sliding_window`` counts only with ``use_sliding_window``
 WINDOW_SWITCHED = ("qwen2", "qwen3", "smollm3")
 #: transformers' ``layer_types`` entries the loongtrain model computes
@@ -137,7 +142,16 @@ def model_config_from_hf(hf) -> ModelConfig:
             refuse(f"{key}={getattr(hf, key)!r} ({what})", f"set {key} to null in config.json or use another model")
     max_positions = int(getattr(hf, "max_position_embeddings", 0) or 0)
     window, kinds = layer_kinds_from_hf(hf, max_positions, refuse)
-    theta, scaling = rope_from_hf(dict(hf.rope_parameters), max_positions, where)
+    params = dict(hf.rope_parameters)
+    if hf.model_type in ROPE_PER_LAYER_TYPE:  # the full layers' RoPE is the model's; the sliding ones' their own
+        theta, scaling = rope_from_hf(dict(params["full_attention"]), max_positions, where)
+        local = rope_from_hf(dict(params["sliding_attention"]), max_positions, where)
+        if local != (theta, scaling):
+            kinds = kinds or tuple(LayerKind(window) for _ in range(hf.num_hidden_layers))
+            kinds = tuple(LayerKind(k.sliding_window, k.rope, *local) if k.sliding_window else k for k in kinds)
+            window = 0
+    else:
+        theta, scaling = rope_from_hf(params, max_positions, where)
     heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     try:
@@ -148,6 +162,7 @@ def model_config_from_hf(hf) -> ModelConfig:
             head_dim_override=0 if head_dim * heads == hf.hidden_size else head_dim,
             qkv_bias=family.get("qkv_bias", False), qk_norm=family.get("qk_norm", False),
             rope_scaling=scaling, max_positions=max_positions, sliding_window=window, layer_kinds=kinds,
+            norm_placement=family.get("norm_placement", "pre"), qk_norm_scope=family.get("qk_norm_scope", "head"),
         )  # fmt: skip
     except ValueError as e:
         raise HFFormatError(f"{where}: {e}") from None
@@ -184,17 +199,20 @@ def family_of(cfg: ModelConfig) -> str:
     """The HF model_type that computes what ``cfg`` computes (for export without a source)."""
     if cfg.qkv_bias and cfg.qk_norm:
         raise HFFormatError("no supported Hugging Face family has both q/k/v biases and q/k norms")
+    if cfg.norm_placement == "post":
+        return "olmo3"
     if cfg.layer_kinds and not (cfg.qkv_bias or cfg.qk_norm):
         return "smollm3"  # Llama with layer_types and no_rope_layers
     return "qwen2" if cfg.qkv_bias else "qwen3" if cfg.qk_norm else "mistral" if cfg.sliding_window else "llama"
 
 
-def rope_to_hf(cfg: ModelConfig) -> dict:
-    """transformers' ``rope_parameters`` for ``cfg``'s RoPE."""
-    s = cfg.rope_scaling
+def rope_to_hf(cfg: ModelConfig, theta: float = 0.0, scaling: RopeScaling | None | str = "model") -> dict:
+    """transformers' ``rope_parameters`` for ``cfg``'s RoPE (or for base ``theta`` with ``scaling``)."""
+    s = cfg.rope_scaling if scaling == "model" else scaling
+    theta = theta or cfg.rope_theta
     if s is None:
-        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    params = {"rope_type": s.kind, "rope_theta": cfg.rope_theta, "factor": s.factor}
+        return {"rope_type": "default", "rope_theta": theta}
+    params = {"rope_type": s.kind, "rope_theta": theta, "factor": s.factor}
     if s.kind == "llama3":
         params.update(
             original_max_position_embeddings=s.original_max_positions,
@@ -233,7 +251,9 @@ def layer_kinds_to_hf(cfg: ModelConfig, model_type: str) -> dict:
     windows = sorted({k.sliding_window for k in kinds} - {0})
     if len(windows) > 1:
         raise HFFormatError(f"the model's layers have several windows {windows}; {model_type} states one")
-    if any(k.rope_theta != cfg.rope_theta or k.rope_scaling != cfg.rope_scaling for k in kinds if k.rope):
+    own = {(k.rope_theta, k.rope_scaling) for k in kinds if k.rope} - {(cfg.rope_theta, cfg.rope_scaling)}
+    by_type = model_type in ROPE_PER_LAYER_TYPE
+    if own and not (by_type and len(own) == 1 and all(k.sliding_window for k in kinds if k.rope_theta in own)):
         raise HFFormatError(f"the model's layers have RoPE bases of their own; {model_type} states one")
     nope = [i for i, k in enumerate(kinds) if not k.rope]
     if nope and model_type != "smollm3":
@@ -246,6 +266,9 @@ def layer_kinds_to_hf(cfg: ModelConfig, model_type: str) -> dict:
         out["use_sliding_window"] = bool(windows)
     if model_type == "smollm3":
         out["no_rope_layers"] = [int(k.rope) for k in kinds]
+    if by_type:
+        (theta, scaling), full = (own.pop() if own else (cfg.rope_theta, cfg.rope_scaling)), rope_to_hf(cfg)
+        out["rope_parameters"] = {"full_attention": full, "sliding_attention": rope_to_hf(cfg, theta, scaling)}
     return out
 
 
@@ -264,8 +287,14 @@ def hf_config_dict(cfg: ModelConfig, source: dict | None, dtype: str, max_positi
         model_type = family_of(cfg)
         out = {"model_type": model_type}
     family = FAMILIES[model_type]
-    if cfg.qkv_bias != family.get("qkv_bias", False) or cfg.qk_norm != family.get("qk_norm", False):
-        raise HFFormatError(f"the model (qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm}) is not a {model_type} model")
+    mine = (cfg.qkv_bias, cfg.qk_norm, cfg.norm_placement, cfg.qk_norm_scope if cfg.qk_norm else None)
+    theirs = (family.get("qkv_bias", False), family.get("qk_norm", False), family.get("norm_placement", "pre"),
+              family.get("qk_norm_scope", "head") if family.get("qk_norm") else None)  # fmt: skip
+    if mine != theirs:
+        raise HFFormatError(
+            f"the model (qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm}, norm_placement={cfg.norm_placement!r}, "
+            f"qk_norm_scope={cfg.qk_norm_scope!r}) is not a {model_type} model"
+        )
     out.update(
         architectures=[family["architecture"]], vocab_size=cfg.vocab_size, hidden_size=cfg.dim,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
@@ -283,6 +312,10 @@ def hf_config_dict(cfg: ModelConfig, source: dict | None, dtype: str, max_positi
         out["use_sliding_window"] = bool(cfg.sliding_window)
     if model_type in ("qwen2", "qwen3"):
         out["max_window_layers"] = 0  # the window (if any) on every layer, unless layer_types says otherwise
+    if model_type in ROPE_PER_LAYER_TYPE:
+        out["rope_parameters"] = {"full_attention": rope_to_hf(cfg), "sliding_attention": rope_to_hf(cfg)}
+        out["sliding_window"] = cfg.sliding_window or None
+        out["layer_types"] = ["sliding_attention" if w else "full_attention" for w in cfg.windows]
     if cfg.layer_kinds:
         out.update(layer_kinds_to_hf(cfg, model_type))
     elif model_type == "smollm3":

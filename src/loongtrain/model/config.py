@@ -52,6 +52,7 @@ def token_tile(width: int) -> int:
 
 
 ROPE_SCALINGS: tuple[str, ...] = ("linear", "llama3", "yarn")
+NORM_PLACEMENTS: tuple[str, ...] = ("pre", "post")
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,14 @@ class RopeScaling:
             )
         if self.attention_factor is not None and not self.attention_factor > 0:
             raise ValueError(f"RopeScaling: attention_factor={self.attention_factor} must be positive")
+
+
+def causal_keys_per_query(seq_len: int, window: int = 0) -> float:
+    """Keys a query sees on average in one causal sequence of ``seq_len`` tokens under a sliding
+    ``window`` (0: none): ``(S + 1) / 2``, or ``w`` once the sequence is much longer than ``w``."""
+    if not window or window >= seq_len:
+        return (seq_len + 1) / 2
+    return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
 
 
 @dataclass(frozen=True)
@@ -167,6 +176,11 @@ class ModelConfig:
     # one LayerKind per layer (its window and RoPE); empty: every layer full (or ``sliding_window``)
     # with the model's RoPE
     layer_kinds: tuple[LayerKind, ...] = ()
+    # where a block's norms are: "pre" (before attention and the MLP: Llama) or "post" (after
+    # them, on their outputs before the residual add, none before: OLMo 2/3)
+    norm_placement: str = "pre"
+    # q/k norm (qk_norm) over each head ("head": Qwen3) or over the whole projection ("projection": OLMo)
+    qk_norm_scope: str = "head"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
@@ -189,6 +203,10 @@ class ModelConfig:
             raise ValueError(f"ModelConfig: sliding_window={self.sliding_window!r} must be 0 (none) or positive")
         if self.head_dim % 2 != 0:
             raise ValueError(f"ModelConfig: head_dim={self.head_dim} must be even for RoPE")
+        if self.norm_placement not in NORM_PLACEMENTS:
+            raise ValueError(f"ModelConfig: norm_placement={self.norm_placement!r}; choose one of {NORM_PLACEMENTS}")
+        if self.qk_norm_scope not in ("head", "projection"):
+            raise ValueError(f"ModelConfig: qk_norm_scope={self.qk_norm_scope!r}; choose 'head' or 'projection'")
         if self.layer_kinds:
             if not isinstance(self.layer_kinds, tuple):
                 object.__setattr__(self, "layer_kinds", tuple(self.layer_kinds))
@@ -221,6 +239,13 @@ class ModelConfig:
         return tuple(
             k if k.rope_theta else replace(k, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling) for k in given
         )
+
+    @property
+    def pre_norm_blocks(self) -> bool:
+        """Whether the blocks are Llama's (norms before attention and the MLP, q/k norms per head):
+        what the attention over head groups and the tiled MLP compute (``memory.head_groups``,
+        ``memory.mlp_tile``)."""
+        return self.norm_placement == "pre" and (not self.qk_norm or self.qk_norm_scope == "head")
 
     def with_window(self, window: int) -> ModelConfig:
         """This model with sliding window ``window``: on every layer, or with layer kinds on
@@ -263,7 +288,8 @@ class ModelConfig:
         d, q = self.dim, self.n_heads * self.head_dim
         kv = self.n_kv_heads * self.head_dim
         matmuls = self.qkv_params() + q * d + 3 * d * self.ffn_dim
-        extras = (q + 2 * kv) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
+        qk_norm = (q + kv) if self.qk_norm_scope == "projection" else 2 * self.head_dim
+        extras = (q + 2 * kv) * self.qkv_bias + qk_norm * self.qk_norm
         return matmuls, matmuls + 2 * self.dim + extras
 
     def num_params(self) -> int:
@@ -285,8 +311,10 @@ class ModelConfig:
         """
         if keys_per_query is not None:
             ctx = keys_per_query
+        elif causal:  # each layer's own window (layer kinds): S * w, not S^2 / 2, for a sliding layer
+            ctx = sum(causal_keys_per_query(seq_len, w) for w in self.windows) / self.n_layers
         else:
-            ctx = (seq_len + 1) / 2 if causal else seq_len
+            ctx = seq_len
         attention = 4 * self.n_heads * self.head_dim * ctx
         forward = self.n_layers * (2 * self.layer_matmul_params() + attention) + 2 * self.dim * self.vocab_size
         return 3.0 * forward
@@ -304,6 +332,42 @@ PRESETS: dict[str, ModelConfig] = {
     # Llama-3-8B shape
     "llama3-8b": ModelConfig(
         vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, rope_theta=500000.0
+    ),
+    # OLMo 3 7B (allenai/Olmo-3-1025-7B's config): norms after attention and the MLP, q/k norms over the
+    # projections, three sliding layers (window 4096) for each full one
+    "olmo3-7b": ModelConfig(
+        vocab_size=100278,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=32,
+        ffn_dim=11008,
+        norm_eps=1e-6,
+        rope_theta=500000.0,
+        max_positions=65536,
+        qk_norm=True,
+        qk_norm_scope="projection",
+        norm_placement="post",
+        layer_kinds=tuple(LayerKind(0 if (i + 1) % 4 == 0 else 4096) for i in range(32)),
+    ),
+    # the shape and layer kinds of Gemma 3 4B (text) on Llama blocks (its sizes, head_dim 256, five sliding
+    # layers of window 1024 with RoPE base 10K for each full one with base 1M, linear x8); not Gemma's
+    # norms and GeGLU: the planner's shape of it
+    "gemma3-4b-shape": ModelConfig(
+        vocab_size=262208,
+        dim=2560,
+        n_layers=34,
+        n_heads=8,
+        n_kv_heads=4,
+        ffn_dim=10240,
+        norm_eps=1e-6,
+        head_dim_override=256,
+        rope_theta=1e6,
+        rope_scaling=RopeScaling("linear", 8.0),
+        max_positions=131072,
+        tie_embeddings=True,
+        qk_norm=True,
+        layer_kinds=tuple(LayerKind(0) if (i + 1) % 6 == 0 else LayerKind(1024, rope_theta=10000.0) for i in range(34)),
     ),
 }
 

@@ -57,9 +57,9 @@ def sdpa_attention(
     return out.transpose(1, 2)
 
 
-def normed_projections(x: Tensor, norm: RMSNorm, wq: nn.Linear, wk: nn.Linear, wv: nn.Linear):
-    """The q, k, v projections of ``norm(x)``."""
-    h = norm(x)
+def normed_projections(x: Tensor, norm: RMSNorm | None, wq: nn.Linear, wk: nn.Linear, wv: nn.Linear):
+    """The q, k, v projections of ``norm(x)`` (of ``x`` without a norm: post-norm models)."""
+    h = x if norm is None else norm(x)
     return wq(h), wk(h), wv(h)
 
 
@@ -85,9 +85,9 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
-def normed_mlp(x: Tensor, norm: RMSNorm, w1: nn.Linear, w3: nn.Linear, w2: nn.Linear) -> Tensor:
-    """SwiGLU of ``norm(x)``: ``w2(silu(w1 h) * w3 h)``."""
-    h = norm(x)
+def normed_mlp(x: Tensor, norm: RMSNorm | None, w1: nn.Linear, w3: nn.Linear, w2: nn.Linear) -> Tensor:
+    """SwiGLU of ``norm(x)`` (of ``x`` without a norm): ``w2(silu(w1 h) * w3 h)``."""
+    h = x if norm is None else norm(x)
     return w2(F.silu(w1(h)) * w3(h))
 
 
@@ -116,9 +116,13 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         kind = kind if kind is not None else cfg.layer_kind(0)
         self.sliding_window = kind.sliding_window or None
-        # Qwen3: RMSNorm over each head of q and k (weights shared by the heads)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        # Qwen3: RMSNorm over each head of q and k (weights shared by the heads); OLMo: over the
+        # whole q and k projections (qk_norm_scope "projection")
+        self.qk_norm_heads = cfg.qk_norm_scope == "head"
+        q_width = cfg.head_dim if self.qk_norm_heads else cfg.n_heads * cfg.head_dim
+        k_width = cfg.head_dim if self.qk_norm_heads else cfg.n_kv_heads * cfg.head_dim
+        self.q_norm = RMSNorm(q_width, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_width, cfg.norm_eps) if cfg.qk_norm else None
         # swapped by loongtrain.apply: the distributed attention; the norm and projections as
         # one function that keeps only x, and RoPE over token tiles (loongtrain.model.lean)
         self.attention_fn: AttentionFn = sdpa_attention
@@ -129,17 +133,25 @@ class Attention(nn.Module):
         self.over_head_groups: Callable[..., Tensor] | None = None
 
     def forward(
-        self, x: Tensor, norm: RMSNorm, cos: Tensor | None, sin: Tensor | None, layout: SequenceLayout | None = None
+        self,
+        x: Tensor,
+        norm: RMSNorm | None,
+        cos: Tensor | None,
+        sin: Tensor | None,
+        layout: SequenceLayout | None = None,
     ) -> Tensor:
-        """Attention of ``norm(x)`` for ``x`` [B, S, dim]; RoPE by ``cos``/``sin`` (None: a NoPE layer)."""
+        """Attention of ``norm(x)`` (``x`` without a norm) for ``x`` [B, S, dim]; RoPE by
+        ``cos``/``sin`` (None: a NoPE layer)."""
         if self.over_head_groups is not None:
             return self.over_head_groups(self, x, norm, cos, sin, layout)
         b, s, _ = x.shape
         q, k, v = self.projections(x, norm, self.wq, self.wk, self.wv)
+        if self.q_norm is not None and not self.qk_norm_heads:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(b, s, self.n_heads, self.head_dim)
         k = k.view(b, s, self.n_kv_heads, self.head_dim)
         v = v.view(b, s, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.qk_norm_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         if cos is not None:
             q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
@@ -158,26 +170,32 @@ class FeedForward(nn.Module):
         # swapped by loongtrain.apply for memory.mlp_tile: over sequence tiles (model.tiled_mlp)
         self.mlp: Callable[..., Tensor] = normed_mlp
 
-    def forward(self, x: Tensor, norm: RMSNorm) -> Tensor:
+    def forward(self, x: Tensor, norm: RMSNorm | None) -> Tensor:
         return self.mlp(x, norm, self.w1, self.w3, self.w2)
 
 
 class TransformerBlock(nn.Module):
-    """One layer of its kind (``cfg.layer_kind(index)``): its window and its RoPE table."""
+    """One layer of its kind (``cfg.layer_kind(index)``): its window and its RoPE table; its
+    norms before attention and the MLP (``norm_placement`` "pre") or on their outputs ("post")."""
 
     def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         kind = cfg.layer_kind(index)
         self.rope_key = rope_key(kind)
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        pre, post = cfg.norm_placement == "pre", cfg.norm_placement == "post"
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps) if pre else None
         self.attention = Attention(cfg, kind)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.post_attention_norm = RMSNorm(cfg.dim, cfg.norm_eps) if post else None
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps) if pre else None
         self.feed_forward = FeedForward(cfg)
+        self.post_ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps) if post else None
 
     def forward(self, x: Tensor, ropes: Ropes, layout: SequenceLayout | None = None) -> Tensor:
         cos, sin = ropes[self.rope_key] if self.rope_key is not None else (None, None)
-        h = x + self.attention(x, self.attention_norm, cos, sin, layout)
-        return h + self.feed_forward(h, self.ffn_norm)
+        a = self.attention(x, self.attention_norm, cos, sin, layout)
+        h = x + (a if self.post_attention_norm is None else self.post_attention_norm(a))
+        m = self.feed_forward(h, self.ffn_norm)
+        return h + (m if self.post_ffn_norm is None else self.post_ffn_norm(m))
 
 
 def lm_head(
