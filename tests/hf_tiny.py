@@ -29,7 +29,8 @@ FAMILY_KWARGS = {
     "olmo3": {"sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"],
               "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                   "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 2.0,
-                                                     "original_max_position_embeddings": 32}},
+                                                     "original_max_position_embeddings": 32, "beta_fast": 32.0,
+                                                     "beta_slow": 1.0, "truncate": True}},
               "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2},
 }  # fmt: skip
 FAMILIES = tuple(FAMILY_KWARGS)

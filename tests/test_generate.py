@@ -131,8 +131,9 @@ def _generate_on(folders: dict, config: dict, prompts, zero: bool = True, head_g
     for family, folder in folders.items():
         hf = read_folder(folder)
         model = build_model(hf.model)
-        if zero:
-            parallelize(model, state, zero="dp_sp", memory=MemoryOptions(head_groups=head_groups))
+        if zero:  # head groups run Llama's blocks only (not OLMo 3's)
+            groups = head_groups if hf.model.pre_norm_blocks else 1
+            parallelize(model, state, zero="dp_sp", memory=MemoryOptions(head_groups=groups))
         model.to_empty(device="cpu")
         load_weights(model, hf)
         done = generate(model, state, prompts, Sampling(max_new_tokens=NEW), keep_logits=True)
