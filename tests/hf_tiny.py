@@ -32,6 +32,13 @@ FAMILY_KWARGS = {
                                                      "original_max_position_embeddings": 32, "beta_fast": 32.0,
                                                      "beta_slow": 1.0, "truncate": True}},
               "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2},
+    # Gemma 3 text: a sliding layer (base 10K) beside a full one (base 1M, linear x8); head_dim 32 != 64 / 4,
+    # query_pre_attn_scalar other than head_dim, tied embeddings
+    "gemma3_text": {"sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"], "head_dim": 32,
+                    "query_pre_attn_scalar": 24,
+                    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                        "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}},
+                    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
 }  # fmt: skip
 FAMILIES = tuple(FAMILY_KWARGS)
 

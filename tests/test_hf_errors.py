@@ -88,8 +88,9 @@ def _case_truncated(folder: Path) -> None:  # an interrupted copy: the header is
 
 CASES = {
     "no-config": (_case_no_config, "has no config.json: point model.init_from at a folder written by"),
-    "model-type": (_case_model_type, re.escape("model_type 'gpt2' is not supported; supported model "
-                                                  "types: ['llama', 'mistral', 'olmo3', 'qwen2', 'qwen3', 'smollm3']")),
+    "model-type": (_case_model_type, re.escape("model_type 'gpt2' is not supported; supported model types: "
+                                                  "['gemma3_text', 'llama', 'mistral', 'olmo3', 'qwen2', 'qwen3', "
+                                                  "'smollm3']")),
     "shape": (_case_shape, r"has shape \[96, 64\] but config.json implies \[128, 64\]"),
     "missing-shard": (_case_missing_shard, r"shard file\(s\) \['model-000\d+-of-\d+.safetensors'\] listed in "
                       r"model.safetensors.index.json are missing"),

@@ -14,8 +14,9 @@ from hf_tiny import make_hf_model, rel_err
 
 pytest.importorskip("transformers")
 # a window on layer 1 only; a NoPE sliding layer beside a RoPE full one; OLMo 3's post-norms, projection-wide
-# q/k norms, a sliding layer with its own RoPE beside a YaRN full one
-FAMILIES = ("qwen2-window", "smollm3", "olmo3")
+# q/k norms, a sliding layer with its own RoPE beside a YaRN full one; Gemma 3's (1 + weight) sandwich norms, GeGLU,
+# query_pre_attn_scalar, embedding scale and two RoPE bases
+FAMILIES = ("qwen2-window", "smollm3", "olmo3", "gemma3_text")
 SEQ, CU = 64, [0, 9, 30, 33, 64]  # documents longer and shorter than the window (5) and the chunks
 
 

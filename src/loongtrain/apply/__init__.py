@@ -28,7 +28,7 @@ from loongtrain.apply.offload import ActivationOffload
 from loongtrain.apply.zero import apply_zero, zero_mesh
 from loongtrain.model.config import ModelConfig
 from loongtrain.model.lean import lean_normed_projections, tiled_rope
-from loongtrain.model.llama import Transformer, normed_mlp
+from loongtrain.model.llama import Transformer
 from loongtrain.model.tiled_mlp import tiled_normed_mlp
 from loongtrain.options import MemoryOptions, check_compile, check_zero_scope, checkpointed_count
 from loongtrain.parallel import ParallelState
@@ -111,6 +111,5 @@ def apply_memory_options(model: Transformer, memory: MemoryOptions) -> None:
     for layer in model.layers:
         layer.attention.projections = lean_normed_projections
         layer.attention.rope = tiled_rope
-        layer.feed_forward.mlp = (
-            functools.partial(tiled_normed_mlp, tile=memory.mlp_tile) if memory.mlp_tile else normed_mlp
-        )
+        if memory.mlp_tile:  # (else the block's own: SwiGLU, or Gemma's GeGLU)
+            layer.feed_forward.mlp = functools.partial(tiled_normed_mlp, tile=memory.mlp_tile)

@@ -29,9 +29,18 @@ FAMILIES: dict[str, dict] = {
     # norms after attention and the MLP (none before), q/k norms over the whole projections, a RoPE per layer type
     "olmo3": {"architecture": "Olmo3ForCausalLM", "qk_norm": True, "qk_norm_scope": "projection",
               "norm_placement": "post"},
+    # Gemma 3 text: (1 + weight) norms before and after attention and the MLP, GeGLU (tanh GELU), q/k norms per
+    # head, query_pre_attn_scalar, the embedding scaled by sqrt(dim), a RoPE per layer type
+    "gemma3_text": {"architecture": "Gemma3ForCausalLM", "qk_norm": True, "norm_placement": "sandwich",
+                    "norm_offset": True, "activation": "gelu_tanh", "embed_scale": True},
 }  # fmt: skip
 #: families whose ``rope_parameters`` hold one RoPE per layer type
-ROPE_PER_LAYER_TYPE = ("olmo3",)
+ROPE_PER_LAYER_TYPE = ("olmo3", "gemma3_text")
+#: ``ModelConfig`` fields a family sets, and their values where it does not
+FAMILY_FIELDS = {"qkv_bias": False, "qk_norm": False, "qk_norm_scope": "head", "norm_placement": "pre",
+                 "norm_offset": False, "activation": "silu", "embed_scale": False}  # fmt: skip
+#: transformers' activation names -> ``ModelConfig.activation``
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 #: families whose ``sliding_window`` counts only with ``use_sliding_window``
 WINDOW_SWITCHED = ("qwen2", "qwen3", "smollm3")
 #: transformers' ``layer_types`` entries the loongtrain model computes
@@ -42,6 +51,7 @@ UNSUPPORTED_FEATURES = {
     "final_logit_softcapping": "softcapping of the logits",
     "attention_chunk_size": "chunked attention",
     "use_sinks": "attention sinks",
+    "use_bidirectional_attention": "bidirectional attention",
 }
 
 
@@ -129,8 +139,9 @@ def model_config_from_hf(hf) -> ModelConfig:
     def refuse(what: str, fix: str) -> None:
         raise HFFormatError(f"{where}: {what} is not supported by the loongtrain model; {fix}")
 
-    if getattr(hf, "hidden_act", "silu") != "silu":
-        refuse(f"hidden_act={hf.hidden_act!r}", "only SwiGLU (silu) MLPs are")
+    act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
+    if ACTIVATIONS.get(act) != family.get("activation", "silu"):
+        refuse(f"hidden_act={act!r}", f"{hf.model_type} computes {family.get('activation', 'silu')}")
     if getattr(hf, "mlp_bias", False):
         refuse("mlp_bias=true", "only bias-free MLPs are")
     if getattr(hf, "attention_bias", False):
@@ -160,9 +171,9 @@ def model_config_from_hf(hf) -> ModelConfig:
             n_kv_heads=hf.num_key_value_heads or heads, ffn_dim=hf.intermediate_size, norm_eps=float(hf.rms_norm_eps),
             rope_theta=theta, tie_embeddings=bool(hf.tie_word_embeddings),
             head_dim_override=0 if head_dim * heads == hf.hidden_size else head_dim,
-            qkv_bias=family.get("qkv_bias", False), qk_norm=family.get("qk_norm", False),
             rope_scaling=scaling, max_positions=max_positions, sliding_window=window, layer_kinds=kinds,
-            norm_placement=family.get("norm_placement", "pre"), qk_norm_scope=family.get("qk_norm_scope", "head"),
+            attention_scalar=float(getattr(hf, "query_pre_attn_scalar", 0) or 0),
+            **{key: family.get(key, default) for key, default in FAMILY_FIELDS.items()},
         )  # fmt: skip
     except ValueError as e:
         raise HFFormatError(f"{where}: {e}") from None
@@ -201,6 +212,8 @@ def family_of(cfg: ModelConfig) -> str:
         raise HFFormatError("no supported Hugging Face family has both q/k/v biases and q/k norms")
     if cfg.norm_placement == "post":
         return "olmo3"
+    if cfg.norm_placement == "sandwich":
+        return "gemma3_text"
     if cfg.layer_kinds and not (cfg.qkv_bias or cfg.qk_norm):
         return "smollm3"  # Llama with layer_types and no_rope_layers
     return "qwen2" if cfg.qkv_bias else "qwen3" if cfg.qk_norm else "mistral" if cfg.sliding_window else "llama"
@@ -287,14 +300,11 @@ def hf_config_dict(cfg: ModelConfig, source: dict | None, dtype: str, max_positi
         model_type = family_of(cfg)
         out = {"model_type": model_type}
     family = FAMILIES[model_type]
-    mine = (cfg.qkv_bias, cfg.qk_norm, cfg.norm_placement, cfg.qk_norm_scope if cfg.qk_norm else None)
-    theirs = (family.get("qkv_bias", False), family.get("qk_norm", False), family.get("norm_placement", "pre"),
-              family.get("qk_norm_scope", "head") if family.get("qk_norm") else None)  # fmt: skip
+    mine = {key: getattr(cfg, key) for key in FAMILY_FIELDS}
+    theirs = {key: family.get(key, default) for key, default in FAMILY_FIELDS.items()}
     if mine != theirs:
-        raise HFFormatError(
-            f"the model (qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm}, norm_placement={cfg.norm_placement!r}, "
-            f"qk_norm_scope={cfg.qk_norm_scope!r}) is not a {model_type} model"
-        )
+        differ = {key: mine[key] for key in mine if mine[key] != theirs[key]}
+        raise HFFormatError(f"the model ({differ}) is not a {model_type} model")
     out.update(
         architectures=[family["architecture"]], vocab_size=cfg.vocab_size, hidden_size=cfg.dim,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
@@ -302,6 +312,9 @@ def hf_config_dict(cfg: ModelConfig, source: dict | None, dtype: str, max_positi
         tie_word_embeddings=cfg.tie_embeddings, max_position_embeddings=max_positions,
         rope_parameters=rope_to_hf(cfg), hidden_act="silu", dtype=dtype,
     )  # fmt: skip
+    if model_type == "gemma3_text":
+        del out["hidden_act"]
+        out.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=cfg.attention_scalar or cfg.head_dim)
     if cfg.head_dim_override or "head_dim" in out or model_type == "qwen3":  # Qwen3's default is not dim/heads
         out["head_dim"] = cfg.head_dim
     if model_type in ("qwen2", "qwen3", "mistral", "smollm3"):

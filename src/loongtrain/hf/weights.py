@@ -51,6 +51,11 @@ def parameter_map(cfg: ModelConfig) -> dict[str, TensorMap]:
         if cfg.norm_placement == "pre":
             out[ours + "attention_norm.weight"] = TensorMap(hf + "input_layernorm.weight")
             out[ours + "ffn_norm.weight"] = TensorMap(hf + "post_attention_layernorm.weight")
+        elif cfg.norm_placement == "sandwich":  # Gemma 3: both
+            out[ours + "attention_norm.weight"] = TensorMap(hf + "input_layernorm.weight")
+            out[ours + "post_attention_norm.weight"] = TensorMap(hf + "post_attention_layernorm.weight")
+            out[ours + "ffn_norm.weight"] = TensorMap(hf + "pre_feedforward_layernorm.weight")
+            out[ours + "post_ffn_norm.weight"] = TensorMap(hf + "post_feedforward_layernorm.weight")
         else:  # OLMo 2/3: the norms of the attention's and the MLP's outputs
             out[ours + "post_attention_norm.weight"] = TensorMap(hf + "post_attention_layernorm.weight")
             out[ours + "post_ffn_norm.weight"] = TensorMap(hf + "post_feedforward_layernorm.weight")

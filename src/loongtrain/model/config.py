@@ -52,7 +52,8 @@ def token_tile(width: int) -> int:
 
 
 ROPE_SCALINGS: tuple[str, ...] = ("linear", "llama3", "yarn")
-NORM_PLACEMENTS: tuple[str, ...] = ("pre", "post")
+NORM_PLACEMENTS: tuple[str, ...] = ("pre", "post", "sandwich")
+ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -176,11 +177,19 @@ class ModelConfig:
     # one LayerKind per layer (its window and RoPE); empty: every layer full (or ``sliding_window``)
     # with the model's RoPE
     layer_kinds: tuple[LayerKind, ...] = ()
-    # where a block's norms are: "pre" (before attention and the MLP: Llama) or "post" (after
-    # them, on their outputs before the residual add, none before: OLMo 2/3)
+    # where a block's norms are: "pre" (before attention and the MLP: Llama), "post" (after
+    # them, on their outputs before the residual add, none before: OLMo 2/3) or "sandwich" (both: Gemma 3)
     norm_placement: str = "pre"
     # q/k norm (qk_norm) over each head ("head": Qwen3) or over the whole projection ("projection": OLMo)
     qk_norm_scope: str = "head"
+    # Gemma: every RMSNorm scales by (1 + weight) in float32 (weights start at 0)
+    norm_offset: bool = False
+    # the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU with the tanh GELU: Gemma)
+    activation: str = "silu"
+    # scores scaled by attention_scalar ** -0.5 (Gemma's query_pre_attn_scalar); 0: head_dim ** -0.5
+    attention_scalar: float = 0.0
+    # the embedding's output multiplied by sqrt(dim) in its dtype (Gemma)
+    embed_scale: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
@@ -205,6 +214,10 @@ class ModelConfig:
             raise ValueError(f"ModelConfig: head_dim={self.head_dim} must be even for RoPE")
         if self.norm_placement not in NORM_PLACEMENTS:
             raise ValueError(f"ModelConfig: norm_placement={self.norm_placement!r}; choose one of {NORM_PLACEMENTS}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"ModelConfig: activation={self.activation!r}; choose one of {ACTIVATIONS}")
+        if not self.attention_scalar >= 0:
+            raise ValueError(f"ModelConfig: attention_scalar={self.attention_scalar} must be 0 (head_dim) or positive")
         if self.qk_norm_scope not in ("head", "projection"):
             raise ValueError(f"ModelConfig: qk_norm_scope={self.qk_norm_scope!r}; choose 'head' or 'projection'")
         if self.layer_kinds:
@@ -245,7 +258,8 @@ class ModelConfig:
         """Whether the blocks are Llama's (norms before attention and the MLP, q/k norms per head):
         what the attention over head groups and the tiled MLP compute (``memory.head_groups``,
         ``memory.mlp_tile``)."""
-        return self.norm_placement == "pre" and (not self.qk_norm or self.qk_norm_scope == "head")
+        llama = self.norm_placement == "pre" and not self.norm_offset and self.activation == "silu"
+        return llama and not self.attention_scalar and (not self.qk_norm or self.qk_norm_scope == "head")
 
     def with_window(self, window: int) -> ModelConfig:
         """This model with sliding window ``window``: on every layer, or with layer kinds on
@@ -290,7 +304,8 @@ class ModelConfig:
         matmuls = self.qkv_params() + q * d + 3 * d * self.ffn_dim
         qk_norm = (q + kv) if self.qk_norm_scope == "projection" else 2 * self.head_dim
         extras = (q + 2 * kv) * self.qkv_bias + qk_norm * self.qk_norm
-        return matmuls, matmuls + 2 * self.dim + extras
+        norms = (4 if self.norm_placement == "sandwich" else 2) * self.dim
+        return matmuls, matmuls + norms + extras
 
     def num_params(self) -> int:
         """Parameter count (embeddings included; the output matrix once if tied)."""
@@ -350,24 +365,17 @@ PRESETS: dict[str, ModelConfig] = {
         norm_placement="post",
         layer_kinds=tuple(LayerKind(0 if (i + 1) % 4 == 0 else 4096) for i in range(32)),
     ),
-    # the shape and layer kinds of Gemma 3 4B (text) on Llama blocks (its sizes, head_dim 256, five sliding
-    # layers of window 1024 with RoPE base 10K for each full one with base 1M, linear x8); not Gemma's
-    # norms and GeGLU: the planner's shape of it
-    "gemma3-4b-shape": ModelConfig(
-        vocab_size=262208,
-        dim=2560,
-        n_layers=34,
-        n_heads=8,
-        n_kv_heads=4,
-        ffn_dim=10240,
-        norm_eps=1e-6,
-        head_dim_override=256,
-        rope_theta=1e6,
-        rope_scaling=RopeScaling("linear", 8.0),
-        max_positions=131072,
-        tie_embeddings=True,
-        qk_norm=True,
-        layer_kinds=tuple(LayerKind(0) if (i + 1) % 6 == 0 else LayerKind(1024, rope_theta=10000.0) for i in range(34)),
+    # Gemma 3 4B (text; google/gemma-3-4b-pt's text config): (1 + weight) norms before and after attention
+    # and the MLP, GeGLU, q/k norms, head_dim 256, five sliding layers (window 1024, RoPE base 10K) for each
+    # full one (base 1M, linear x8), tied embeddings scaled by sqrt(dim)
+    "gemma3-4b": ModelConfig(
+        vocab_size=262208, dim=2560, n_layers=34, n_heads=8, n_kv_heads=4, ffn_dim=10240, norm_eps=1e-6,
+        head_dim_override=256, rope_theta=1e6, rope_scaling=RopeScaling("linear", 8.0), max_positions=131072,
+        tie_embeddings=True, qk_norm=True, norm_placement="sandwich", norm_offset=True, activation="gelu_tanh",
+        attention_scalar=256.0, embed_scale=True,
+        layer_kinds=tuple(
+            LayerKind(0) if (i + 1) % 6 == 0 else LayerKind(1024, rope_theta=10000.0) for i in range(34)
+        ),
     ),
 }
 

@@ -99,6 +99,9 @@ def lean_normed_projections(x: Tensor, norm: RMSNorm | None, wq: nn.Linear, wk: 
     (without a norm the plain projections keep only ``x`` already)."""
     if norm is None:
         return wq(x), wk(x), wv(x)
+    if not isinstance(norm, RMSNorm):  # Gemma's (1 + weight) norm: the plain formula
+        h = norm(x)
+        return wq(h), wk(h), wv(h)
     return NormedProjections.apply(x, norm.weight, norm.eps, wq.weight, wq.bias, wk.weight, wk.bias, wv.weight, wv.bias)
 
 

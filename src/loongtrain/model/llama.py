@@ -36,7 +36,7 @@ from loongtrain.attention.layout import SequenceLayout
 from loongtrain.attention.local import masked_attention
 from loongtrain.model.config import LayerKind, ModelConfig, RopeScaling
 from loongtrain.model.loss import lm_loss, token_scores
-from loongtrain.model.norm import RMSNorm
+from loongtrain.model.norm import OffsetRMSNorm, RMSNorm, make_norm
 from loongtrain.model.rope import rope_frequencies
 from loongtrain.model.vocab import GradientSink, embedding
 
@@ -91,6 +91,12 @@ def normed_mlp(x: Tensor, norm: RMSNorm | None, w1: nn.Linear, w3: nn.Linear, w2
     return w2(F.silu(w1(h)) * w3(h))
 
 
+def normed_geglu(x: Tensor, norm: nn.Module | None, w1: nn.Linear, w3: nn.Linear, w2: nn.Linear) -> Tensor:
+    """GeGLU of ``norm(x)`` with the tanh GELU (Gemma): ``w2(gelu_tanh(w1 h) * w3 h)``."""
+    h = x if norm is None else norm(x)
+    return w2(F.gelu(w1(h), approximate="tanh") * w3(h))
+
+
 #: one cos/sin table per RoPE kind of the model, keyed by :func:`rope_key` (what a layer takes)
 Ropes = dict[tuple, tuple[Tensor, Tensor]]
 
@@ -121,8 +127,10 @@ class Attention(nn.Module):
         self.qk_norm_heads = cfg.qk_norm_scope == "head"
         q_width = cfg.head_dim if self.qk_norm_heads else cfg.n_heads * cfg.head_dim
         k_width = cfg.head_dim if self.qk_norm_heads else cfg.n_kv_heads * cfg.head_dim
-        self.q_norm = RMSNorm(q_width, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(k_width, cfg.norm_eps) if cfg.qk_norm else None
+        self.q_norm = make_norm(q_width, cfg.norm_eps, cfg.norm_offset) if cfg.qk_norm else None
+        self.k_norm = make_norm(k_width, cfg.norm_eps, cfg.norm_offset) if cfg.qk_norm else None
+        # Gemma's query_pre_attn_scalar: q scaled so that the kernel's head_dim ** -0.5 gives scalar ** -0.5
+        self.q_scale = (cfg.head_dim / cfg.attention_scalar) ** 0.5 if cfg.attention_scalar else None
         # swapped by loongtrain.apply: the distributed attention; the norm and projections as
         # one function that keeps only x, and RoPE over token tiles (loongtrain.model.lean)
         self.attention_fn: AttentionFn = sdpa_attention
@@ -155,6 +163,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if cos is not None:
             q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
+        if self.q_scale is not None:
+            q = q * self.q_scale
         out = self.attention_fn(q, k, v, layout=layout, sliding_window=self.sliding_window)
         return self.wo(out.reshape(b, s, -1))
 
@@ -168,7 +178,7 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
         self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         # swapped by loongtrain.apply for memory.mlp_tile: over sequence tiles (model.tiled_mlp)
-        self.mlp: Callable[..., Tensor] = normed_mlp
+        self.mlp: Callable[..., Tensor] = normed_mlp if cfg.activation == "silu" else normed_geglu
 
     def forward(self, x: Tensor, norm: RMSNorm | None) -> Tensor:
         return self.mlp(x, norm, self.w1, self.w3, self.w2)
@@ -182,13 +192,14 @@ class TransformerBlock(nn.Module):
         super().__init__()
         kind = cfg.layer_kind(index)
         self.rope_key = rope_key(kind)
-        pre, post = cfg.norm_placement == "pre", cfg.norm_placement == "post"
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps) if pre else None
+        pre, post = cfg.norm_placement in ("pre", "sandwich"), cfg.norm_placement in ("post", "sandwich")
+        dim, eps, offset = cfg.dim, cfg.norm_eps, cfg.norm_offset
+        self.attention_norm = make_norm(dim, eps, offset) if pre else None
         self.attention = Attention(cfg, kind)
-        self.post_attention_norm = RMSNorm(cfg.dim, cfg.norm_eps) if post else None
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps) if pre else None
+        self.post_attention_norm = make_norm(dim, eps, offset) if post else None
+        self.ffn_norm = make_norm(dim, eps, offset) if pre else None
         self.feed_forward = FeedForward(cfg)
-        self.post_ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps) if post else None
+        self.post_ffn_norm = make_norm(dim, eps, offset) if post else None
 
     def forward(self, x: Tensor, ropes: Ropes, layout: SequenceLayout | None = None) -> Tensor:
         cos, sin = ropes[self.rope_key] if self.rope_key is not None else (None, None)
@@ -214,8 +225,8 @@ def lm_head(
     loss summed per group, ``[n_groups]``) or per-token scores (``"none"``), ``chunk`` tokens
     of logits at a time. ``norm``: the final norm, applied here first (the training loss
     applies it chunk by chunk)."""
-    if norm is not None and (labels is None or reduction != "sum"):
-        h, norm = norm(h), None
+    if norm is not None and (labels is None or reduction != "sum" or isinstance(norm, OffsetRMSNorm)):
+        h, norm = norm(h), None  # (Gemma's final norm: its own formula, not the chunked loss's)
     if labels is None:
         return F.linear(h, weight)
     if reduction == "none":
@@ -303,7 +314,7 @@ class Transformer(nn.Module):
         self.config = cfg
         self.tok_embeddings = Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm = make_norm(cfg.dim, cfg.norm_eps, cfg.norm_offset)
         self.output = None if cfg.tie_embeddings else OutputLayer(cfg.dim, cfg.vocab_size)
         self.loss_chunk = 0  # tokens of logits at a time in the loss (0: all at once)
 
@@ -312,7 +323,10 @@ class Transformer(nn.Module):
         if positions.dim() == 1:
             positions = positions.unsqueeze(0)
         ropes = rope_tables_of(self.config, positions)
-        return self.run_layers(self.tok_embeddings.lookup(tokens), ropes, layout)
+        h = self.tok_embeddings.lookup(tokens)
+        if self.config.embed_scale:  # Gemma: sqrt(dim), rounded to the embedding's dtype
+            h = h * torch.tensor(self.config.dim**0.5, dtype=h.dtype)
+        return self.run_layers(h, ropes, layout)
 
     def run_layers(self, h: Tensor, ropes: Ropes, layout: SequenceLayout | None) -> Tensor:
         """The blocks in turn, each with its RoPE table from ``ropes`` (``loongtrain.apply``
@@ -362,8 +376,8 @@ def init_value(cfg: ModelConfig, name: str, shape: torch.Size, seed: int, device
     by ``1/sqrt(2 * n_layers)``; everything else ``N(0, init_std)``. Independent of how
     the model is sharded, so every layout starts from the same weights.
     """
-    if name.endswith("norm.weight"):
-        return torch.ones(shape, device=device)
+    if name.endswith("norm.weight"):  # (1 + weight) norms start at 0
+        return (torch.zeros if cfg.norm_offset else torch.ones)(shape, device=device)
     if name.endswith(".bias"):
         return torch.zeros(shape, device=device)
     std = cfg.init_std

@@ -154,7 +154,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument(
         "--model",
         default="7b-gqa",
-        help="model preset (7b-mha, 7b-gqa, 13b, llama3-8b, olmo3-7b, gemma3-4b-shape, debug) or a Hugging Face "
+        help="model preset (7b-mha, 7b-gqa, 13b, llama3-8b, olmo3-7b, gemma3-4b, debug) or a Hugging Face "
         "model folder (config.json)",
     )
     what.add_argument(

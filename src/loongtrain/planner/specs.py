@@ -358,7 +358,9 @@ HF_MODEL_TYPES: dict[str, dict] = {
     "qwen3": {"qk_norm": True},
     "smollm3": {},
     "olmo3": {"qk_norm": True, "qk_norm_scope": "projection", "norm_placement": "post"},
-}
+    "gemma3_text": {"qk_norm": True, "norm_placement": "sandwich", "norm_offset": True, "activation": "gelu_tanh",
+                    "embed_scale": True},
+}  # fmt: skip
 
 
 def model_from_folder(folder: str | Path) -> ModelConfig:
