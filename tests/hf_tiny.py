@@ -38,7 +38,8 @@ FAMILY_KWARGS = {
                     "query_pre_attn_scalar": 24,
                     "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                         "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}},
-                    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+                    # no padding row: transformers' embedding would not train a pad token's row
+                    "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2},
 }  # fmt: skip
 FAMILIES = tuple(FAMILY_KWARGS)
 

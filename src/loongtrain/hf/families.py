@@ -314,7 +314,9 @@ def hf_config_dict(cfg: ModelConfig, source: dict | None, dtype: str, max_positi
     )  # fmt: skip
     if model_type == "gemma3_text":
         del out["hidden_act"]
-        out.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=cfg.attention_scalar or cfg.head_dim)
+        scalar = cfg.attention_scalar or cfg.head_dim
+        scalar = int(scalar) if scalar % 1 == 0 else scalar  # transformers' config takes an int
+        out.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=scalar)
     if cfg.head_dim_override or "head_dim" in out or model_type == "qwen3":  # Qwen3's default is not dim/heads
         out["head_dim"] = cfg.head_dim
     if model_type in ("qwen2", "qwen3", "mistral", "smollm3"):
