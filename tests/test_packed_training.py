@@ -189,3 +189,13 @@ def _disagreeing_batches() -> str:
 def test_ranks_given_different_batches_are_told_on_every_rank(dist_pool):
     for message in dist_pool(2).run(_disagreeing_batches):
         assert "ranks of sequence-parallel group [0, 1] were given different batches" in message
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_layer_kinds_world8_match_the_unsharded_model(dist_pool):
+    """Gemma 3's layer kinds in small on 2D attention with the double ring (hp 2 x cp 4, window 2)."""
+    cfg = {"hp": 2, "cp": 4, "ring_window": 2, "balance": "documents"}
+    for result in dist_pool(8).run(_packed_equivalence, cfg, "sc++", {"layer_kinds": KINDS}, 1):
+        assert result["loss"] < 1e-5, result
+        assert result["grad"] < 1e-5, result
