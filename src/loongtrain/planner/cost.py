@@ -555,8 +555,8 @@ def sliding_attention_seconds(
     c: ClusterSpec, w: Workload, candidate: Candidate, topo: Topology, window: int, full: AttentionTimes
 ) -> AttentionTimes:
     """One sliding layer of ``window`` beside ``full`` (a full layer's :func:`attention_seconds`):
-    its kernels priced by the keys a query sees (``S * w``, not ``S^2 / 2``); its transfers, once
-    the window is below a zigzag chunk (``S / 2cp``), the halo (:mod:`loongtrain.attention.halo`):
+    its kernels priced by the keys a query sees (``S * w``, not ``S^2 / 2``); its transfers, while
+    the window is below a rank's block (``S / cp``), the halo (:mod:`loongtrain.attention.halo`):
     ``w - 1`` tokens of keys/values to each ring neighbour, hidden behind its own block, and their
     float32 dK/dV back; otherwise the full ring's exposed transfers."""
     if not w.causal:
@@ -566,7 +566,7 @@ def sliding_attention_seconds(
     p = candidate.parallel
     if p.cp == 1:
         return AttentionTimes(full.a2a_fwd, full.a2a_bwd, kernels_fwd, kernels_bwd, kernels_fwd, kernels_bwd)
-    if window >= w.seq_len / (2 * p.cp):  # the ring, whole blocks: its exposed transfers stay
+    if window >= w.seq_len / p.cp:  # a window as long as a block: priced as the ring (its exposed transfers)
         return AttentionTimes(
             full.a2a_fwd, full.a2a_bwd, full.ring_fwd - full.kernels_fwd + kernels_fwd,
             full.ring_bwd - full.kernels_bwd + kernels_bwd, kernels_fwd, kernels_bwd,
