@@ -369,13 +369,25 @@ PRESETS: dict[str, ModelConfig] = {
     # and the MLP, GeGLU, q/k norms, head_dim 256, five sliding layers (window 1024, RoPE base 10K) for each
     # full one (base 1M, linear x8), tied embeddings scaled by sqrt(dim)
     "gemma3-4b": ModelConfig(
-        vocab_size=262208, dim=2560, n_layers=34, n_heads=8, n_kv_heads=4, ffn_dim=10240, norm_eps=1e-6,
-        head_dim_override=256, rope_theta=1e6, rope_scaling=RopeScaling("linear", 8.0), max_positions=131072,
-        tie_embeddings=True, qk_norm=True, norm_placement="sandwich", norm_offset=True, activation="gelu_tanh",
-        attention_scalar=256.0, embed_scale=True,
-        layer_kinds=tuple(
-            LayerKind(0) if (i + 1) % 6 == 0 else LayerKind(1024, rope_theta=10000.0) for i in range(34)
-        ),
+        vocab_size=262208,
+        dim=2560,
+        n_layers=34,
+        n_heads=8,
+        n_kv_heads=4,
+        ffn_dim=10240,
+        norm_eps=1e-6,
+        head_dim_override=256,
+        rope_theta=1e6,
+        rope_scaling=RopeScaling("linear", 8.0),
+        max_positions=131072,
+        tie_embeddings=True,
+        qk_norm=True,
+        norm_placement="sandwich",
+        norm_offset=True,
+        activation="gelu_tanh",
+        attention_scalar=256.0,
+        embed_scale=True,
+        layer_kinds=tuple(LayerKind(0) if (i + 1) % 6 == 0 else LayerKind(1024, rope_theta=10000.0) for i in range(34)),
     ),
 }
 
