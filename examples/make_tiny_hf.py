@@ -1,7 +1,7 @@
 """Write a tiny random Hugging Face Llama and a BPE tokenizer trained on local text
 into a folder, as a stand-in for a downloaded checkpoint (nothing is downloaded).
 
-    python examples/make_tiny_hf.py -o runs/tiny-hf [--text README.md docs src] [--context 128]
+    python examples/make_tiny_hf.py -o runs/tiny-hf [--text README.md docs src] [--context 128] [--family olmo3]
 
 The folder is what ``transformers``' ``save_pretrained`` writes (config.json,
 model.safetensors, generation_config.json, tokenizer files), so ``[model] init_from``
@@ -33,6 +33,10 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=512, help="tokenizer vocabulary size")
     parser.add_argument("--context", type=int, default=128, help="max_position_embeddings (the 'pretrained' context)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--family", choices=["llama", "olmo3"], default="llama",
+        help="llama, or olmo3: OLMo 3's blocks with three sliding layers (window 32) for each full one",
+    )  # fmt: skip
     args = parser.parse_args()
     out = Path(args.output)
     if out.exists():
@@ -54,15 +58,19 @@ def main() -> None:
     )
 
     torch.manual_seed(args.seed)
-    config = transformers.LlamaConfig(
+    shape = dict(
         vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.context,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False,
     )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config)
+    if args.family == "olmo3":
+        config = transformers.Olmo3Config(**shape, sliding_window=32, pad_token_id=None)  # layer_types 3:1
+    else:
+        config = transformers.LlamaConfig(**shape)
+    model = transformers.AutoModelForCausalLM.from_config(config)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    print(f"wrote a tiny random Llama ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+    print(f"wrote a tiny random {args.family} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
           f"vocabulary {len(tokenizer)}, context {args.context}) to {out}")  # fmt: skip
 
 

@@ -19,6 +19,27 @@ FAMILY_KWARGS = {
     "mistral-window": {"sliding_window": 5},  # a sliding window on every layer
     "qwen2": {"tie_word_embeddings": True},
     "qwen3": {"head_dim": 32},  # 4 heads x 32 != hidden 64
+    # a window on layer 1 only (max_window_layers), no longer refused
+    "qwen2-window": {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1},
+    # layer 1 without RoPE and with a window (SmolLM3 makes its NoPE layers the sliding ones)
+    "smollm3": {"no_rope_layers": [1, 0], "use_sliding_window": True, "sliding_window": 5, "pad_token_id": None,
+                "bos_token_id": 1, "eos_token_id": 2},
+    # OLMo 3: norms after attention and the MLP, q/k norms over the projections; a sliding layer with its
+    # own RoPE beside a full one with YaRN
+    "olmo3": {"sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"],
+              "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                  "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 2.0,
+                                                     "original_max_position_embeddings": 32, "beta_fast": 32.0,
+                                                     "beta_slow": 1.0, "truncate": True}},
+              "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2},
+    # Gemma 3 text: a sliding layer (base 10K) beside a full one (base 1M, linear x8); head_dim 32 != 64 / 4,
+    # query_pre_attn_scalar other than head_dim, tied embeddings
+    "gemma3_text": {"sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"], "head_dim": 32,
+                    "query_pre_attn_scalar": 24,
+                    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                        "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}},
+                    # no padding row: transformers' embedding would not train a pad token's row
+                    "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2},
 }  # fmt: skip
 FAMILIES = tuple(FAMILY_KWARGS)
 
@@ -26,7 +47,7 @@ FAMILIES = tuple(FAMILY_KWARGS)
 def hf_config(family: str, **overrides):
     import transformers
 
-    model_type = {"llama3": "llama", "mistral-window": "mistral"}.get(family, family)
+    model_type = {"llama3": "llama", "mistral-window": "mistral", "qwen2-window": "qwen2"}.get(family, family)
     kwargs = {**SMALL, **FAMILY_KWARGS[family], **overrides}
     return transformers.AutoConfig.for_model(model_type, **kwargs)
 

@@ -72,3 +72,38 @@ def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(
         logits.flatten(0, -2).float(), labels.flatten(), ignore_index=-100, reduction="sum"
     )
+
+
+def reference_logits(model, tokens: torch.Tensor, positions: torch.Tensor, windows, ropes) -> torch.Tensor:
+    """The logits of a loongtrain ``Transformer`` written out in float64 from its weights, layer
+    ``i`` with sliding window ``windows[i]`` (0: full causal) and RoPE ``ropes[i]``: ``(theta,
+    linear factor)`` (the complex rotation by ``position / factor * theta^(-2j/d)``) or None."""
+    p = {name: t.detach().double() for name, t in model.named_parameters()}
+    cfg = model.config
+    seq, d = tokens.shape[1], cfg.head_dim
+
+    def norm(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * w
+
+    def rope(x, theta, factor):
+        inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        angle = (positions.double() / factor)[..., None] * inv
+        z = torch.view_as_complex(x.unflatten(-1, (-1, 2)).contiguous())
+        return torch.view_as_real(z * torch.polar(torch.ones_like(angle), angle)[:, :, None]).flatten(-2)
+
+    h = p["tok_embeddings.weight"][tokens]
+    for i, (window, rp) in enumerate(zip(windows, ropes)):
+        pre = f"layers.{i}."
+        x = norm(h, p[pre + "attention_norm.weight"])
+        q = (x @ p[pre + "attention.wq.weight"].T).unflatten(-1, (cfg.n_heads, d))
+        k = (x @ p[pre + "attention.wk.weight"].T).unflatten(-1, (cfg.n_kv_heads, d))
+        v = (x @ p[pre + "attention.wv.weight"].T).unflatten(-1, (cfg.n_kv_heads, d))
+        if rp is not None:
+            q, k = rope(q, *rp), rope(k, *rp)
+        out = reference_attention(q, k, v, True, d**-0.5, visibility(seq, None, True, window or None))
+        h = h + out.flatten(-2) @ p[pre + "attention.wo.weight"].T
+        x = norm(h, p[pre + "ffn_norm.weight"])
+        gate = torch.nn.functional.silu(x @ p[pre + "feed_forward.w1.weight"].T)
+        h = h + (gate * (x @ p[pre + "feed_forward.w3.weight"].T)) @ p[pre + "feed_forward.w2.weight"].T
+    out_w = p["tok_embeddings.weight"] if cfg.tie_embeddings else p["output.weight"]
+    return norm(h, p["norm.weight"]) @ out_w.T

@@ -220,6 +220,36 @@ def test_ring_bytes_follow_the_documents(dist_pool, cfg):
     assert 0 < sent <= 1.1 * rows[0]["minimum"]
 
 
+def _window_bytes(cfg: dict, seq: int, window: int | None) -> dict:
+    from loongtrain.tools.bench.layer_kinds import COUNTERS, layer_bytes
+
+    state = cached_state(**cfg)
+    return {"bytes": dict(zip(COUNTERS, layer_bytes(state, seq, window, 2, 2, 8))), "context": state.coords.context}
+
+
+@pytest.mark.dist
+def test_a_sliding_layer_sends_its_windows_halo_whatever_the_length(dist_pool):
+    """cp = 4, zigzag, window w below a chunk: rank c's chunk k (c and 2cp-1-c) needs the w - 1
+    keys before it, from chunk k - 1's rank when that is another; each such piece travels once
+    per pass, and its float32 dK/dV once back. The same bytes at 256 and 1024 tokens; a full
+    layer's grow with the length."""
+    cp, w, column = 4, 9, 2 * 2 * 8 * 4  # k and v, G = 2 heads of 8, float32
+
+    def owner(k: int) -> int:
+        return k if k < cp else 2 * cp - 1 - k
+
+    for seq in (256, 1024):
+        for r in dist_pool(4).run(_window_bytes, {"cp": cp}, seq, w):
+            c = r["context"]
+            chunks = (c, 2 * cp - 1 - c)
+            received = sum(w - 1 for k in chunks if k > 0 and owner(k - 1) != c)
+            sent = sum(w - 1 for k in chunks if k < 2 * cp - 1 and owner(k + 1) != c)
+            want = {"fwd.ring_kv": sent * column, "bwd.ring_kv": sent * column, "bwd.ring_dkv": received * column}
+            assert r["bytes"] == want, (seq, c, r, want)
+    small, large = (dist_pool(4).run(_window_bytes, {"cp": cp}, seq, None)[1]["bytes"] for seq in (256, 1024))
+    assert all(large[k] == 4 * small[k] > 0 for k in small)
+
+
 # -- packed documents and sliding windows ----------------------------------------------
 def boundaries(kind: str, seq: int, sp: int, cp: int, seed: int) -> list[int]:
     """Document boundaries of one test family (deterministic in ``seed``)."""

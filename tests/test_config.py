@@ -223,7 +223,7 @@ def test_shipped_configs_fit_their_layout(name, tmp_path):
         heads = max(4, shipped.parallel.hp)
         stand_in = make_hf_model(
             "llama", tmp_path / "hf", max_position_embeddings=shipped.data.seq_len, num_attention_heads=heads,
-            num_key_value_heads=heads,
+            num_key_value_heads=heads, num_hidden_layers=max(2, shipped.memory.activation_checkpoint_layers),
         )  # fmt: skip
         overrides.append(f"model.init_from={stand_in}")
     if shipped.checkpoint.init_from:  # a stage: the previous stage's checkpoint stands in, of this model
@@ -316,8 +316,12 @@ def test_the_launcher_passes_a_shutdown_timeout_only_to_a_torch_that_takes_one()
     LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, **_shutdown_timeout(LaunchConfig, 5))  # accepted
 
 
-@pytest.mark.parametrize("name", ["prolong_llama3_8b_64k.toml", "prolong_llama3_8b_512k.toml"])
-def test_the_8_gpu_stage_configs_are_the_planners_first_row(name, capsys):
+@pytest.mark.parametrize(
+    "name, model",
+    [("prolong_llama3_8b_64k.toml", "llama3-8b"), ("prolong_llama3_8b_512k.toml", "llama3-8b"),
+     ("olmo3_7b_128k.toml", "olmo3-7b")],
+)  # fmt: skip
+def test_the_8_gpu_stage_configs_are_the_planners_first_row(name, model, capsys):
     """Each stage's layout and memory options, priced by the planner at the stage's length and
     batch on one node of 8 GPUs, fit and rank first (the configs say which command chose them)."""
     import argparse
@@ -329,10 +333,10 @@ def test_the_8_gpu_stage_configs_are_the_planners_first_row(name, capsys):
     p, m, d = cfg.parallel, cfg.memory, cfg.data
     layout = (
         f"hp={p.hp},cp={p.cp},zero={p.zero},ckpt={m.activation_checkpoint},loss_chunk={m.loss_chunk},"
-        f"mlp_tile={m.mlp_tile},head_groups={m.head_groups}"
+        f"mlp_tile={m.mlp_tile},head_groups={m.head_groups},layers={m.activation_checkpoint_layers}"
     )
     argv = [
-        "--cluster", "h100", "--model", "llama3-8b", "--devices", "8", "--seq-len", str(d.seq_len),
+        "--cluster", "h100", "--model", model, "--devices", "8", "--seq-len", str(d.seq_len),
         "--global-batch", str(d.global_batch * d.seq_len), "--layout", layout, "--json",
     ]  # fmt: skip
     parser = argparse.ArgumentParser(prog="loongtrain plan")

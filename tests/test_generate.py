@@ -131,8 +131,9 @@ def _generate_on(folders: dict, config: dict, prompts, zero: bool = True, head_g
     for family, folder in folders.items():
         hf = read_folder(folder)
         model = build_model(hf.model)
-        if zero:
-            parallelize(model, state, zero="dp_sp", memory=MemoryOptions(head_groups=head_groups))
+        if zero:  # head groups run Llama's blocks only (not OLMo 3's)
+            groups = head_groups if hf.model.pre_norm_blocks else 1
+            parallelize(model, state, zero="dp_sp", memory=MemoryOptions(head_groups=groups))
         model.to_empty(device="cpu")
         load_weights(model, hf)
         done = generate(model, state, prompts, Sampling(max_new_tokens=NEW), keep_logits=True)
@@ -182,3 +183,16 @@ def test_sharded_generation_equals_transformers(dist_pool, reference, world, con
     results = dist_pool(world).run(_generate_on, chosen, config, _prompts(), True, groups)
     for rank, result in enumerate(results):
         _assert_same(result, expected, f"rank {rank} of {config}")
+
+
+def test_a_sliding_layers_cache_is_priced_by_its_window():
+    """OLMo 3 7B, one 128K-token prompt on one rank, bf16: a full layer's cache is 128K x (k, v) x
+    32 heads x 128 x 2 B = 2 GiB, a sliding layer's 4096 tokens of it (64 MiB); 8 full + 24 sliding."""
+    from types import SimpleNamespace
+
+    from loongtrain.generate.cli import layer_cache_bytes_per_rank
+    from loongtrain.model import PRESETS
+
+    one_rank = SimpleNamespace(parallel=SimpleNamespace(hp=1, cp=1))
+    got = layer_cache_bytes_per_rank(PRESETS["olmo3-7b"], one_rank, 131072, 1, 2)
+    assert got == 8 * 2 * 2**30 + 24 * 64 * 2**20  # 17.5 GiB, not 64

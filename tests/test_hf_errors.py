@@ -64,8 +64,17 @@ def _case_unknown_tensor(folder: Path) -> None:
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
-def _case_sliding_window(folder: Path) -> None:  # a window on layer 1 only (Qwen's max_window_layers)
-    _edit_config(folder, model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1)
+def _case_layer_types(folder: Path) -> None:  # a layer kind loongtrain does not compute (Llama 4's)
+    _edit_config(folder, model_type="qwen2", use_sliding_window=True, sliding_window=16,
+                 layer_types=["full_attention", "chunked_attention"], attention_bias=False)  # fmt: skip
+
+
+def _case_softcapping(folder: Path) -> None:
+    _edit_config(folder, attn_logit_softcapping=50.0)
+
+
+def _case_window_beyond_positions(folder: Path) -> None:
+    _edit_config(folder, model_type="mistral", sliding_window=128)  # max_position_embeddings = 64
 
 
 def _case_rope_type(folder: Path) -> None:
@@ -79,8 +88,9 @@ def _case_truncated(folder: Path) -> None:  # an interrupted copy: the header is
 
 CASES = {
     "no-config": (_case_no_config, "has no config.json: point model.init_from at a folder written by"),
-    "model-type": (_case_model_type, re.escape("model_type 'gpt2' is not supported; supported model "
-                                                  "types: ['llama', 'mistral', 'qwen2', 'qwen3']")),
+    "model-type": (_case_model_type, re.escape("model_type 'gpt2' is not supported; supported model types: "
+                                                  "['gemma3_text', 'llama', 'mistral', 'olmo3', 'qwen2', 'qwen3', "
+                                                  "'smollm3']")),
     "shape": (_case_shape, r"has shape \[96, 64\] but config.json implies \[128, 64\]"),
     "missing-shard": (_case_missing_shard, r"shard file\(s\) \['model-000\d+-of-\d+.safetensors'\] listed in "
                       r"model.safetensors.index.json are missing"),
@@ -88,7 +98,9 @@ CASES = {
     "tensors": (_case_extra_tensor, "tensor.* that config.json implies are missing"),
     "unknown-tensor": (_case_unknown_tensor, r"hold 1 tensor\(s\) the config.json model does not have, e.g. "
                        r"\['model.layers.0.self_attn.o_proj.bias'\]"),
-    "sliding-window": (_case_sliding_window, "a sliding window on some layers only .* set max_window_layers to 0"),
+    "layer-types": (_case_layer_types, re.escape("layer_types entries ['chunked_attention'] is not supported")),
+    "softcapping": (_case_softcapping, r"attn_logit_softcapping=50.0 \(softcapping of the attention scores\)"),
+    "window": (_case_window_beyond_positions, "sliding_window=128 larger than max_position_embeddings=64"),
     "rope-type": (_case_rope_type, "rope_type 'dynamic' is not supported"),
     "truncated": (_case_truncated, r"model.safetensors is truncated: its header describes \d+ bytes but the file has "
                   r"\d+ \(an interrupted copy or download\?\); copy the file again"),

@@ -45,7 +45,7 @@ def test_import_then_export_is_bit_exact(dist_pool, tmp_path, dtype):
         result = export_checkpoint(run / "checkpoints" / "step-0", out, max_shard_bytes=20_000)
         assert len(result.files) > 1 and (out / INDEX_FILE).is_file(), "small shards force an index"
         original, exported = _all_tensors(source), _all_tensors(out)
-        if family == "qwen2":  # tied: transformers may store lm_head, the export does not
+        if family in ("qwen2", "gemma3_text"):  # tied: transformers may store lm_head, the export does not
             original.pop("lm_head.weight", None)
         assert sorted(original) == sorted(exported)
         for name, tensor in original.items():
@@ -72,6 +72,12 @@ EXTENSIONS = {
     "mistral-window": ["model.sliding_window=9", "model.rope_scaling=linear", "model.rope_factor=2"],  # window 5 -> 9
     "qwen2": ["model.rope_scaling=yarn", "model.rope_factor=4"],
     "qwen3": ["model.rope_scaling=llama3", "model.rope_factor=4", "model.max_positions=300"],
+    # the sliding layer's window 5 -> 9, the full one stays full
+    "qwen2-window": ["model.sliding_window=9", "model.rope_scaling=linear", "model.rope_factor=2"],
+    "smollm3": ["model.rope_scaling=yarn", "model.rope_factor=4"],  # its RoPE layers scaled, the NoPE one not
+    "olmo3": ["model.sliding_window=9", "model.allow_longer_context=true"],  # keeps its YaRN full layer
+    # its full layer's RoPE scaled again (linear x8 -> x16), the sliding one keeps its 10K base
+    "gemma3_text": ["model.rope_scaling=linear", "model.rope_factor=16"],
 }
 
 

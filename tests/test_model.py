@@ -256,3 +256,50 @@ def test_the_pieces_parallelize_swaps_in_train_like_the_plain_model(monkeypatch,
     assert abs(lean_loss.item() / plain_loss.item() - 1) < 1e-9
     for name, grad in plain_grads.items():
         assert ((lean_grads[name] - grad).norm() / grad.norm()).item() < 1e-6, name
+
+
+def test_layer_kinds_match_a_float64_model_written_out():
+    """Each layer reads its own kind: a sliding layer with its own RoPE base, a NoPE layer, a full
+    layer on the model's linearly scaled RoPE: the float64 model written out layer by layer."""
+    from loongtrain.model.config import LayerKind, RopeScaling
+
+    from reference import reference_logits
+
+    kinds = (LayerKind(5, rope_theta=100.0), LayerKind(rope=False), LayerKind())
+    cfg = model_config("debug", n_layers=3, layer_kinds=kinds, rope_theta=1e5,
+                       rope_scaling=RopeScaling("linear", 4.0))  # fmt: skip
+    model = build_model(cfg)
+    materialize(model, torch.device("cpu"), 0)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(24).unsqueeze(0)
+    want = reference_logits(model, tokens, positions, (5, 0, 0), ((100.0, 1.0), None, (1e5, 4.0)))
+    got = model(tokens, positions)
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-5
+    # the same weights with one kind everywhere are another model
+    plain = build_model(model_config("debug", n_layers=3))
+    materialize(plain, torch.device("cpu"), 0)  # the same weights: a function of (seed, name)
+    assert ((plain(tokens, positions).double() - want).norm() / want.norm()).item() > 1e-3
+    assert [k.name for k in cfg.kinds] == ["sliding 5 rope 100", "full nope", "full rope 100000"]
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"layer_kinds": (1,) * 2}, "layer kind must be a LayerKind"),
+        ({"n_layers": 3, "layer_kinds": ({},) * 2}, "2 layer_kinds for n_layers=3"),
+        ({"max_positions": 64, "layer_kinds": ({"sliding_window": 128}, {})}, "larger than the model's positions"),
+        ({"layer_kinds": ({"sliding_window": -1}, {})}, "must be 0"),
+    ],
+)
+def test_bad_layer_kinds_are_refused(overrides, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        model_config("debug", **overrides)
+
+
+def test_a_window_on_a_model_with_layer_kinds_sets_its_sliding_layers():
+    from loongtrain.model.config import LayerKind, ModelConfig
+
+    with pytest.raises(ValueError, match="both set"):
+        ModelConfig(sliding_window=4, layer_kinds=(LayerKind(), LayerKind()))
+    cfg = model_config("debug", layer_kinds=({"sliding_window": 3}, {}), sliding_window=9)
+    assert cfg.windows == (9, 0) and cfg.sliding_window == 0

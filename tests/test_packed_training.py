@@ -20,6 +20,7 @@ from loongtrain.apply import MemoryOptions, materialize, parallelize
 from loongtrain.attention import sequence_layout
 from loongtrain.data.batch import Microbatch
 from loongtrain.model import build_model, model_config
+from loongtrain.model.config import LayerKind, RopeScaling
 from loongtrain.train.step import forward_backward
 
 from dist_pool import cached_state
@@ -72,14 +73,13 @@ def _packed_equivalence(cfg: dict, ckpt: str, overrides: dict, micro: int, other
     memory = MemoryOptions(activation_checkpoint=ckpt, head_groups=groups)
     par = parallelize(build_model(mcfg), state, memory=memory, zero="dp_sp", alternatives=alternatives)
     materialize(par, device, SEED)
-    seq = 16 * state.sp
+    seq = 16 * max(state.sp, 2)  # one rank too: several documents
     rows = [_packed_row(100 * m + d, seq, mcfg.vocab_size) for m in range(micro) for d in range(state.dp)]
     targets = sum(int((lab != -100).sum()) for _, lab, _ in rows)
     ref_loss = 0.0
-    window = mcfg.sliding_window or None
     for tokens, labels, cu in rows:
-        for layer in ref.layers:
-            layer.attention.attention_fn = _dense_attention(visibility(seq, cu, True, window))
+        for layer, window in zip(ref.layers, mcfg.windows):  # each layer its own window (layer kinds)
+            layer.attention.attention_fn = _dense_attention(visibility(seq, cu, True, window or None))
         loss = lm_loss_sum(ref(tokens, _positions(cu)), labels) / targets
         loss.backward()
         ref_loss += loss.item()
@@ -101,6 +101,9 @@ def _packed_equivalence(cfg: dict, ckpt: str, overrides: dict, micro: int, other
     }  # fmt: skip
 
 
+# Gemma 3 in small: a sliding layer (window 6, RoPE base 10K) and a full one (base 1M, linear x8)
+KINDS = (LayerKind(6, rope_theta=10000.0), LayerKind(rope_theta=1e6, rope_scaling=RopeScaling("linear", 8.0)))
+
 # (world, layout, checkpoint mode, model overrides, microbatches)
 CASES = [
     (2, {"cp": 2, "balance": "documents"}, "sc++", {}, 2),
@@ -111,6 +114,10 @@ CASES = [
     (4, {"hp": 4, "balance": "documents"}, "full", {"n_heads": 4, "n_kv_heads": 1}, 1),
     # the attention over head groups on packed documents with a sliding window
     (4, {"cp": 4, "ring_window": 2, "balance": "documents"}, "none", {"sliding_window": 7, "head_groups": 4}, 1),
+    # layer kinds: a sliding layer with its own RoPE base beside a full one, and a NoPE layer
+    (1, {}, "sc++", {"layer_kinds": (LayerKind(5, rope_theta=100.0), LayerKind(rope=False))}, 1),
+    (4, {"cp": 4, "ring_window": 2, "balance": "documents"}, "full", {"layer_kinds": KINDS}, 1),
+    (4, {"hp": 2, "cp": 2}, "none", {"layer_kinds": KINDS, "head_groups": 2}, 1),
 ]
 # a layout per microbatch: three microbatches of one step on 2D, the double ring and Ulysses
 PER_BATCH = [
@@ -182,3 +189,13 @@ def _disagreeing_batches() -> str:
 def test_ranks_given_different_batches_are_told_on_every_rank(dist_pool):
     for message in dist_pool(2).run(_disagreeing_batches):
         assert "ranks of sequence-parallel group [0, 1] were given different batches" in message
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_layer_kinds_world8_match_the_unsharded_model(dist_pool):
+    """Gemma 3's layer kinds in small on 2D attention with the double ring (hp 2 x cp 4, window 2)."""
+    cfg = {"hp": 2, "cp": 4, "ring_window": 2, "balance": "documents"}
+    for result in dist_pool(8).run(_packed_equivalence, cfg, "sc++", {"layer_kinds": KINDS}, 1):
+        assert result["loss"] < 1e-5, result
+        assert result["grad"] < 1e-5, result

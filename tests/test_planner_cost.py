@@ -278,3 +278,30 @@ def test_validation_probe_and_drift_rescaling():
     slower = rescaled(local, (2 * fwd, 3 * bwd), (fwd, bwd))
     assert probe_seconds(slower, 8, 64) == pytest.approx((2 * fwd, 3 * bwd))
     assert (slower.intra_bw_gbs, slower.hop_sync_us) == (local.intra_bw_gbs, local.hop_sync_us)
+
+
+def test_a_sliding_layer_is_priced_by_its_window():
+    """OLMo 3 7B at 128K on 8 H100s (cp = 8): a sliding layer's kernels take the share of keys its
+    window leaves (a query sees min(i + 1, 4096) keys, not i + 1), the mean layer is 3 sliding to 1
+    full, and below a chunk (8192 tokens) its halo hides behind its kernels."""
+    from loongtrain.model import PRESETS
+    from loongtrain.planner.cost import (
+        Candidate,
+        Workload,
+        attention_seconds,
+        candidate_topology,
+        layer_attention_seconds,
+        sliding_attention_seconds,
+    )  # fmt: skip
+    from loongtrain.planner.specs import cluster_spec
+
+    cluster, model, seq = cluster_spec("h100"), PRESETS["olmo3-7b"], 131072
+    layout = Candidate.of(cp=8)
+    w, topo = Workload(model, seq), candidate_topology(cluster, layout)
+    full = attention_seconds(cluster, w, layout, topo)
+    sliding = sliding_attention_seconds(cluster, w, layout, topo, 4096, full)
+    share = sum(min(i + 1, 4096) for i in range(seq)) / sum(i + 1 for i in range(seq))
+    assert sliding.kernels_fwd == pytest.approx(full.kernels_fwd * share, rel=1e-9)
+    mean = layer_attention_seconds(cluster, w, layout, topo)
+    assert mean.kernels_bwd == pytest.approx((8 * full.kernels_bwd + 24 * sliding.kernels_bwd) / 32, rel=1e-9)
+    assert sliding.ring_fwd < 1.01 * sliding.kernels_fwd < full.ring_fwd / 5

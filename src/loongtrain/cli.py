@@ -45,6 +45,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "generate": ("loongtrain.tools.bench.generate", "generation: prefill vs forward, decode, cache; vs transformers"),
     "data": ("loongtrain.tools.bench.data", "the loader: ms to draw a step of long sequences, one file vs a mixture"),
     "guard": ("loongtrain.tools.bench.guard", "the guard and per-source losses: host reads and step time vs without"),
+    "layer-kinds": ("loongtrain.tools.bench.layer_kinds", "bytes per step of a sliding layer vs a full one, cp 4/8"),
 }
 
 

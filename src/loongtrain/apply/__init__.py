@@ -26,8 +26,9 @@ from loongtrain.apply.compile import apply_compile
 from loongtrain.apply.init import materialize
 from loongtrain.apply.offload import ActivationOffload
 from loongtrain.apply.zero import apply_zero, zero_mesh
+from loongtrain.model.config import ModelConfig
 from loongtrain.model.lean import lean_normed_projections, tiled_rope
-from loongtrain.model.llama import Transformer, normed_mlp
+from loongtrain.model.llama import Transformer
 from loongtrain.model.tiled_mlp import tiled_normed_mlp
 from loongtrain.options import MemoryOptions, check_compile, check_zero_scope, checkpointed_count
 from loongtrain.parallel import ParallelState
@@ -93,13 +94,22 @@ def parallelize(
     return model
 
 
+def check_mlp_tile(cfg: ModelConfig, tile: int) -> None:
+    """Raise unless the tiled MLP (``memory.mlp_tile``) computes ``cfg``'s MLP (its pre-norm SwiGLU)."""
+    if tile and not cfg.pre_norm_blocks:
+        raise ValueError(
+            f"memory.mlp_tile={tile} tiles the pre-norm MLP; this model has norm_placement={cfg.norm_placement!r}: "
+            "set memory.mlp_tile = 0"
+        )
+
+
 def apply_memory_options(model: Transformer, memory: MemoryOptions) -> None:
     """The model-side memory options: the memory-lean norm + projections and RoPE (always:
     what the planner's memory model prices), the chunked loss and the tiled MLP."""
+    check_mlp_tile(model.config, memory.mlp_tile)
     model.loss_chunk = memory.loss_chunk
     for layer in model.layers:
         layer.attention.projections = lean_normed_projections
         layer.attention.rope = tiled_rope
-        layer.feed_forward.mlp = (
-            functools.partial(tiled_normed_mlp, tile=memory.mlp_tile) if memory.mlp_tile else normed_mlp
-        )
+        if memory.mlp_tile:  # (else the block's own: SwiGLU, or Gemma's GeGLU)
+            layer.feed_forward.mlp = functools.partial(tiled_normed_mlp, tile=memory.mlp_tile)

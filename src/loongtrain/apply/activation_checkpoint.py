@@ -156,7 +156,7 @@ def checkpointed_layers(n_layers: int, mode: str, every: int = 1, layers: int = 
 def _checkpoint_spans(model: Transformer, span: int, offload: ActivationOffload | None) -> None:
     """``model.run_layers`` over spans of ``span`` layers, each span one checkpoint."""
 
-    def run_layers(self, h, cos, sin, layout):
+    def run_layers(self, h, ropes, layout):
         layers = list(self.layers)
         for first in range(0, len(layers), span):
             part = layers[first : first + span]
@@ -167,11 +167,11 @@ def _checkpoint_spans(model: Transformer, span: int, offload: ActivationOffload 
                 return x
 
             if offload is None:
-                h = checkpoint(run, h, cos, sin, layout, use_reentrant=False)
+                h = checkpoint(run, h, ropes, layout, use_reentrant=False)
                 continue
             stash = offload.new_stash(first_layer=first == 0)
             with offload.saving(stash, h):
-                h = checkpoint(run, h, cos, sin, layout, use_reentrant=False)
+                h = checkpoint(run, h, ropes, layout, use_reentrant=False)
             stash.forward_done()
         return h
 

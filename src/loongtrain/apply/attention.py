@@ -60,6 +60,12 @@ def _by_split(state: ParallelState, alternatives: Sequence[ParallelState]) -> di
 def check_head_groups(cfg: ModelConfig, groups: int, hps: Sequence[int]) -> None:
     """Raise (before any communication) unless ``groups`` head groups split the model's heads and
     each group's heads split over every ``hp`` of ``hps``."""
+    if groups > 1 and not cfg.pre_norm_blocks:
+        raise ValueError(
+            f"memory.head_groups={groups} runs the pre-norm attention with per-head q/k norms a group of heads at a "
+            f"time; this model (norm_placement={cfg.norm_placement!r}, qk_norm_scope={cfg.qk_norm_scope!r}) has "
+            "another: set memory.head_groups = 1"
+        )
     for hp in hps:
         try:
             check_groups(cfg.n_heads, cfg.n_kv_heads, groups, hp)

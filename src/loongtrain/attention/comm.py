@@ -77,19 +77,24 @@ def post_p2p(
     group: dist.ProcessGroup,
     stats: AttentionStats,
     kind: str,
+    shapes: list[tuple[int, ...]] | None = None,
 ) -> tuple[list, list[torch.Tensor]]:
     """Post ``sends`` (tensor, global peer) and receives from the global ranks ``recvs`` into
-    new buffers shaped like ``like`` (default: the first send) together, as one batch;
-    returns its works and the receive buffers (valid once the works are waited). Sends and
-    receives are counted in ``stats`` under ``kind``."""
+    new buffers shaped like ``like`` (default: the first send; ``shapes``: one shape per
+    receive, ``like``'s dtype) together, as one batch; returns its works and the receive
+    buffers (valid once the works are waited). Sends and receives are counted in ``stats``
+    under ``kind``."""
     ops = []
     for tensor, peer in sends:
         tensor = tensor.contiguous()
         ops.append(dist.P2POp(dist.isend, tensor, peer=peer, group=group))
         stats.add(kind, _nbytes(tensor))
     buffers = []
-    for peer in recvs:
-        buffer = torch.empty_like(sends[0][0] if like is None else like)
+    for i, peer in enumerate(recvs):
+        if shapes is not None:
+            buffer = like.new_empty(shapes[i])
+        else:
+            buffer = torch.empty_like(sends[0][0] if like is None else like)
         ops.append(dist.P2POp(dist.irecv, buffer, peer=peer, group=group))
         stats.add_received(kind, _nbytes(buffer))
         buffers.append(buffer)

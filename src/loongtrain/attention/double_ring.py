@@ -21,6 +21,10 @@ kernel (``*.block_skipped`` in ``state.stats``; ``*.step_skipped`` when
 the step is empty for every rank of the context group). Transfers follow the mask's
 routes: a block travels only as far as its farthest reader, a partial only between ranks
 that read the block, so a microbatch whose documents each lie on one rank sends nothing.
+
+A sliding window whose halo (:mod:`~loongtrain.attention.halo`) moves fewer key/value columns
+than these routes runs :func:`halo_forward` / :func:`halo_backward` instead: each block's
+columns that another rank's window reaches go straight to it, and their dK/dV straight back.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from loongtrain.attention.blocks import (
     whole_block,
 )
 from loongtrain.attention.comm import Pending, post_p2p, ring_exchange
+from loongtrain.attention.halo import HaloPlan
 from loongtrain.attention.kernels import block_backward
 from loongtrain.attention.mask_plan import MaskPlan
 from loongtrain.attention.routes import RingRoutes
@@ -96,6 +101,11 @@ class RingSetup:
             context_ranks=state.context_ranks,
         )
 
+    @property
+    def halo(self) -> HaloPlan | None:
+        """The halo a sliding window exchanges instead of the ring (None: the ring)."""
+        return self.masks.halo(self.config)
+
     def work(self, outer_step: int, inner_step: int) -> BlockWork:
         """The block work at step ``(outer_step, inner_step)``."""
         return self.masks.calls(self.context, ring_source(self.context, self.config, outer_step, inner_step))
@@ -119,6 +129,8 @@ def ring_forward(plan: RingSetup, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor
 
     ``kv`` is [2, B, Sc, G, d]. Returns ``out`` (q's dtype) and fp32 ``lse`` [B, Sc, H].
     """
+    if (halo := plan.halo) is not None:
+        return halo_forward(plan, halo, q, kv)
     n, w = plan.config.n_ring_windows, plan.config.ring_window
     routes, c = plan.routes, plan.context
     acc = OutputAccumulator(q)
@@ -200,6 +212,8 @@ def ring_backward(
     if n * w == 1 and (causal := whole_block(plan.work(0, 0), q.shape[1])) is not None:
         plan.count("bwd", True, 0, 0)
         return block_backward(dout, q, kv[0], kv[1], out, lse, causal=causal, scale=plan.scale, stacked=True)
+    if (halo := plan.halo) is not None:
+        return halo_backward(plan, halo, dout, q, kv, out, lse)
     routes, c = plan.routes, plan.context
     dq = torch.zeros(q.shape, dtype=accum_dtype(q.dtype), device=q.device)
     grads_of = _Gradients(plan, kv)
@@ -218,3 +232,86 @@ def ring_backward(
         if outer_kv is not None:
             base = outer_kv.wait()
     return dq.to(q.dtype), grads_of.result().to(kv.dtype)
+
+
+# -- the halo of a sliding window (:mod:`~loongtrain.attention.halo`) -----------------------
+def _piece_shape(kv: Tensor, length: int) -> tuple[int, ...]:
+    return (2, kv.shape[1], length, *kv.shape[3:])
+
+
+def _columns(kv: Tensor, ranges) -> Tensor:
+    """The columns ``ranges`` of ``kv`` [2, B, Sc, G, d], one after another."""
+    parts = [kv[:, :, a:b] for a, b in ranges]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
+def _exchange_halo(plan: RingSetup, halo: HaloPlan, kv: Tensor, kind: str):
+    """Post this rank's columns to their readers and the receives of the pieces it reads;
+    returns the transfers (wait them before reading) and ``(piece, buffer)`` per piece read."""
+    c, ranks = plan.context, plan.context_ranks
+    sends = [(_columns(kv, p.ranges), ranks[p.reader]) for p in halo.outgoing(c)]
+    incoming = halo.incoming(c)
+    works, buffers = post_p2p(
+        sends, [ranks[p.owner] for p in incoming], kv, plan.dkv_group, plan.stats, kind,
+        [_piece_shape(kv, p.length) for p in incoming],
+    )  # fmt: skip
+    return Pending(works, sends), list(zip(incoming, buffers))
+
+
+def _count_halo(plan: RingSetup, phase: str, ran: int) -> None:
+    for _ in range(ran):
+        plan.stats.add(f"{phase}.block")
+    for _ in range(plan.config.cp - ran):
+        plan.stats.add(f"{phase}.block_skipped")
+
+
+def halo_forward(plan: RingSetup, halo: HaloPlan, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`ring_forward` of a sliding window by its halo: the own block while the pieces
+    other ranks' windows reach arrive, then each piece."""
+    c, masks = plan.context, plan.masks
+    transfers, pieces = _exchange_halo(plan, halo, kv, "fwd.ring_kv")
+    acc = OutputAccumulator(q)
+    ran = int(forward_work(q, kv, masks.calls(c, c), plan.causal, plan.sliding_window, plan.scale, acc))
+    transfers.wait()
+    for piece, buffer in pieces:
+        work = piece.renumber(masks.calls(c, piece.owner))
+        ran += forward_work(q, buffer, work, plan.causal, plan.sliding_window, plan.scale, acc)
+    _count_halo(plan, "fwd", ran)
+    return acc.result(q.dtype)
+
+
+def halo_backward(
+    plan: RingSetup, halo: HaloPlan, dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor
+) -> tuple[Tensor, Tensor]:
+    """:func:`ring_backward` by the halo: the pieces again, each reader's float32 dK/dV of a
+    piece straight back to its owner, added into the owner's columns."""
+    c, masks, ranks = plan.context, plan.masks, plan.context_ranks
+    window, scale = plan.sliding_window, plan.scale
+    transfers, pieces = _exchange_halo(plan, halo, kv, "bwd.ring_kv")
+    dq = torch.zeros(q.shape, dtype=accum_dtype(q.dtype), device=q.device)
+    own = torch.zeros(kv.shape, dtype=accum_dtype(kv.dtype), device=kv.device)
+    grads = backward_work(dout, q, kv, out, lse, masks.calls(c, c), plan.causal, window, scale, dq)
+    add_kv_grads(own, grads)
+    ran = int(bool(grads))
+    transfers.wait()
+    partials = []
+    for piece, buffer in pieces:
+        work = piece.renumber(masks.calls(c, piece.owner))
+        partial = own.new_zeros(_piece_shape(kv, piece.length))
+        add_kv_grads(partial, backward_work(dout, q, buffer, out, lse, work, plan.causal, window, scale, dq))
+        partials.append((partial, ranks[piece.owner]))
+        ran += 1
+    del pieces
+    readers = halo.outgoing(c)
+    works, buffers = post_p2p(
+        partials, [ranks[p.reader] for p in readers], own, plan.dkv_group, plan.stats, "bwd.ring_dkv",
+        [_piece_shape(kv, p.length) for p in readers],
+    )  # fmt: skip
+    Pending(works, None).wait()
+    for piece, buffer in zip(readers, buffers):
+        at = 0
+        for a, b in piece.ranges:
+            own[:, :, a:b] += buffer[:, :, at : at + b - a]
+            at += b - a
+    _count_halo(plan, "bwd", ran)
+    return dq.to(q.dtype), own.to(kv.dtype)

@@ -270,6 +270,19 @@ class MaskPlan:
         return found
 
     @functools.cached_property
+    def _halos(self) -> dict:
+        return {}
+
+    def halo(self, config: ParallelConfig):
+        """The :class:`~loongtrain.attention.halo.HaloPlan` a sliding window takes instead of
+        ``config``'s ring when it moves fewer key/value columns; None: the ring (cached)."""
+        if config.ring_window not in self._halos:
+            from loongtrain.attention.halo import halo_plan  # halo reads this plan's calls
+
+            self._halos[config.ring_window] = halo_plan(self, self.routes(config))
+        return self._halos[config.ring_window]
+
+    @functools.cached_property
     def _empty_steps(self) -> dict[int, frozenset[tuple[int, int]]]:
         return {}
 

@@ -24,7 +24,7 @@ from loongtrain.train.spec import RunSpec
 #: length do not: a checkpoint may be evaluated with another RoPE scaling).
 WEIGHT_FIELDS = (
     "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings", "head_dim_override",
-    "qkv_bias", "qk_norm",
+    "qkv_bias", "qk_norm", "qk_norm_scope", "norm_placement", "norm_offset", "activation", "embed_scale",
 )  # fmt: skip
 
 

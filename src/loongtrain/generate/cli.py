@@ -170,6 +170,16 @@ def cache_bytes_per_rank(model: ModelConfig, spec: RunSpec, tokens: int, elem_by
     return model.n_layers * 2 * kv_heads * model.head_dim * elem_bytes * math.ceil(tokens / cp)
 
 
+def layer_cache_bytes_per_rank(model: ModelConfig, spec: RunSpec, tokens: int, prompts: int, elem_bytes: int) -> int:
+    """:func:`cache_bytes_per_rank` with each layer's own window (a sliding layer keeps at most its
+    window per prompt; layer kinds)."""
+    one_layer = cache_bytes_per_rank(model, spec, tokens, elem_bytes) // model.n_layers
+    return sum(
+        min(one_layer, cache_bytes_per_rank(model, spec, prompts * w, elem_bytes) // model.n_layers) if w else one_layer
+        for w in model.windows
+    )
+
+
 def device_memory_bytes(device: str, local_ranks: int) -> tuple[int, str]:
     """Memory one rank may use, and what it is: a GPU's total, or this host's available memory
     shared by its local ranks."""
@@ -194,9 +204,7 @@ def check_cache_fits(target: Target, prompts: list[list[int]], max_new: int, loc
     spec = target.spec
     elem = torch.finfo(spec.param_dtype).bits // 8
     tokens = sum(len(p) for p in prompts) + len(prompts) * max_new
-    cache = cache_bytes_per_rank(spec.model, spec, tokens, elem)
-    if spec.model.sliding_window:
-        cache = min(cache, cache_bytes_per_rank(spec.model, spec, len(prompts) * spec.model.sliding_window, elem))
+    cache = layer_cache_bytes_per_rank(spec.model, spec, tokens, len(prompts), elem)
     weights = spec.model.num_params() * elem  # gathered for the generation
     budget, what = device_memory_bytes(target.cfg.run.device, local)
     if weights + cache > budget:

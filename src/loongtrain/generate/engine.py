@@ -182,8 +182,7 @@ def generate(
     tokens = torch.tensor([t for p in prompts for t in p] + [0] * (total - cu[-1]), dtype=torch.int64)
     batch = Microbatch(tokens[None].to(device), torch.full((1, total), IGNORE_INDEX, device=device),
                        torch.tensor(bounds, dtype=torch.int64))  # fmt: skip
-    window = model.config.sliding_window or None
-    caches = [LayerCache(window) for _ in attention_modules(model)]
+    caches = [LayerCache(m.sliding_window) for m in attention_modules(model)]  # a sliding layer keeps its window
     appends = math.ceil(max(sampling.max_new_tokens - 1, 0) / state.cp)
     generator = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
     out_tokens: list[list[int]] = [[] for _ in range(P)]

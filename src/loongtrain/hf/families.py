@@ -2,11 +2,14 @@
 
 Import reads ``config.json`` through transformers' own config classes (so defaults and
 legacy keys such as ``rope_scaling`` mean what they mean to transformers) and refuses,
-with the fix, whatever the loongtrain model would compute differently (a sliding window on
-some layers only, partial rotary, other RoPE types, an output-projection bias, dropout,
-another activation). A sliding window on every layer (Mistral's ``sliding_window``, Qwen's
-``use_sliding_window`` with ``max_window_layers = 0``) becomes ``ModelConfig.sliding_window``.
-Export writes the config back as a plain dict for those classes.
+with the fix, whatever the loongtrain model would compute differently (partial rotary, other
+RoPE types, an output-projection bias, dropout, another activation, softcapping, attention
+sinks, chunked attention, a ``layer_types`` entry other than full or sliding attention). A
+sliding window on every layer (Mistral's ``sliding_window``, Qwen's ``use_sliding_window`` with
+``max_window_layers = 0``) becomes ``ModelConfig.sliding_window``; a window on some layers
+(``layer_types``: Qwen's ``max_window_layers``, SmolLM3) or layers without RoPE (SmolLM3's
+``no_rope_layers``) become ``ModelConfig.layer_kinds``. Export writes the config back as a
+plain dict for those classes.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import math
 
 from loongtrain.hf.folder import HFFormatError
-from loongtrain.model.config import ModelConfig, RopeScaling
+from loongtrain.model.config import LayerKind, ModelConfig, RopeScaling
 
 # model_type -> what the family adds to Llama
 FAMILIES: dict[str, dict] = {
@@ -22,6 +25,33 @@ FAMILIES: dict[str, dict] = {
     "mistral": {"architecture": "MistralForCausalLM"},
     "qwen2": {"architecture": "Qwen2ForCausalLM", "qkv_bias": True},
     "qwen3": {"architecture": "Qwen3ForCausalLM", "qk_norm": True},
+    "smollm3": {"architecture": "SmolLM3ForCausalLM"},  # Llama with no_rope_layers (and layer_types)
+    # norms after attention and the MLP (none before), q/k norms over the whole projections, a RoPE per layer type
+    "olmo3": {"architecture": "Olmo3ForCausalLM", "qk_norm": True, "qk_norm_scope": "projection",
+              "norm_placement": "post"},
+    # Gemma 3 text: (1 + weight) norms before and after attention and the MLP, GeGLU (tanh GELU), q/k norms per
+    # head, query_pre_attn_scalar, the embedding scaled by sqrt(dim), a RoPE per layer type
+    "gemma3_text": {"architecture": "Gemma3ForCausalLM", "qk_norm": True, "norm_placement": "sandwich",
+                    "norm_offset": True, "activation": "gelu_tanh", "embed_scale": True},
+}  # fmt: skip
+#: families whose ``rope_parameters`` hold one RoPE per layer type
+ROPE_PER_LAYER_TYPE = ("olmo3", "gemma3_text")
+#: ``ModelConfig`` fields a family sets, and their values where it does not
+FAMILY_FIELDS = {"qkv_bias": False, "qk_norm": False, "qk_norm_scope": "head", "norm_placement": "pre",
+                 "norm_offset": False, "activation": "silu", "embed_scale": False}  # fmt: skip
+#: transformers' activation names -> ``ModelConfig.activation``
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+#: families whose ``sliding_window`` counts only with ``use_sliding_window``
+WINDOW_SWITCHED = ("qwen2", "qwen3", "smollm3")
+#: transformers' ``layer_types`` entries the loongtrain model computes
+LAYER_TYPES = ("full_attention", "sliding_attention")
+#: config keys of computations the loongtrain model does not do, refused when set
+UNSUPPORTED_FEATURES = {
+    "attn_logit_softcapping": "softcapping of the attention scores",
+    "final_logit_softcapping": "softcapping of the logits",
+    "attention_chunk_size": "chunked attention",
+    "use_sinks": "attention sinks",
+    "use_bidirectional_attention": "bidirectional attention",
 }
 
 
@@ -109,26 +139,30 @@ def model_config_from_hf(hf) -> ModelConfig:
     def refuse(what: str, fix: str) -> None:
         raise HFFormatError(f"{where}: {what} is not supported by the loongtrain model; {fix}")
 
-    if getattr(hf, "hidden_act", "silu") != "silu":
-        refuse(f"hidden_act={hf.hidden_act!r}", "only SwiGLU (silu) MLPs are")
+    act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
+    if ACTIVATIONS.get(act) != family.get("activation", "silu"):
+        refuse(f"hidden_act={act!r}", f"{hf.model_type} computes {family.get('activation', 'silu')}")
     if getattr(hf, "mlp_bias", False):
         refuse("mlp_bias=true", "only bias-free MLPs are")
     if getattr(hf, "attention_bias", False):
         refuse("attention_bias=true (biases on every projection, o_proj included)", "only q/k/v biases (Qwen2) are")
     if getattr(hf, "attention_dropout", 0.0):
         refuse(f"attention_dropout={hf.attention_dropout}", "set it to 0.0 in config.json")
-    layer_types = getattr(hf, "layer_types", None) or []
-    window = getattr(hf, "sliding_window", None)
-    if window is not None and hf.model_type in ("qwen2", "qwen3") and not getattr(hf, "use_sliding_window", False):
-        window = None  # transformers ignores the value unless use_sliding_window is set
-    if window is not None and any(t != "sliding_attention" for t in layer_types):
-        refuse(
-            f"a sliding window on some layers only (sliding_window={window}, layer_types={layer_types})",
-            "loongtrain applies one window to every layer: set max_window_layers to 0 for a window everywhere, "
-            "or sliding_window to null (use_sliding_window false) for full causal attention",
-        )
+    for key, what in UNSUPPORTED_FEATURES.items():
+        if getattr(hf, key, None):
+            refuse(f"{key}={getattr(hf, key)!r} ({what})", f"set {key} to null in config.json or use another model")
     max_positions = int(getattr(hf, "max_position_embeddings", 0) or 0)
-    theta, scaling = rope_from_hf(dict(hf.rope_parameters), max_positions, where)
+    window, kinds = layer_kinds_from_hf(hf, max_positions, refuse)
+    params = dict(hf.rope_parameters)
+    if hf.model_type in ROPE_PER_LAYER_TYPE:  # the full layers' RoPE is the model's; the sliding ones' their own
+        theta, scaling = rope_from_hf(dict(params["full_attention"]), max_positions, where)
+        local = rope_from_hf(dict(params["sliding_attention"]), max_positions, where)
+        if local != (theta, scaling):
+            kinds = kinds or tuple(LayerKind(window) for _ in range(hf.num_hidden_layers))
+            kinds = tuple(LayerKind(k.sliding_window, k.rope, *local) if k.sliding_window else k for k in kinds)
+            window = 0
+    else:
+        theta, scaling = rope_from_hf(params, max_positions, where)
     heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     try:
@@ -137,26 +171,61 @@ def model_config_from_hf(hf) -> ModelConfig:
             n_kv_heads=hf.num_key_value_heads or heads, ffn_dim=hf.intermediate_size, norm_eps=float(hf.rms_norm_eps),
             rope_theta=theta, tie_embeddings=bool(hf.tie_word_embeddings),
             head_dim_override=0 if head_dim * heads == hf.hidden_size else head_dim,
-            qkv_bias=family.get("qkv_bias", False), qk_norm=family.get("qk_norm", False),
-            rope_scaling=scaling, max_positions=max_positions, sliding_window=int(window or 0),
+            rope_scaling=scaling, max_positions=max_positions, sliding_window=window, layer_kinds=kinds,
+            attention_scalar=float(getattr(hf, "query_pre_attn_scalar", 0) or 0),
+            **{key: family.get(key, default) for key, default in FAMILY_FIELDS.items()},
         )  # fmt: skip
     except ValueError as e:
         raise HFFormatError(f"{where}: {e}") from None
+
+
+def layer_kinds_from_hf(hf, max_positions: int, refuse) -> tuple[int, tuple[LayerKind, ...]]:
+    """``(sliding_window, layer_kinds)`` of a transformers config: one window on every layer
+    (``layer_kinds`` empty) or each layer's kind from ``layer_types`` and ``no_rope_layers``."""
+    window = getattr(hf, "sliding_window", None)
+    if hf.model_type in WINDOW_SWITCHED and not getattr(hf, "use_sliding_window", False):
+        window = None  # transformers ignores the value unless use_sliding_window is set
+    n = hf.num_hidden_layers
+    layer_types = list(getattr(hf, "layer_types", None) or [])
+    unknown = sorted({t for t in layer_types if t not in LAYER_TYPES})
+    if unknown:
+        refuse(f"layer_types entries {unknown}", f"loongtrain computes {list(LAYER_TYPES)}")
+    if layer_types and len(layer_types) != n:
+        refuse(f"{len(layer_types)} layer_types for {n} layers", "give one entry per layer")
+    if window is not None and max_positions and window > max_positions:
+        refuse(
+            f"sliding_window={window} larger than max_position_embeddings={max_positions}",
+            "lower sliding_window (a window longer than the positions is full attention: set it to null)",
+        )
+    windows = [int(window or 0) if t == "sliding_attention" else 0 for t in layer_types] or [int(window or 0)] * n
+    ropes = [bool(r) for r in getattr(hf, "no_rope_layers", None) or [1] * n]
+    if len(ropes) != n:
+        refuse(f"{len(ropes)} no_rope_layers entries for {n} layers", "give one entry per layer")
+    if len(set(windows)) == 1 and all(ropes):
+        return windows[0], ()
+    return 0, tuple(LayerKind(w, rope=r) for w, r in zip(windows, ropes))
 
 
 def family_of(cfg: ModelConfig) -> str:
     """The HF model_type that computes what ``cfg`` computes (for export without a source)."""
     if cfg.qkv_bias and cfg.qk_norm:
         raise HFFormatError("no supported Hugging Face family has both q/k/v biases and q/k norms")
+    if cfg.norm_placement == "post":
+        return "olmo3"
+    if cfg.norm_placement == "sandwich":
+        return "gemma3_text"
+    if cfg.layer_kinds and not (cfg.qkv_bias or cfg.qk_norm):
+        return "smollm3"  # Llama with layer_types and no_rope_layers
     return "qwen2" if cfg.qkv_bias else "qwen3" if cfg.qk_norm else "mistral" if cfg.sliding_window else "llama"
 
 
-def rope_to_hf(cfg: ModelConfig) -> dict:
-    """transformers' ``rope_parameters`` for ``cfg``'s RoPE."""
-    s = cfg.rope_scaling
+def rope_to_hf(cfg: ModelConfig, theta: float = 0.0, scaling: RopeScaling | None | str = "model") -> dict:
+    """transformers' ``rope_parameters`` for ``cfg``'s RoPE (or for base ``theta`` with ``scaling``)."""
+    s = cfg.rope_scaling if scaling == "model" else scaling
+    theta = theta or cfg.rope_theta
     if s is None:
-        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    params = {"rope_type": s.kind, "rope_theta": cfg.rope_theta, "factor": s.factor}
+        return {"rope_type": "default", "rope_theta": theta}
+    params = {"rope_type": s.kind, "rope_theta": theta, "factor": s.factor}
     if s.kind == "llama3":
         params.update(
             original_max_position_embeddings=s.original_max_positions,
@@ -180,7 +249,40 @@ def export_family(cfg: ModelConfig, source_type: str) -> tuple[str, str | None]:
             f"the run trained with a sliding window of {cfg.sliding_window} tokens and Llama's config has no sliding "
             "window (Mistral is Llama with one)"
         )
+    if source_type in ("llama", "mistral") and cfg.layer_kinds:
+        return "smollm3", (
+            f"the run trained with layer kinds ({', '.join(k.name for k in cfg.kinds)}) and {source_type}'s config "
+            "has none (SmolLM3 is Llama with layer_types and no_rope_layers)"
+        )
     return source_type, None
+
+
+def layer_kinds_to_hf(cfg: ModelConfig, model_type: str) -> dict:
+    """The config keys of ``cfg``'s layer kinds for ``model_type``: ``layer_types`` and one
+    ``sliding_window`` (and SmolLM3's ``no_rope_layers``); raises what the family cannot state."""
+    kinds = cfg.kinds
+    windows = sorted({k.sliding_window for k in kinds} - {0})
+    if len(windows) > 1:
+        raise HFFormatError(f"the model's layers have several windows {windows}; {model_type} states one")
+    own = {(k.rope_theta, k.rope_scaling) for k in kinds if k.rope} - {(cfg.rope_theta, cfg.rope_scaling)}
+    by_type = model_type in ROPE_PER_LAYER_TYPE
+    if own and not (by_type and len(own) == 1 and all(k.sliding_window for k in kinds if k.rope_theta in own)):
+        raise HFFormatError(f"the model's layers have RoPE bases of their own; {model_type} states one")
+    nope = [i for i, k in enumerate(kinds) if not k.rope]
+    if nope and model_type != "smollm3":
+        raise HFFormatError(f"layers {nope} apply no RoPE; {model_type} has no such layers (export as smollm3)")
+    out = {
+        "sliding_window": windows[0] if windows else None,
+        "layer_types": ["sliding_attention" if k.sliding_window else "full_attention" for k in kinds],
+    }
+    if model_type in WINDOW_SWITCHED:
+        out["use_sliding_window"] = bool(windows)
+    if model_type == "smollm3":
+        out["no_rope_layers"] = [int(k.rope) for k in kinds]
+    if by_type:
+        (theta, scaling), full = (own.pop() if own else (cfg.rope_theta, cfg.rope_scaling)), rope_to_hf(cfg)
+        out["rope_parameters"] = {"full_attention": full, "sliding_attention": rope_to_hf(cfg, theta, scaling)}
+    return out
 
 
 # keys of a source config.json that the export rewrites from the trained model's config
@@ -198,8 +300,11 @@ def hf_config_dict(cfg: ModelConfig, source: dict | None, dtype: str, max_positi
         model_type = family_of(cfg)
         out = {"model_type": model_type}
     family = FAMILIES[model_type]
-    if cfg.qkv_bias != family.get("qkv_bias", False) or cfg.qk_norm != family.get("qk_norm", False):
-        raise HFFormatError(f"the model (qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm}) is not a {model_type} model")
+    mine = {key: getattr(cfg, key) for key in FAMILY_FIELDS}
+    theirs = {key: family.get(key, default) for key, default in FAMILY_FIELDS.items()}
+    if mine != theirs:
+        differ = {key: mine[key] for key in mine if mine[key] != theirs[key]}
+        raise HFFormatError(f"the model ({differ}) is not a {model_type} model")
     out.update(
         architectures=[family["architecture"]], vocab_size=cfg.vocab_size, hidden_size=cfg.dim,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
@@ -207,12 +312,27 @@ def hf_config_dict(cfg: ModelConfig, source: dict | None, dtype: str, max_positi
         tie_word_embeddings=cfg.tie_embeddings, max_position_embeddings=max_positions,
         rope_parameters=rope_to_hf(cfg), hidden_act="silu", dtype=dtype,
     )  # fmt: skip
+    if model_type == "gemma3_text":
+        del out["hidden_act"]
+        scalar = cfg.attention_scalar or cfg.head_dim
+        scalar = int(scalar) if scalar % 1 == 0 else scalar  # transformers' config takes an int
+        out.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=scalar)
     if cfg.head_dim_override or "head_dim" in out or model_type == "qwen3":  # Qwen3's default is not dim/heads
         out["head_dim"] = cfg.head_dim
-    if model_type in ("qwen2", "qwen3", "mistral"):
+    if model_type in ("qwen2", "qwen3", "mistral", "smollm3"):
         out["sliding_window"] = cfg.sliding_window or None
         out.pop("layer_types", None)
-    if model_type in ("qwen2", "qwen3"):
+        out.pop("no_rope_layers", None)
+    if model_type in WINDOW_SWITCHED:
         out["use_sliding_window"] = bool(cfg.sliding_window)
-        out["max_window_layers"] = 0  # the window (if any) on every layer
+    if model_type in ("qwen2", "qwen3"):
+        out["max_window_layers"] = 0  # the window (if any) on every layer, unless layer_types says otherwise
+    if model_type in ROPE_PER_LAYER_TYPE:
+        out["rope_parameters"] = {"full_attention": rope_to_hf(cfg), "sliding_attention": rope_to_hf(cfg)}
+        out["sliding_window"] = cfg.sliding_window or None
+        out["layer_types"] = ["sliding_attention" if w else "full_attention" for w in cfg.windows]
+    if cfg.layer_kinds:
+        out.update(layer_kinds_to_hf(cfg, model_type))
+    elif model_type == "smollm3":
+        out["no_rope_layers"] = [1] * cfg.n_layers
     return out

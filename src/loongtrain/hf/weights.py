@@ -1,4 +1,4 @@
-"""Parameter names and layouts: loongtrain <-> Hugging Face (Llama, Mistral, Qwen2, Qwen3).
+"""Parameter names and layouts: loongtrain <-> Hugging Face (Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo 3).
 
 One difference is not a rename. loongtrain's RoPE rotates the interleaved pairs
 ``(x[2i], x[2i+1])`` of a head; transformers' ``rotate_half`` pairs ``x[i]`` with
@@ -48,8 +48,17 @@ def parameter_map(cfg: ModelConfig) -> dict[str, TensorMap]:
         out["output.weight"] = TensorMap("lm_head.weight")
     for i in range(cfg.n_layers):
         ours, hf = f"layers.{i}.", f"model.layers.{i}."
-        out[ours + "attention_norm.weight"] = TensorMap(hf + "input_layernorm.weight")
-        out[ours + "ffn_norm.weight"] = TensorMap(hf + "post_attention_layernorm.weight")
+        if cfg.norm_placement == "pre":
+            out[ours + "attention_norm.weight"] = TensorMap(hf + "input_layernorm.weight")
+            out[ours + "ffn_norm.weight"] = TensorMap(hf + "post_attention_layernorm.weight")
+        elif cfg.norm_placement == "sandwich":  # Gemma 3: both
+            out[ours + "attention_norm.weight"] = TensorMap(hf + "input_layernorm.weight")
+            out[ours + "post_attention_norm.weight"] = TensorMap(hf + "post_attention_layernorm.weight")
+            out[ours + "ffn_norm.weight"] = TensorMap(hf + "pre_feedforward_layernorm.weight")
+            out[ours + "post_ffn_norm.weight"] = TensorMap(hf + "post_feedforward_layernorm.weight")
+        else:  # OLMo 2/3: the norms of the attention's and the MLP's outputs
+            out[ours + "post_attention_norm.weight"] = TensorMap(hf + "post_attention_layernorm.weight")
+            out[ours + "post_ffn_norm.weight"] = TensorMap(hf + "post_feedforward_layernorm.weight")
         for name, proj in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")):
             out[f"{ours}feed_forward.{name}.weight"] = TensorMap(f"{hf}mlp.{proj}.weight")
         kinds = ["weight", "bias"] if cfg.qkv_bias else ["weight"]
@@ -57,9 +66,10 @@ def parameter_map(cfg: ModelConfig) -> dict[str, TensorMap]:
             for kind in kinds:
                 out[f"{ours}attention.{name}.{kind}"] = TensorMap(f"{hf}self_attn.{proj}.{kind}", heads)
         out[ours + "attention.wo.weight"] = TensorMap(hf + "self_attn.o_proj.weight")
-        if cfg.qk_norm:
-            out[ours + "attention.q_norm.weight"] = TensorMap(hf + "self_attn.q_norm.weight", 1)
-            out[ours + "attention.k_norm.weight"] = TensorMap(hf + "self_attn.k_norm.weight", 1)
+        if cfg.qk_norm:  # over each head (rows of one head) or the whole projection (rows of every head)
+            q_heads, k_heads = (1, 1) if cfg.qk_norm_scope == "head" else (cfg.n_heads, cfg.n_kv_heads)
+            out[ours + "attention.q_norm.weight"] = TensorMap(hf + "self_attn.q_norm.weight", q_heads)
+            out[ours + "attention.k_norm.weight"] = TensorMap(hf + "self_attn.k_norm.weight", k_heads)
     return out
 
 

@@ -52,6 +52,8 @@ def token_tile(width: int) -> int:
 
 
 ROPE_SCALINGS: tuple[str, ...] = ("linear", "llama3", "yarn")
+NORM_PLACEMENTS: tuple[str, ...] = ("pre", "post", "sandwich")
+ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,58 @@ class RopeScaling:
             raise ValueError(f"RopeScaling: attention_factor={self.attention_factor} must be positive")
 
 
+def causal_keys_per_query(seq_len: int, window: int = 0) -> float:
+    """Keys a query sees on average in one causal sequence of ``seq_len`` tokens under a sliding
+    ``window`` (0: none): ``(S + 1) / 2``, or ``w`` once the sequence is much longer than ``w``."""
+    if not window or window >= seq_len:
+        return (seq_len + 1) / 2
+    return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """One layer's attention: full causal or a sliding window, and its RoPE (transformers'
+    ``layer_types`` and ``no_rope_layers``; Gemma 3's two RoPE bases).
+
+    ``rope_theta`` 0: the model's base and scaling (which ``extend_context`` changes);
+    ``rope_theta`` > 0: this kind's own base with its own ``rope_scaling`` (None: plain).
+    """
+
+    sliding_window: int = 0  # token i sees j only if i - j < sliding_window; 0: full causal attention
+    rope: bool = True  # False: the layer applies no RoPE (a NoPE layer)
+    rope_theta: float = 0.0  # > 0: this kind's own RoPE base; 0: the model's
+    rope_scaling: RopeScaling | None = None  # with rope_theta > 0: this kind's own scaling
+
+    def __post_init__(self) -> None:
+        w = self.sliding_window
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            raise ValueError(f"LayerKind: sliding_window={w!r} must be 0 (full attention) or positive")
+        if not self.rope_theta >= 0:
+            raise ValueError(f"LayerKind: rope_theta={self.rope_theta} must be 0 (the model's) or positive")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise TypeError(f"LayerKind: rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
+        if self.rope_scaling is not None and self.rope_theta == 0:
+            raise ValueError("LayerKind: rope_scaling needs this kind's own rope_theta (0 takes the model's RoPE)")
+
+    @property
+    def name(self) -> str:
+        """A short label: ``full``, ``sliding 512``, with ``nope`` or the kind's own RoPE base."""
+        label = f"sliding {self.sliding_window}" if self.sliding_window else "full"
+        if not self.rope:
+            return f"{label} nope"
+        return f"{label} rope {self.rope_theta:g}" if self.rope_theta else label
+
+
+def layer_kind_of(value) -> LayerKind:
+    """A :class:`LayerKind` from itself or its dict (a checkpoint's ``model_shape``, JSON)."""
+    if isinstance(value, LayerKind):
+        return value
+    if not isinstance(value, dict):
+        raise TypeError(f"a layer kind must be a LayerKind or a dict of its fields, got {value!r}")
+    scaling = value.get("rope_scaling")
+    return LayerKind(**{**value, "rope_scaling": RopeScaling(**scaling) if isinstance(scaling, dict) else scaling})
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of a Llama-style decoder."""
@@ -120,6 +174,22 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None  # context extension of RoPE (None: plain RoPE)
     max_positions: int = 0  # context length the model is meant for (HF max_position_embeddings); 0: unset
     sliding_window: int = 0  # token i sees j only if i - j < sliding_window (Mistral style); 0: no window
+    # one LayerKind per layer (its window and RoPE); empty: every layer full (or ``sliding_window``)
+    # with the model's RoPE
+    layer_kinds: tuple[LayerKind, ...] = ()
+    # where a block's norms are: "pre" (before attention and the MLP: Llama), "post" (after
+    # them, on their outputs before the residual add, none before: OLMo 2/3) or "sandwich" (both: Gemma 3)
+    norm_placement: str = "pre"
+    # q/k norm (qk_norm) over each head ("head": Qwen3) or over the whole projection ("projection": OLMo)
+    qk_norm_scope: str = "head"
+    # Gemma: every RMSNorm scales by (1 + weight) in float32 (weights start at 0)
+    norm_offset: bool = False
+    # the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU with the tanh GELU: Gemma)
+    activation: str = "silu"
+    # scores scaled by attention_scalar ** -0.5 (Gemma's query_pre_attn_scalar); 0: head_dim ** -0.5
+    attention_scalar: float = 0.0
+    # the embedding's output multiplied by sqrt(dim) in its dtype (Gemma)
+    embed_scale: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
@@ -142,6 +212,72 @@ class ModelConfig:
             raise ValueError(f"ModelConfig: sliding_window={self.sliding_window!r} must be 0 (none) or positive")
         if self.head_dim % 2 != 0:
             raise ValueError(f"ModelConfig: head_dim={self.head_dim} must be even for RoPE")
+        if self.norm_placement not in NORM_PLACEMENTS:
+            raise ValueError(f"ModelConfig: norm_placement={self.norm_placement!r}; choose one of {NORM_PLACEMENTS}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"ModelConfig: activation={self.activation!r}; choose one of {ACTIVATIONS}")
+        if not self.attention_scalar >= 0:
+            raise ValueError(f"ModelConfig: attention_scalar={self.attention_scalar} must be 0 (head_dim) or positive")
+        if self.qk_norm_scope not in ("head", "projection"):
+            raise ValueError(f"ModelConfig: qk_norm_scope={self.qk_norm_scope!r}; choose 'head' or 'projection'")
+        if self.layer_kinds:
+            if not isinstance(self.layer_kinds, tuple):
+                object.__setattr__(self, "layer_kinds", tuple(self.layer_kinds))
+            object.__setattr__(self, "layer_kinds", tuple(layer_kind_of(k) for k in self.layer_kinds))
+            if len(self.layer_kinds) != self.n_layers:
+                raise ValueError(
+                    f"ModelConfig: {len(self.layer_kinds)} layer_kinds for n_layers={self.n_layers}; give one per layer"
+                )
+            if self.sliding_window:
+                raise ValueError(
+                    f"ModelConfig: sliding_window={self.sliding_window} and layer_kinds both set; give each layer's "
+                    "window in its LayerKind (sliding_window is the one window of every layer)"
+                )
+        longest = max((k.sliding_window for k in self.layer_kinds), default=0)
+        if self.max_positions and longest > self.max_positions:
+            raise ValueError(
+                f"ModelConfig: a sliding window of {longest} tokens is larger than the model's positions "
+                f"(max_positions={self.max_positions}); no token could reach its end"
+            )
+
+    def layer_kind(self, index: int) -> LayerKind:
+        """Layer ``index``'s kind, resolved: its window (``sliding_window`` when no kinds are
+        given), and its RoPE base and scaling (the model's unless the kind has its own)."""
+        return self.kinds[index]
+
+    @functools.cached_property
+    def kinds(self) -> tuple[LayerKind, ...]:
+        """Every layer's resolved :meth:`layer_kind`."""
+        given = self.layer_kinds or (LayerKind(self.sliding_window),) * self.n_layers
+        return tuple(
+            k if k.rope_theta else replace(k, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling) for k in given
+        )
+
+    @property
+    def pre_norm_blocks(self) -> bool:
+        """Whether the blocks are Llama's (norms before attention and the MLP, q/k norms per head):
+        what the attention over head groups and the tiled MLP compute (``memory.head_groups``,
+        ``memory.mlp_tile``)."""
+        llama = self.norm_placement == "pre" and not self.norm_offset and self.activation == "silu"
+        return llama and not self.attention_scalar and (not self.qk_norm or self.qk_norm_scope == "head")
+
+    def with_window(self, window: int) -> ModelConfig:
+        """This model with sliding window ``window``: on every layer, or with layer kinds on
+        each sliding layer (the full layers stay full)."""
+        if not self.layer_kinds:
+            return replace(self, sliding_window=window)
+        kinds = tuple(replace(k, sliding_window=window) if k.sliding_window else k for k in self.layer_kinds)
+        return replace(self, layer_kinds=kinds)
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """Each layer's sliding window (0: full attention)."""
+        return tuple(k.sliding_window for k in self.kinds)
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every layer has the same window and RoPE (one kind)."""
+        return len(set(self.kinds)) == 1
 
     @functools.cached_property  # the fields are frozen; the planner reads it hundreds of thousands of times
     def head_dim(self) -> int:
@@ -166,8 +302,10 @@ class ModelConfig:
         d, q = self.dim, self.n_heads * self.head_dim
         kv = self.n_kv_heads * self.head_dim
         matmuls = self.qkv_params() + q * d + 3 * d * self.ffn_dim
-        extras = (q + 2 * kv) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
-        return matmuls, matmuls + 2 * self.dim + extras
+        qk_norm = (q + kv) if self.qk_norm_scope == "projection" else 2 * self.head_dim
+        extras = (q + 2 * kv) * self.qkv_bias + qk_norm * self.qk_norm
+        norms = (4 if self.norm_placement == "sandwich" else 2) * self.dim
+        return matmuls, matmuls + norms + extras
 
     def num_params(self) -> int:
         """Parameter count (embeddings included; the output matrix once if tied)."""
@@ -188,8 +326,10 @@ class ModelConfig:
         """
         if keys_per_query is not None:
             ctx = keys_per_query
+        elif causal:  # each layer's own window (layer kinds): S * w, not S^2 / 2, for a sliding layer
+            ctx = sum(causal_keys_per_query(seq_len, w) for w in self.windows) / self.n_layers
         else:
-            ctx = (seq_len + 1) / 2 if causal else seq_len
+            ctx = seq_len
         attention = 4 * self.n_heads * self.head_dim * ctx
         forward = self.n_layers * (2 * self.layer_matmul_params() + attention) + 2 * self.dim * self.vocab_size
         return 3.0 * forward
@@ -208,7 +348,56 @@ PRESETS: dict[str, ModelConfig] = {
     "llama3-8b": ModelConfig(
         vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, rope_theta=500000.0
     ),
+    # OLMo 3 7B (allenai/Olmo-3-1025-7B's config): norms after attention and the MLP, q/k norms over the
+    # projections, three sliding layers (window 4096) for each full one
+    "olmo3-7b": ModelConfig(
+        vocab_size=100278,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=32,
+        ffn_dim=11008,
+        norm_eps=1e-6,
+        rope_theta=500000.0,
+        max_positions=65536,
+        qk_norm=True,
+        qk_norm_scope="projection",
+        norm_placement="post",
+        layer_kinds=tuple(LayerKind(0 if (i + 1) % 4 == 0 else 4096) for i in range(32)),
+    ),
+    # Gemma 3 4B (text; google/gemma-3-4b-pt's text config): (1 + weight) norms before and after attention
+    # and the MLP, GeGLU, q/k norms, head_dim 256, five sliding layers (window 1024, RoPE base 10K) for each
+    # full one (base 1M, linear x8), tied embeddings scaled by sqrt(dim)
+    "gemma3-4b": ModelConfig(
+        vocab_size=262208,
+        dim=2560,
+        n_layers=34,
+        n_heads=8,
+        n_kv_heads=4,
+        ffn_dim=10240,
+        norm_eps=1e-6,
+        head_dim_override=256,
+        rope_theta=1e6,
+        rope_scaling=RopeScaling("linear", 8.0),
+        max_positions=131072,
+        tie_embeddings=True,
+        qk_norm=True,
+        norm_placement="sandwich",
+        norm_offset=True,
+        activation="gelu_tanh",
+        attention_scalar=256.0,
+        embed_scale=True,
+        layer_kinds=tuple(LayerKind(0) if (i + 1) % 6 == 0 else LayerKind(1024, rope_theta=10000.0) for i in range(34)),
+    ),
 }
+
+
+def config_of_shape(shape: dict) -> ModelConfig:
+    """The :class:`ModelConfig` of its fields as a dict (``dataclasses.asdict`` or its JSON: a
+    checkpoint's ``model_shape``), its RoPE scaling and layer kinds made again."""
+    scaling = shape.get("rope_scaling")
+    kinds = tuple(layer_kind_of(k) for k in shape.get("layer_kinds") or ())
+    return ModelConfig(**{**shape, "rope_scaling": RopeScaling(**scaling) if scaling else None, "layer_kinds": kinds})
 
 
 def model_config(name: str, **overrides) -> ModelConfig:
@@ -219,7 +408,9 @@ def model_config(name: str, **overrides) -> ModelConfig:
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise ValueError(f"unknown ModelConfig field(s) {unknown}; known fields: {sorted(known)}")
-    return replace(PRESETS[name], **overrides)
+    window = overrides.pop("sliding_window", None)
+    cfg = replace(PRESETS[name], **overrides)
+    return cfg if window is None else cfg.with_window(window)
 
 
 def extend_context(

@@ -105,7 +105,11 @@ def _group_qkv(spec: _Spec, g: int, x, rstd, norm_w, wq, bq, wk, bk, wv, bv):
     return q.view(b, s, -1, d), k.view(b, s, -1, d), v.view(b, s, -1, d)
 
 
-def _rope(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def _rope(t: Tensor, cos: Tensor | None, sin: Tensor | None, inverse: bool = False) -> Tensor:
+    """RoPE over token tiles (``inverse``: the rotation back, its gradient); None: a NoPE layer."""
+    if cos is None:
+        return t
+    sin = -sin if inverse else sin
     return over_tiles(
         lambda rows: (apply_rope(t[:, rows], cos[:, rows], sin[:, rows]),), t.shape[1], width=row_width(t)
     )[0]
@@ -181,8 +185,8 @@ class _HeadGroups(torch.autograd.Function):
             dq, dk, dv = spec.attention.backward(dout, q, k, v, kept[g], spec.layout, spec.sliding_window)
             kept[g] = ()
             del dout, q, k
-            dq, qn_part = _unnormed(_rope(dq, cos, -sin), q0, qn_w, spec.qk_eps)
-            dk, kn_part = _unnormed(_rope(dk, cos, -sin), k0, kn_w, spec.qk_eps)
+            dq, qn_part = _unnormed(_rope(dq, cos, sin, inverse=True), q0, qn_w, spec.qk_eps)
+            dk, kn_part = _unnormed(_rope(dk, cos, sin, inverse=True), k0, kn_w, spec.qk_eps)
             del q0, k0
             grads["qn"] = _add(grads["qn"], qn_part)
             grads["kn"] = _add(grads["kn"], kn_part)
@@ -218,8 +222,8 @@ def head_group_attention(
     module: Attention,
     x: Tensor,
     norm: RMSNorm,
-    cos: Tensor,
-    sin: Tensor,
+    cos: Tensor | None,
+    sin: Tensor | None,
     layout: SequenceLayout | None,
     groups: int,
     attention: SplitAttention,

@@ -94,8 +94,14 @@ def projections_backward(
     return sums
 
 
-def lean_normed_projections(x: Tensor, norm: RMSNorm, wq: nn.Linear, wk: nn.Linear, wv: nn.Linear):
-    """:func:`~loongtrain.model.llama.normed_projections` keeping only ``x`` for backward."""
+def lean_normed_projections(x: Tensor, norm: RMSNorm | None, wq: nn.Linear, wk: nn.Linear, wv: nn.Linear):
+    """:func:`~loongtrain.model.llama.normed_projections` keeping only ``x`` for backward
+    (without a norm the plain projections keep only ``x`` already)."""
+    if norm is None:
+        return wq(x), wk(x), wv(x)
+    if not isinstance(norm, RMSNorm):  # Gemma's (1 + weight) norm: the plain formula
+        h = norm(x)
+        return wq(h), wk(h), wv(h)
     return NormedProjections.apply(x, norm.weight, norm.eps, wq.weight, wq.bias, wk.weight, wk.bias, wv.weight, wv.bias)
 
 

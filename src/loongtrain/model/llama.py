@@ -3,7 +3,9 @@
 Options for the Hugging Face families (``loongtrain.hf``): q/k/v biases (Qwen2), an
 RMSNorm over each q/k head before RoPE (Qwen3), a head size other than dim / n_heads,
 RoPE scaled for a longer context (linear, llama3, yarn; :mod:`loongtrain.model.rope`),
-and a sliding window (Mistral).
+and per-layer attention kinds (``ModelConfig.layer_kinds``: each layer full or sliding with
+its window, with its own RoPE or none; Gemma 3, OLMo 3, SmolLM3), or one sliding window on
+every layer (Mistral).
 
 It reads as the plain model: each piece is its formula. ``loongtrain.parallelize`` swaps in
 the memory-lean versions (:mod:`loongtrain.model.lean`, :mod:`loongtrain.model.tiled_mlp`),
@@ -16,8 +18,9 @@ local sequence (one device). ``loongtrain.parallelize`` swaps in the distributed
 attention. Positions are passed in, so the same module runs on sequence shards: RoPE uses
 each token's position (which restarts at 0 in each document of a packed sequence).
 ``layout`` (a :class:`~loongtrain.attention.layout.SequenceLayout`: the packed
-documents of the whole sequence and how it was sharded, or None) and the model's sliding
-window only reach the attention function.
+documents of the whole sequence and how it was sharded, or None) and each layer's sliding
+window only reach the attention function. The model makes one cos/sin table per RoPE kind
+(``ropes``, keyed by base and scaling) and each layer takes its own.
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ from torch import nn
 
 from loongtrain.attention.layout import SequenceLayout
 from loongtrain.attention.local import masked_attention
-from loongtrain.model.config import ModelConfig, RopeScaling
+from loongtrain.model.config import LayerKind, ModelConfig, RopeScaling
 from loongtrain.model.loss import lm_loss, token_scores
-from loongtrain.model.norm import RMSNorm
+from loongtrain.model.norm import OffsetRMSNorm, RMSNorm, make_norm
 from loongtrain.model.rope import rope_frequencies
 from loongtrain.model.vocab import GradientSink, embedding
 
@@ -54,9 +57,9 @@ def sdpa_attention(
     return out.transpose(1, 2)
 
 
-def normed_projections(x: Tensor, norm: RMSNorm, wq: nn.Linear, wk: nn.Linear, wv: nn.Linear):
-    """The q, k, v projections of ``norm(x)``."""
-    h = norm(x)
+def normed_projections(x: Tensor, norm: RMSNorm | None, wq: nn.Linear, wk: nn.Linear, wv: nn.Linear):
+    """The q, k, v projections of ``norm(x)`` (of ``x`` without a norm: post-norm models)."""
+    h = x if norm is None else norm(x)
     return wq(h), wk(h), wv(h)
 
 
@@ -82,24 +85,52 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
-def normed_mlp(x: Tensor, norm: RMSNorm, w1: nn.Linear, w3: nn.Linear, w2: nn.Linear) -> Tensor:
-    """SwiGLU of ``norm(x)``: ``w2(silu(w1 h) * w3 h)``."""
-    h = norm(x)
+def normed_mlp(x: Tensor, norm: RMSNorm | None, w1: nn.Linear, w3: nn.Linear, w2: nn.Linear) -> Tensor:
+    """SwiGLU of ``norm(x)`` (of ``x`` without a norm): ``w2(silu(w1 h) * w3 h)``."""
+    h = x if norm is None else norm(x)
     return w2(F.silu(w1(h)) * w3(h))
 
 
+def normed_geglu(x: Tensor, norm: nn.Module | None, w1: nn.Linear, w3: nn.Linear, w2: nn.Linear) -> Tensor:
+    """GeGLU of ``norm(x)`` with the tanh GELU (Gemma): ``w2(gelu_tanh(w1 h) * w3 h)``."""
+    h = x if norm is None else norm(x)
+    return w2(F.gelu(w1(h), approximate="tanh") * w3(h))
+
+
+#: one cos/sin table per RoPE kind of the model, keyed by :func:`rope_key` (what a layer takes)
+Ropes = dict[tuple, tuple[Tensor, Tensor]]
+
+
+def rope_key(kind: LayerKind) -> tuple | None:
+    """The key of a (resolved) layer kind's cos/sin table in :data:`Ropes`; None: no RoPE."""
+    return (kind.rope_theta, kind.rope_scaling) if kind.rope else None
+
+
+def rope_tables_of(cfg: ModelConfig, positions: Tensor) -> Ropes:
+    """The cos/sin tables of every RoPE kind of ``cfg``'s layers for ``positions``."""
+    keys = {rope_key(k) for k in cfg.kinds} - {None}
+    return {key: rope_tables(positions, cfg.head_dim, *key) for key in keys}
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kind: LayerKind | None = None) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
-        self.sliding_window = cfg.sliding_window or None
-        # Qwen3: RMSNorm over each head of q and k (weights shared by the heads)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        kind = kind if kind is not None else cfg.layer_kind(0)
+        self.sliding_window = kind.sliding_window or None
+        # Qwen3: RMSNorm over each head of q and k (weights shared by the heads); OLMo: over the
+        # whole q and k projections (qk_norm_scope "projection")
+        self.qk_norm_heads = cfg.qk_norm_scope == "head"
+        q_width = cfg.head_dim if self.qk_norm_heads else cfg.n_heads * cfg.head_dim
+        k_width = cfg.head_dim if self.qk_norm_heads else cfg.n_kv_heads * cfg.head_dim
+        self.q_norm = make_norm(q_width, cfg.norm_eps, cfg.norm_offset) if cfg.qk_norm else None
+        self.k_norm = make_norm(k_width, cfg.norm_eps, cfg.norm_offset) if cfg.qk_norm else None
+        # Gemma's query_pre_attn_scalar: q scaled so that the kernel's head_dim ** -0.5 gives scalar ** -0.5
+        self.q_scale = (cfg.head_dim / cfg.attention_scalar) ** 0.5 if cfg.attention_scalar else None
         # swapped by loongtrain.apply: the distributed attention; the norm and projections as
         # one function that keeps only x, and RoPE over token tiles (loongtrain.model.lean)
         self.attention_fn: AttentionFn = sdpa_attention
@@ -110,19 +141,30 @@ class Attention(nn.Module):
         self.over_head_groups: Callable[..., Tensor] | None = None
 
     def forward(
-        self, x: Tensor, norm: RMSNorm, cos: Tensor, sin: Tensor, layout: SequenceLayout | None = None
+        self,
+        x: Tensor,
+        norm: RMSNorm | None,
+        cos: Tensor | None,
+        sin: Tensor | None,
+        layout: SequenceLayout | None = None,
     ) -> Tensor:
-        """Attention of ``norm(x)`` for ``x`` [B, S, dim]."""
+        """Attention of ``norm(x)`` (``x`` without a norm) for ``x`` [B, S, dim]; RoPE by
+        ``cos``/``sin`` (None: a NoPE layer)."""
         if self.over_head_groups is not None:
             return self.over_head_groups(self, x, norm, cos, sin, layout)
         b, s, _ = x.shape
         q, k, v = self.projections(x, norm, self.wq, self.wk, self.wv)
+        if self.q_norm is not None and not self.qk_norm_heads:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(b, s, self.n_heads, self.head_dim)
         k = k.view(b, s, self.n_kv_heads, self.head_dim)
         v = v.view(b, s, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.qk_norm_heads:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
+        if cos is not None:
+            q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
+        if self.q_scale is not None:
+            q = q * self.q_scale
         out = self.attention_fn(q, k, v, layout=layout, sliding_window=self.sliding_window)
         return self.wo(out.reshape(b, s, -1))
 
@@ -136,23 +178,35 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
         self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         # swapped by loongtrain.apply for memory.mlp_tile: over sequence tiles (model.tiled_mlp)
-        self.mlp: Callable[..., Tensor] = normed_mlp
+        self.mlp: Callable[..., Tensor] = normed_mlp if cfg.activation == "silu" else normed_geglu
 
-    def forward(self, x: Tensor, norm: RMSNorm) -> Tensor:
+    def forward(self, x: Tensor, norm: RMSNorm | None) -> Tensor:
         return self.mlp(x, norm, self.w1, self.w3, self.w2)
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+    """One layer of its kind (``cfg.layer_kind(index)``): its window and its RoPE table; its
+    norms before attention and the MLP (``norm_placement`` "pre") or on their outputs ("post")."""
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: SequenceLayout | None = None) -> Tensor:
-        h = x + self.attention(x, self.attention_norm, cos, sin, layout)
-        return h + self.feed_forward(h, self.ffn_norm)
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
+        super().__init__()
+        kind = cfg.layer_kind(index)
+        self.rope_key = rope_key(kind)
+        pre, post = cfg.norm_placement in ("pre", "sandwich"), cfg.norm_placement in ("post", "sandwich")
+        dim, eps, offset = cfg.dim, cfg.norm_eps, cfg.norm_offset
+        self.attention_norm = make_norm(dim, eps, offset) if pre else None
+        self.attention = Attention(cfg, kind)
+        self.post_attention_norm = make_norm(dim, eps, offset) if post else None
+        self.ffn_norm = make_norm(dim, eps, offset) if pre else None
+        self.feed_forward = FeedForward(cfg)
+        self.post_ffn_norm = make_norm(dim, eps, offset) if post else None
+
+    def forward(self, x: Tensor, ropes: Ropes, layout: SequenceLayout | None = None) -> Tensor:
+        cos, sin = ropes[self.rope_key] if self.rope_key is not None else (None, None)
+        a = self.attention(x, self.attention_norm, cos, sin, layout)
+        h = x + (a if self.post_attention_norm is None else self.post_attention_norm(a))
+        m = self.feed_forward(h, self.ffn_norm)
+        return h + (m if self.post_ffn_norm is None else self.post_ffn_norm(m))
 
 
 def lm_head(
@@ -171,8 +225,8 @@ def lm_head(
     loss summed per group, ``[n_groups]``) or per-token scores (``"none"``), ``chunk`` tokens
     of logits at a time. ``norm``: the final norm, applied here first (the training loss
     applies it chunk by chunk)."""
-    if norm is not None and (labels is None or reduction != "sum"):
-        h, norm = norm(h), None
+    if norm is not None and (labels is None or reduction != "sum" or isinstance(norm, OffsetRMSNorm)):
+        h, norm = norm(h), None  # (Gemma's final norm: its own formula, not the chunked loss's)
     if labels is None:
         return F.linear(h, weight)
     if reduction == "none":
@@ -259,8 +313,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.tok_embeddings = Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
+        self.norm = make_norm(cfg.dim, cfg.norm_eps, cfg.norm_offset)
         self.output = None if cfg.tie_embeddings else OutputLayer(cfg.dim, cfg.vocab_size)
         self.loss_chunk = 0  # tokens of logits at a time in the loss (0: all at once)
 
@@ -268,14 +322,17 @@ class Transformer(nn.Module):
         """The last block's output [B, S, dim] (before the final norm)."""
         if positions.dim() == 1:
             positions = positions.unsqueeze(0)
-        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
-        return self.run_layers(self.tok_embeddings.lookup(tokens), cos, sin, layout)
+        ropes = rope_tables_of(self.config, positions)
+        h = self.tok_embeddings.lookup(tokens)
+        if self.config.embed_scale:  # Gemma: sqrt(dim), rounded to the embedding's dtype
+            h = h * torch.tensor(self.config.dim**0.5, dtype=h.dtype)
+        return self.run_layers(h, ropes, layout)
 
-    def run_layers(self, h: Tensor, cos: Tensor, sin: Tensor, layout: SequenceLayout | None) -> Tensor:
-        """The blocks in turn (``loongtrain.apply`` runs spans of them in one checkpoint for
-        ``memory.activation_checkpoint_span``)."""
+    def run_layers(self, h: Tensor, ropes: Ropes, layout: SequenceLayout | None) -> Tensor:
+        """The blocks in turn, each with its RoPE table from ``ropes`` (``loongtrain.apply``
+        runs spans of them in one checkpoint for ``memory.activation_checkpoint_span``)."""
         for layer in self.layers:
-            h = layer(h, cos, sin, layout)
+            h = layer(h, ropes, layout)
         return h
 
     def hidden_states(self, tokens: Tensor, positions: Tensor, layout: SequenceLayout | None = None) -> Tensor:
@@ -319,8 +376,8 @@ def init_value(cfg: ModelConfig, name: str, shape: torch.Size, seed: int, device
     by ``1/sqrt(2 * n_layers)``; everything else ``N(0, init_std)``. Independent of how
     the model is sharded, so every layout starts from the same weights.
     """
-    if name.endswith("norm.weight"):
-        return torch.ones(shape, device=device)
+    if name.endswith("norm.weight"):  # (1 + weight) norms start at 0
+        return (torch.zeros if cfg.norm_offset else torch.ones)(shape, device=device)
     if name.endswith(".bias"):
         return torch.zeros(shape, device=device)
     std = cfg.init_std

@@ -151,3 +151,23 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return _RMSNormFunction.apply(x, self.weight, self.eps)
+
+
+class OffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm: ``x / rms(x) * (1 + weight)``, computed in float32 and cast back (plain
+    autograd: the memory-lean paths, which read an :class:`RMSNorm`'s weight, do not take it)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).type_as(x)
+
+
+def make_norm(dim: int, eps: float, offset: bool = False) -> nn.Module:
+    """:class:`OffsetRMSNorm` (Gemma) or :class:`RMSNorm` over ``dim``."""
+    return OffsetRMSNorm(dim, eps) if offset else RMSNorm(dim, eps)

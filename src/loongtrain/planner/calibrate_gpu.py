@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from loongtrain.model.config import ModelConfig, RopeScaling
+from loongtrain.model.config import ModelConfig, config_of_shape
 from loongtrain.options import MemoryOptions
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.planner.cost import BWD_FLOP_RATIO, Candidate, Workload, block_seconds
@@ -148,10 +148,7 @@ def calibrate(base: ClusterSpec, report: dict) -> tuple[ClusterSpec, list[RowChe
     """``base`` with the report's measured rates and the fitted ``layer_token_ns``; every training
     row predicted again; a comment per fitted key."""
     env = report["environment"]
-    fields = dict(env["train_model"])
-    if fields.get("rope_scaling"):
-        fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
-    model = ModelConfig(**fields)
+    model = config_of_shape(dict(env["train_model"]))
     dtype_bytes = DTYPE_BYTES[env.get("peak_dtype", "bfloat16")]
     cal = _calibration(report)
     mm = cal["matmul"]

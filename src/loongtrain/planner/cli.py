@@ -154,7 +154,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument(
         "--model",
         default="7b-gqa",
-        help="model preset (7b-mha, 7b-gqa, 13b, llama3-8b, debug) or a Hugging Face model folder (config.json)",
+        help="model preset (7b-mha, 7b-gqa, 13b, llama3-8b, olmo3-7b, gemma3-4b, debug) or a Hugging Face "
+        "model folder (config.json)",
     )
     what.add_argument(
         "--seq-len", type=_lengths_arg, default=None, help="tokens per sequence, e.g. 128K, 1M (a list: a sweep)"
@@ -283,6 +284,32 @@ def _max_seq_len(args: argparse.Namespace, cluster, model) -> None:
         print(json.dumps(out[0] if len(out) == 1 else out, indent=1))
         return
     print("\n\n".join(max_seq_len_text(a, args.model) for a in answers))
+    if any(model.windows):
+        for answer in answers:
+            print(_beside_every_layer_full(cluster, model, answer, args.micro_batch))
+
+
+def _beside_every_layer_full(cluster, model, answer, micro_batch: int) -> str:
+    """The same model with every layer full at the longest length's best layout, and its own longest."""
+    import dataclasses
+
+    from loongtrain.planner.cost import Workload
+    from loongtrain.planner.estimate import estimate
+    from loongtrain.planner.maxlen import max_seq_len
+
+    full = dataclasses.replace(model, layer_kinds=(), sliding_window=0)
+    kinds = sorted({k.name for k in model.kinds})
+    best = answer.result.best
+    mine = estimate(cluster, Workload(model, answer.seq_len, micro_batch, micro_batch), best.candidate)
+    theirs = estimate(cluster, Workload(full, answer.seq_len, micro_batch, micro_batch), best.candidate)
+    longest = max_seq_len(cluster, full, answer.result.devices, micro_batch).seq_len
+    return (
+        f"layer kinds {kinds} vs every layer full, {answer.result.devices} devices: longest {answer.seq_len} vs "
+        f"{longest} tokens; at {answer.seq_len} tokens on {best.candidate.label()} {mine.step_s:.3g} s vs "
+        f"{theirs.step_s:.3g} s per step (attention ring {mine.ring_s:.3g} vs {theirs.ring_s:.3g} s, compute "
+        f"{mine.compute_s:.3g} vs {theirs.compute_s:.3g} s): the sliding layers save "
+        f"{1 - mine.step_s / theirs.step_s:.0%}"
+    )
 
 
 def _plan(args: argparse.Namespace, check_groups: GroupCheck | None, per_batch: PerBatchPrediction | None) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
-from loongtrain.model.config import ModelConfig
+from loongtrain.model.config import ModelConfig, causal_keys_per_query
 from loongtrain.options import AUTO_CHECKPOINT, MemoryOptions
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.planner.specs import ClusterSpec, PlanError
@@ -549,3 +549,46 @@ def attention_seconds(c: ClusterSpec, w: Workload, candidate: Candidate, topo: T
     kernels_fwd = (cp - 1) * bt.fwd + bt.fwd_first
     kernels_bwd = (cp - 1) * bt.bwd + bt.bwd_first
     return AttentionTimes(a2a_fwd, a2a_bwd, ring_fwd, ring_bwd, kernels_fwd, kernels_bwd)
+
+
+def sliding_attention_seconds(
+    c: ClusterSpec, w: Workload, candidate: Candidate, topo: Topology, window: int, full: AttentionTimes
+) -> AttentionTimes:
+    """One sliding layer of ``window`` beside ``full`` (a full layer's :func:`attention_seconds`):
+    its kernels priced by the keys a query sees (``S * w``, not ``S^2 / 2``); its transfers, while
+    the window is below a rank's block (``S / cp``), the halo (:mod:`loongtrain.attention.halo`):
+    ``w - 1`` tokens of keys/values to each ring neighbour, hidden behind its own block, and their
+    float32 dK/dV back; otherwise the full ring's exposed transfers."""
+    if not w.causal:
+        return full
+    ratio = causal_keys_per_query(w.seq_len, window) / causal_keys_per_query(w.seq_len)
+    kernels_fwd, kernels_bwd = full.kernels_fwd * ratio, full.kernels_bwd * ratio
+    p = candidate.parallel
+    if p.cp == 1:
+        return AttentionTimes(full.a2a_fwd, full.a2a_bwd, kernels_fwd, kernels_bwd, kernels_fwd, kernels_bwd)
+    if window >= w.seq_len / p.cp:  # a window as long as a block: priced as the ring (its exposed transfers)
+        return AttentionTimes(
+            full.a2a_fwd, full.a2a_bwd, full.ring_fwd - full.kernels_fwd + kernels_fwd,
+            full.ring_bwd - full.kernels_bwd + kernels_bwd, kernels_fwd, kernels_bwd,
+        )  # fmt: skip
+    share = 2 * (window - 1) / (w.seq_len / p.cp)  # two neighbours' halos, as a share of a block
+    kv = kv_block_bytes(w, p.hp, p.cp) * share
+    dkv = kv_block_bytes(w, p.hp, p.cp, w.accum_bytes) * share
+    hop = ring_hop_seconds(c, topo.inner if p.ring_window > 1 else topo.outer, kv)
+    hop_dkv = ring_hop_seconds(c, topo.inner if p.ring_window > 1 else topo.outer, dkv)
+    ring_fwd = overlapped(kernels_fwd, hop, c.overlap)
+    ring_bwd = overlapped(kernels_bwd, hop, c.overlap) + hop_dkv  # the partials go back after the compute
+    return AttentionTimes(full.a2a_fwd, full.a2a_bwd, ring_fwd, ring_bwd, kernels_fwd, kernels_bwd)
+
+
+def layer_attention_seconds(c: ClusterSpec, w: Workload, candidate: Candidate, topo: Topology) -> AttentionTimes:
+    """:func:`attention_seconds` of the mean layer: each layer priced by its kind (its window)."""
+    full = attention_seconds(c, w, candidate, topo)
+    windows = w.model.windows
+    if not any(windows):
+        return full
+    times = {
+        win: full if not win else sliding_attention_seconds(c, w, candidate, topo, win, full) for win in set(windows)
+    }
+    n = len(windows)
+    return AttentionTimes(*(sum(getattr(times[win], f.name) for win in windows) / n for f in fields(AttentionTimes)))

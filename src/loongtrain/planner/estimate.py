@@ -27,9 +27,9 @@ from loongtrain.planner.cost import (
     AttentionTimes,
     Candidate,
     Workload,
-    attention_seconds,
     candidate_topology,
     head_flops_fwd,
+    layer_attention_seconds,
     linear_flops_fwd,
     mlp_flops_fwd,
     model_flops_per_microbatch,
@@ -79,7 +79,7 @@ def _layout_times(
     """What does not depend on the memory options: shared by every option of one layout."""
     layout = Candidate(parallel, zero)
     topo = candidate_topology(c, layout)
-    return topo, attention_seconds(c, w, layout, topo), zero_seconds(c, w.model, layout, w.dtype_bytes)
+    return topo, layer_attention_seconds(c, w, layout, topo), zero_seconds(c, w.model, layout, w.dtype_bytes)
 
 
 def estimate(c: ClusterSpec, w: Workload, layout: Candidate) -> Estimate:

@@ -415,6 +415,7 @@ def memory_phases(
     projections = (e * m.dim + q_bytes + kv_bytes + max(q_bytes, e * m.dim)) * tokens + tile_temps + prefetched
     if groups > 1:  # the projections' backward is inside the grouped function (its working set);
         projections = 0.0  # the previous layer's kept tensors come back when its backward reads them
+
     # by the projections' backward the layer's own kept tensors but its input are freed (the MLP's
     # and the attention's saved tensors; sc++'s kept attention results)
     def at_projections(lb: LayerBytes) -> float:

@@ -61,6 +61,8 @@ def head_degree_ok(m: ModelConfig, hp: int) -> bool:
 def head_group_options(m: ModelConfig, hp: int) -> list[int]:
     """The head-group counts above one that split the model's heads, each group over ``hp``
     (``memory.head_groups``), fewest first."""
+    if not m.pre_norm_blocks:  # head groups run Llama's blocks only
+        return []
     return [g for g in divisors(m.n_heads)[1:] if _passes(check_head_groups, m.n_heads, m.n_kv_heads, g, hp)]
 
 
@@ -166,7 +168,7 @@ def shard_tokens(w: Workload, layout: Candidate) -> float:
 def _option_sets(c: ClusterSpec, w: Workload, base: Candidate) -> tuple[list[dict], list[dict]]:
     """The (tile, activation offload, head groups, checkpoint span) combinations beyond the
     plain layout, and those with model-state offload, that this cluster and layout allow."""
-    tiles = [0] + ([DEFAULT_MLP_TILE] if shard_tokens(w, base) > DEFAULT_MLP_TILE else [])
+    tiles = [0] + ([DEFAULT_MLP_TILE] if shard_tokens(w, base) > DEFAULT_MLP_TILE and w.model.pre_norm_blocks else [])
     acts = [False]
     if base.checkpoint != "none" and c.offload_gap("activations") is None:
         acts.append(True)
@@ -410,6 +412,11 @@ def check_candidate(w: Workload, candidate: Candidate, devices: int, c: ClusterS
             raise PlanError(f"{what}: {exc}") from None
     if w.batch % (p.dp * w.micro_batch) != 0:
         raise PlanError(f"batch={w.batch} is not a multiple of dp*micro_batch = {p.dp}*{w.micro_batch}")
+    if not m.pre_norm_blocks and (mem.mlp_tile or mem.head_groups > 1):
+        raise PlanError(
+            f"layout mlp_tile={mem.mlp_tile}, head_groups={mem.head_groups}: the tiled MLP and head groups run "
+            f"Llama's pre-norm blocks; this model has norm_placement={m.norm_placement!r}: use 0 and 1"
+        )
     tokens = shard_tokens(w, candidate)
     if mem.mlp_tile > tokens:
         raise PlanError(

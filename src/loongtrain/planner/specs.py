@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from loongtrain.model.config import PRESETS, ModelConfig
+from loongtrain.model.config import PRESETS, LayerKind, ModelConfig
 
 
 class PlanError(ValueError):
@@ -356,7 +356,11 @@ HF_MODEL_TYPES: dict[str, dict] = {
     "mistral": {},
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
-}
+    "smollm3": {},
+    "olmo3": {"qk_norm": True, "qk_norm_scope": "projection", "norm_placement": "post"},
+    "gemma3_text": {"qk_norm": True, "norm_placement": "sandwich", "norm_offset": True, "activation": "gelu_tanh",
+                    "embed_scale": True},
+}  # fmt: skip
 
 
 def model_from_folder(folder: str | Path) -> ModelConfig:
@@ -389,7 +393,11 @@ def model_from_folder(folder: str | Path) -> ModelConfig:
     heads = raw["num_attention_heads"]
     head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
     window = raw.get("sliding_window")
-    if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3", "smollm3") and not raw.get("use_sliding_window", False):
+        window = None
+    types = raw.get("layer_types") or []  # a window on the sliding layers only (the planner prices each layer)
+    kinds = tuple(LayerKind(int(window or 0) if t == "sliding_attention" else 0) for t in types)
+    if kinds and len(set(kinds)) > 1:
         window = None
     try:
         return ModelConfig(
@@ -404,6 +412,7 @@ def model_from_folder(folder: str | Path) -> ModelConfig:
             head_dim_override=0 if head_dim * heads == raw["hidden_size"] else head_dim,
             max_positions=int(raw.get("max_position_embeddings") or 0),
             sliding_window=int(window or 0),
+            layer_kinds=kinds if window is None and len(set(kinds)) > 1 else (),
             **HF_MODEL_TYPES[model_type],
         )
     except (TypeError, ValueError) as exc:

@@ -87,7 +87,7 @@ def disk_full_message(run_dir: Path, e: OSError | None, checkpoints: CheckpointM
 
 
 #: ModelConfig's defaults, for settings an older checkpoint does not record.
-_SHAPE_DEFAULTS = dataclasses.asdict(ModelConfig())
+_SHAPE_DEFAULTS = json.loads(json.dumps(dataclasses.asdict(ModelConfig())))  # as a saved shape reads
 
 
 def check_model_shape(path: Path, trainer_state: dict, model_shape: dict) -> None:

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from loongtrain.hf.families import export_family, hf_config_dict, require_transformers
 from loongtrain.hf.folder import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, HFFormatError
 from loongtrain.hf.weights import parameter_map, to_hf_tensor
-from loongtrain.model.config import ModelConfig, RopeScaling
+from loongtrain.model.config import ModelConfig, config_of_shape
 from loongtrain.train.checkpoint import (
     CHECKSUM_FILE,
     STATE_FILE,
@@ -76,8 +76,7 @@ def model_config_of_checkpoint(step_dir: Path) -> ModelConfig:
             f"{step_dir} is not a complete loongtrain checkpoint ({STATE_FILE} with model_shape: {e}); pass "
             "<run>/checkpoints/step-N"
         ) from None
-    scaling = shape.get("rope_scaling")
-    return ModelConfig(**{**shape, "rope_scaling": RopeScaling(**scaling) if scaling else None})
+    return config_of_shape(shape)
 
 
 def _run_seq_len(run_dir: Path) -> int:

@@ -24,7 +24,8 @@ class PerBatchLayouts:
         self.states = states
         self.configs = [s.config for s in states]
         self.shape = AttentionShape(model.n_heads, model.n_kv_heads, model.head_dim, elem_bytes)
-        self.sliding_window = model.sliding_window or None
+        # priced by the full layers' attention when the model has any (they dominate), else by the window
+        self.sliding_window = None if 0 in model.windows else max(model.windows)
         self.speeds = GPU_NODE if states[0].device.type == "cuda" else CPU_GLOO
 
     @classmethod

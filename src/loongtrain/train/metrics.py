@@ -33,9 +33,10 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> floa
 def batch_flops_per_token(cfg: ModelConfig, microbatches: list) -> float:
     """Model FLOPs per token of these microbatches (:class:`~loongtrain.data.Microbatch`),
     with attention counted over the keys each query really sees: packed documents'
-    masks and the model's sliding window cut the causal ``(S + 1) / 2``."""
+    masks and each layer's sliding window cut the causal ``(S + 1) / 2`` (averaged over the layers)."""
     tokens = sum(mb.tokens.numel() for mb in microbatches)
-    keys = sum(mb.attention_keys(cfg.sliding_window) for mb in microbatches)
+    windows = cfg.windows
+    keys = sum(windows.count(w) * sum(mb.attention_keys(w) for mb in microbatches) for w in set(windows)) / len(windows)
     return cfg.flops_per_token(microbatches[0].tokens.shape[1], keys_per_query=keys / tokens)
 
 

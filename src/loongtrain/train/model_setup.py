@@ -7,7 +7,6 @@ Importing this module needs neither transformers nor safetensors; only ``init_fr
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 
@@ -29,7 +28,7 @@ def model_config_for(section: ModelSection) -> ModelConfig:
 
         base = read_folder(section.init_from).model
         if section.sliding_window:
-            base = dataclasses.replace(base, sliding_window=section.sliding_window)
+            base = base.with_window(section.sliding_window)
     else:
         base = model_config(section.preset, **section.overrides())
     try:

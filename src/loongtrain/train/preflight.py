@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from loongtrain.apply import check_model_fits
+from loongtrain.apply import check_mlp_tile, check_model_fits
 from loongtrain.apply.attention import check_head_groups
 from loongtrain.attention.sharding import check_sequence_length
 from loongtrain.config import ConfigError, ModelSection, OptimSection, TrainConfig
@@ -135,6 +135,7 @@ def preflight(cfg: TrainConfig, world_size: int, local_world_size: int | None = 
         dp = layout.resolve_dp(world_size)
         check_model_fits(mcfg, layout.hp)
         check_head_groups(mcfg, cfg.memory.head_groups, [layout.hp])
+        check_mlp_tile(mcfg, cfg.memory.mlp_tile)
         if spec.memory.activation_checkpoint != AUTO_CHECKPOINT:  # auto is resolved per run
             checkpointed_count(spec.memory, mcfg.n_layers)  # no more checkpointed layers than the model has
         check_sequence_length(cfg.data.seq_len, layout.hp, layout.cp)

@@ -7,6 +7,7 @@ process starts; :func:`~loongtrain.train.trainer.build_run` builds the run from 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 
 import torch
@@ -155,7 +156,7 @@ def source_identity(source: object) -> dict | None:
 
 def model_shape(mcfg: ModelConfig) -> dict:
     """The model's shape as a checkpoint records it (``trainer_state["model_shape"]``)."""
-    return dataclasses.asdict(mcfg)
+    return json.loads(json.dumps(dataclasses.asdict(mcfg)))  # as JSON reads it back (layer kinds: lists)
 
 
 #: devices whose parameters AdamW updates with its fused kernel (one launch per parameter group

@@ -30,7 +30,7 @@ from loongtrain.train.checkpoint import (
 from loongtrain.train.model_setup import SOURCE_DIR
 
 #: model settings a stage may change (the weights do not depend on them)
-STAGE_FIELDS = ("rope_theta", "rope_scaling", "max_positions", "sliding_window")
+STAGE_FIELDS = ("rope_theta", "rope_scaling", "max_positions", "sliding_window", "layer_kinds")
 
 
 def stage_checkpoint(init_from: str | Path) -> Path:
