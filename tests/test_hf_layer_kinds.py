@@ -65,9 +65,7 @@ def _loongtrain(folder: str, layout: dict) -> tuple[float, dict]:
     return loss, to_hf_tensors(hf.model, grads)
 
 
-@pytest.mark.dist
-def test_loss_and_gradients_equal_transformers_on_packed_documents(dist_pool, tmp_path):
-    layouts = [(1, {}), (4, {"hp": 2, "cp": 2}), (4, {"cp": 4, "ring_window": 2, "balance": "documents"})]
+def _check_against_transformers(dist_pool, tmp_path, layouts: list[tuple[int, dict]]) -> None:
     for i, family in enumerate(FAMILIES):
         folder = make_hf_model(family, tmp_path / family, seed=40 + i)
         want_loss, want = _transformers(folder)
@@ -79,3 +77,18 @@ def test_loss_and_gradients_equal_transformers_on_packed_documents(dist_pool, tm
                 for name, grad in grads.items():
                     err = rel_err(grad, want[name])
                     assert err < 1e-5, f"{where} grad {name}: rel err {err:.2e}"
+
+
+@pytest.mark.dist
+def test_loss_and_gradients_equal_transformers_on_packed_documents(dist_pool, tmp_path):
+    layouts = [(1, {}), (4, {"hp": 2, "cp": 2}), (4, {"cp": 4, "ring_window": 2, "balance": "documents"})]
+    _check_against_transformers(dist_pool, tmp_path, layouts)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_loss_and_gradients_equal_transformers_on_eight_processes(dist_pool, tmp_path):
+    """The same at world 8 (issue 55's 1, 4 and 8 processes): 2D with the double ring, and a ring of 8
+    on the documents balance (windows of 4)."""
+    layouts = [(8, {"hp": 2, "cp": 4, "ring_window": 2}), (8, {"cp": 8, "ring_window": 4, "balance": "documents"})]
+    _check_against_transformers(dist_pool, tmp_path, layouts)
