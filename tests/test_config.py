@@ -418,3 +418,19 @@ def test_a_timeout_no_timer_can_hold_is_refused():
         load_config(None, ["run.timeout_s=1e300"])
     timedelta(seconds=2 * 1e9)  # the largest allowed, doubled as the backstop: fine
     load_config(None, ["run.timeout_s=1e9"])
+
+
+def test_layer_kinds_from_the_config_keys():
+    """``[model] layer_types`` (a pattern repeated over the layers) and ``nope_every`` set each layer's
+    kind as written, for any preset; bad entries are one line."""
+    from loongtrain.train.model_setup import model_config_for
+
+    cfg = load_config(None, ["model.n_layers=6", "model.sliding_window=16",
+                             "model.layer_types=sliding, sliding,full", "model.nope_every=4"])  # fmt: skip
+    m = model_config_for(cfg.model)
+    assert m.windows == (16, 16, 0, 16, 16, 0)
+    assert [k.rope for k in m.kinds] == [True, True, True, False, True, True]
+    with pytest.raises(ConfigError, match=r"model.layer_types entries \['global'\]: each is full or sliding"):
+        model_config_for(load_config(None, ["model.layer_types=full,global"]).model)
+    with pytest.raises(ConfigError, match="has sliding layers but the model no window: set model.sliding_window"):
+        model_config_for(load_config(None, ["model.layer_types=sliding,full"]).model)

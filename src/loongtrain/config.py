@@ -156,6 +156,15 @@ class ModelSection(
         "sliding-window attention: token i sees j only if i - j < this (0: keep the preset's or imported model's)",
         bound="non_negative",
     )
+    layer_types: str = option(
+        "",
+        "each layer's attention as a comma-separated pattern repeated over the layers: full or sliding (the "
+        "window is model.sliding_window or the model's), e.g. 'sliding,sliding,sliding,full' (OLMo 3's 3:1); "
+        "'' keeps the preset's or imported model's layer kinds",
+    )
+    nope_every: int = option(
+        0, "every this-many-th layer applies no RoPE (SmolLM3, Llama 4: 4); 0 keeps the model's", bound="non_negative"
+    )
     allow_longer_context: bool = option(
         False,
         "init_from: train at a data.seq_len beyond the context the model's RoPE was pretrained (or scaled) for; "

@@ -269,6 +269,27 @@ class ModelConfig:
         kinds = tuple(replace(k, sliding_window=window) if k.sliding_window else k for k in self.layer_kinds)
         return replace(self, layer_kinds=kinds)
 
+    def with_layer_pattern(self, layer_types: str = "", nope_every: int = 0) -> ModelConfig:
+        """This model with each layer's kind set from a pattern: ``layer_types`` a comma-separated
+        list of ``full`` / ``sliding`` repeated over the layers (the sliding layers take the
+        model's window), and every ``nope_every``-th layer without RoPE (SmolLM3, Llama 4: 4).
+        "" and 0 keep the model's kinds. Raises ValueError naming a bad entry."""
+        n, window = self.n_layers, max(self.windows, default=0)
+        kinds = list(self.kinds)
+        if layer_types:
+            names = [t.strip() for t in layer_types.split(",")]
+            unknown = sorted({t for t in names if t not in ("full", "sliding")})
+            if unknown:
+                raise ValueError(f"model.layer_types entries {unknown}: each is full or sliding (comma-separated)")
+            if "sliding" in names and not window:
+                raise ValueError(
+                    "model.layer_types has sliding layers but the model no window: set model.sliding_window"
+                )
+            kinds = [LayerKind(window if names[i % len(names)] == "sliding" else 0) for i in range(n)]
+        if nope_every:
+            kinds = [replace(k, rope=False) if (i + 1) % nope_every == 0 else k for i, k in enumerate(kinds)]
+        return replace(self, sliding_window=0, layer_kinds=tuple(kinds))
+
     @property
     def windows(self) -> tuple[int, ...]:
         """Each layer's sliding window (0: full attention)."""

@@ -32,6 +32,8 @@ def model_config_for(section: ModelSection) -> ModelConfig:
     else:
         base = model_config(section.preset, **section.overrides())
     try:
+        if section.layer_types or section.nope_every:  # each layer's kind from a pattern
+            base = base.with_layer_pattern(section.layer_types, section.nope_every)
         return extend_context(
             base,
             rope_theta=section.rope_theta,
