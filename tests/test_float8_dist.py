@@ -164,7 +164,16 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _invariance(cfg: dict, zero: str, ckpt: str, micro: int, pack: bool, recipe: str = RECIPE) -> dict:
+def _invariance(
+    cfg: dict,
+    zero: str,
+    ckpt: str,
+    micro: int,
+    pack: bool,
+    recipe: str = RECIPE,
+    memory: dict | None = None,
+    others: tuple = (),
+) -> dict:
     state = cached_state(**cfg)
     mcfg = model_config("debug")
     seq = 16 * state.sp
@@ -175,25 +184,28 @@ def _invariance(cfg: dict, zero: str, ckpt: str, micro: int, pack: bool, recipe:
 
     # the layout's own fp32 reordering (ring merges, gradient reductions): the same layout without
     # float8 against the fp32 reference; float8 cannot be closer to one process than fp32 is
-    *fp32_step, _ = _parallel_step(state, mcfg, zero, ckpt, batches, pack, None)
+    memory = MemoryOptions(activation_checkpoint=ckpt, **(memory or {}))
+    alternatives = [cached_state(**{**cfg, **o}) for o in others]  # a layout per microbatch: m on m % (1 + len)
+    *fp32_step, _ = _parallel_step(state, mcfg, zero, memory, batches, pack, None, alternatives)
     fp32 = _errors(*fp32_step, _reference_step(_hf_float8_model(mcfg, 1, None), batches))
     floor = {key: max(value, fp32[key]) for key, value in floor.items() if key != "worst_grad"}
-    loss, grads, params, converted = _parallel_step(state, mcfg, zero, ckpt, batches, pack, recipe)
+    loss, grads, params, converted = _parallel_step(state, mcfg, zero, memory, batches, pack, recipe, alternatives)
     return {"floor": floor, "layout": _errors(loss, grads, params, reference), "float8_linears": converted}
 
 
-def _parallel_step(state, mcfg, zero: str, ckpt: str, batches, pack: bool, recipe: str | None):
+def _parallel_step(state, mcfg, zero: str, memory, batches, pack: bool, recipe: str | None, alternatives):
     """One step of loongtrain's parallel model (float8 with ``recipe``; None: fp32): (loss,
     gradients, parameters after AdamW) by HF name, and how many linears are float8."""
     from loongtrain.hf.weights import parameter_map, to_hf_tensor
 
     float8 = Float8Options(enabled=recipe is not None, recipe_name=recipe or RECIPE, emulate=True)
-    par = parallelize(
-        build_model(mcfg), state, memory=MemoryOptions(activation_checkpoint=ckpt), zero=zero, float8=float8
-    )
+    par = parallelize(build_model(mcfg), state, memory=memory, zero=zero, float8=float8, alternatives=alternatives)
     materialize(par, torch.device("cpu"), SEED)
     mine = [Microbatch(t, lab, torch.tensor(cu) if pack else None) for t, lab, cu in batches]
-    loss = forward_backward(par, state, mine).loss
+    states = [state, *alternatives]
+    turns = iter(range(len(mine)))
+    choose = (lambda mb: states[next(turns) % len(states)]) if alternatives else None
+    loss = forward_backward(par, state, mine, choose=choose).loss
     mapping = parameter_map(mcfg)
     hf = lambda name, t: (mapping[name].hf_name, to_hf_tensor(mcfg, mapping[name], _full(t)))  # noqa: E731
     grads = dict(hf(n, p.grad) for n, p in par.named_parameters())
@@ -208,6 +220,21 @@ CASES = [
     (4, {"hp": 2, "cp": 2}, "dp_sp", "sc++", 2, False),
     (4, {"cp": 4, "ring_window": 2}, "sp", "full", 1, True),
     (4, {"hp": 2, "cp": 2, "placement": "context_first"}, "none", "sc++", 1, True),
+]
+# memory options and a layout per microbatch: (world, layout, zero, checkpointing, microbatches, packed,
+# memory options, the other hp x cp splits of the microbatches)
+OPTION_CASES = [
+    (4, {"hp": 2, "cp": 2}, "dp_sp", "sc++", 1, True, {"offload_activations": True, "offload_states": True}, ()),
+    (
+        4,
+        {"hp": 2, "cp": 2, "balance": "locality"},
+        "dp_sp",
+        "full",
+        2,
+        True,
+        {},
+        ({"hp": 1, "cp": 4, "ring_window": 2},),
+    ),
 ]
 SLOW_CASES = [(8, {"hp": 2, "cp": 4, "ring_window": 2}, "dp_sp", "none", 1, True)]
 FLOOR_FACTOR = 4
@@ -225,8 +252,11 @@ def _bounds(floor: dict[str, float]) -> dict[str, float]:
 
 
 def _check(dist_pool, case) -> None:
-    world, cfg, zero, ckpt, micro, pack = case
-    for rank, result in enumerate(dist_pool(world).run(_invariance, cfg, zero, ckpt, micro, pack)):
+    world, cfg, zero, ckpt, micro, pack, *options = case
+    memory, others = options or ({}, ())
+    for rank, result in enumerate(
+        dist_pool(world).run(_invariance, cfg, zero, ckpt, micro, pack, RECIPE, memory, others)
+    ):
         assert result["float8_linears"] == 14, result  # 7 per block: every linear but the output layer
         floor, layout = result["floor"], result["layout"]
         if rank == 0:
@@ -236,14 +266,23 @@ def _check(dist_pool, case) -> None:
 
 
 def _case_id(case) -> str:
-    world, cfg, zero, ckpt, micro, pack = case
+    world, cfg, zero, ckpt, micro, pack, *options = case
     parts = [f"w{world}", *(f"{k}={v}" for k, v in cfg.items()), zero, ckpt, f"micro{micro}"]
-    return "-".join(parts + (["packed"] if pack else []))
+    parts += ["packed"] if pack else []
+    if options:
+        parts += [*(k for k in options[0]), *(f"then-{o['hp']}x{o['cp']}" for o in options[1])]
+    return "-".join(parts)
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_rowwise_float8_does_not_depend_on_the_layout(dist_pool, case):
+    _check(dist_pool, case)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", OPTION_CASES, ids=_case_id)
+def test_rowwise_float8_with_offload_and_a_layout_per_microbatch(dist_pool, case):
     _check(dist_pool, case)
 
 
