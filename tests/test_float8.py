@@ -74,14 +74,6 @@ def test_a_gpu_without_fp8_units_is_refused_naming_it():
     check_float8_device("cuda", (9, 0), "NVIDIA H100 80GB HBM3", on)
     check_float8_device("cpu", None, "", on)  # torch._scaled_mm runs on the CPU
     check_float8_device("cuda", (7, 0), "Tesla V100", Float8Options())  # off: nothing to check
-    gather = Float8Options(enabled=True, enable_fsdp_float8_all_gather=True)
-    with pytest.raises(ValueError, match="gloo .* cannot send; it needs CUDA"):
-        check_float8_device("cpu", None, "", gather)
-
-
-def test_preflight_refuses_the_float8_all_gather_on_gloo(tmp_path):
-    with pytest.raises(ConfigError, match="enable_fsdp_float8_all_gather gathers float8 buffers"):
-        preflight(_cfg(tmp_path, *ON, "float8.enable_fsdp_float8_all_gather=true"), 1)
 
 
 def test_a_filter_that_leaves_nothing_is_a_warning_naming_it(tmp_path):

@@ -313,3 +313,60 @@ def test_the_floor_tells_a_layout_dependent_recipe_apart(dist_pool):
     world, cfg, zero, ckpt, micro, pack = CASES[1]
     result = dist_pool(world).run(_invariance, cfg, zero, ckpt, micro, pack, "tensorwise")[0]
     assert result["layout"]["grad"] > 1000 * _bounds(result["floor"])["grad"], result
+
+
+def _all_gather_run(float8_all_gather: bool, steps: int, param_dtype=None) -> tuple[list, dict, int]:
+    """``steps`` AdamW steps of the tensorwise float8 model on 2 data-parallel ranks (ZeRO over
+    both), its weights gathered in float8 (scales precomputed after each step) or in the compute
+    dtype and cast whole: (losses, final parameters, all-gather bytes of the first forward)."""
+    from loongtrain.apply.float8 import precompute_scales
+
+    state = cached_state(dp=2)
+    mcfg = model_config("debug")
+    float8 = Float8Options(
+        enabled=True, recipe_name="tensorwise", enable_fsdp_float8_all_gather=float8_all_gather,
+        precompute_float8_dynamic_scale_for_fsdp=float8_all_gather,
+    )  # fmt: skip
+    par = parallelize(build_model(mcfg), state, zero="dp_sp", float8=float8, param_dtype=param_dtype)
+    materialize(par, torch.device("cpu"), SEED)
+    precompute_scales(par)
+    optimizer = torch.optim.AdamW(par.parameters(), **ADAMW)
+    losses, gathered = [], 0
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step)
+        data = torch.randint(0, mcfg.vocab_size, (2, 33), generator=gen)[state.coords.dp : state.coords.dp + 1]
+        state.stats.reset()
+        losses.append(forward_backward(par, state, [(data[:, :-1], data[:, 1:])], backward=param_dtype is None).loss)
+        gathered = gathered or state.stats.bytes.get("zero.all_gather", 0)
+        if param_dtype is not None:  # bf16 on the CPU: the bytes of one forward are all we need
+            break
+        optimizer.step()
+        optimizer.zero_grad()
+        precompute_scales(par)
+    return losses, {n: _full(p.detach()).clone() for n, p in par.named_parameters()}, gathered
+
+
+def _float8_all_gather(steps: int) -> dict:
+    on, off = _all_gather_run(True, steps), _all_gather_run(False, steps)
+    (_, _, f8_bytes), (_, _, bf16_bytes) = (_all_gather_run(on, 1, torch.bfloat16) for on in (True, False))
+    return {
+        "losses": (on[0], off[0]),
+        "same_params": all(torch.equal(on[1][n], off[1][n]) for n in on[1]),
+        "bytes": (f8_bytes, bf16_bytes),
+        "linear_params": model_config("debug").layer_matmul_params() * model_config("debug").n_layers,
+    }
+
+
+@pytest.mark.dist
+def test_float8_all_gather_on_gloo_is_bit_equal_and_sends_half_of_bf16(dist_pool):
+    """The float8 all-gather (tensorwise; its 1-byte buffers travel as uint8 over gloo, scales
+    precomputed after each optimizer step) gives the losses and, after 3 AdamW steps, the
+    parameters of the same model gathering its weights whole and casting them, bit for bit (a
+    weight's float8 values depend on its global amax only); one forward's all-gather sends the
+    blocks' linear weights in one byte each where bf16 sends two."""
+    for result in dist_pool(2).run(_float8_all_gather, 3):
+        gathered, plain = result["losses"]
+        assert gathered == plain and result["same_params"], result
+        f8_bytes, bf16_bytes = result["bytes"]
+        # each rank sends its half of every linear weight to the other: 1 byte per element, not 2
+        assert bf16_bytes - f8_bytes == result["linear_params"] // 2, result

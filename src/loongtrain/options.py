@@ -327,7 +327,7 @@ class Float8Options:
         False, "emulate the float8 matmuls in high precision (same numerics; for GPUs below compute capability 8.9)"
     )
     enable_fsdp_float8_all_gather: bool = option(
-        False, "ZeRO gathers the weights as float8 (half of bf16's bytes); tensorwise only, CUDA (NCCL) only"
+        False, "ZeRO gathers the blocks' weights as float8 (half of bf16's bytes); tensorwise only"
     )
     precompute_float8_dynamic_scale_for_fsdp: bool = option(
         False, "with the float8 all-gather: compute every weight's scale in one op after each optimizer step"
@@ -354,7 +354,7 @@ class Float8Options:
 def check_float8_device(device: str, capability: tuple[int, int] | None, gpu_name: str, float8: Float8Options) -> None:
     """Raise ValueError if ``float8`` cannot run on ``device`` (``cpu`` or ``cuda``; a GPU's
     ``capability`` and ``gpu_name``): float8 matmuls need FP8 units (compute capability >= 8.9)
-    unless emulated; the float8 all-gather needs NCCL (gloo has no float8 type)."""
+    unless emulated (the CPU runs ``torch._scaled_mm`` itself)."""
     if not float8.enabled:
         return
     if device == "cuda" and not float8.emulate and capability is not None and capability < FLOAT8_MIN_CAPABILITY:
@@ -362,11 +362,6 @@ def check_float8_device(device: str, capability: tuple[int, int] | None, gpu_nam
             f"float8.enabled needs FP8 matmul units (compute capability >= 8.9: Ada, Hopper, Blackwell), and "
             f"{gpu_name} has {capability[0]}.{capability[1]}: set float8.emulate=true (same numerics, no speed-up) "
             f"or float8.enabled=false"
-        )
-    if device != "cuda" and float8.enable_fsdp_float8_all_gather:
-        raise ValueError(
-            f"float8.enable_fsdp_float8_all_gather gathers float8 buffers, which gloo (run.device={device}) cannot "
-            f"send; it needs CUDA (NCCL): set it to false"
         )
 
 
