@@ -80,7 +80,9 @@ def test_a_filter_that_leaves_nothing_is_a_warning_naming_it(tmp_path):
     (notice,) = preflight(_cfg(tmp_path, *ON, "float8.filter_fqns=attention,feed_forward"), 1).notices
     assert notice.startswith("warning: float8.enabled but no linear is converted")
     assert "filter_fqns 'attention'" in notice and "\n" not in notice
-    assert preflight(_cfg(tmp_path, *ON), 1).notices == ()  # the debug model: 14 linears in float8
+    assert preflight(_cfg(tmp_path, *ON, "float8.emulate=true"), 1).notices == ()  # the debug model: 14 in float8
+    (slow,) = preflight(_cfg(tmp_path, *ON), 1).notices
+    assert "torch._scaled_mm's reference kernel" in slow and "float8.emulate=true" in slow
 
 
 def test_missing_or_old_torchao_is_one_line_naming_the_install(monkeypatch):

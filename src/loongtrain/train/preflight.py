@@ -102,7 +102,13 @@ def check_float8(options: Float8Options, device: str, mcfg: ModelConfig) -> str 
     if device == "cuda" and torch.cuda.is_available():
         capability, name = torch.cuda.get_device_capability(0), torch.cuda.get_device_name(0)
     check_float8_device(device, capability, name, options)
-    return empty_plan_warning(float8_plan(build_model(mcfg), options))
+    warning = empty_plan_warning(float8_plan(build_model(mcfg), options))
+    if warning is None and device == "cpu" and not options.emulate:
+        return (
+            "notice: float8 on the CPU runs torch._scaled_mm's reference kernel, about 100x slower than "
+            "float8.emulate=true (the same products; the rowwise recipes also round them to bf16); set it for speed"
+        )
+    return warning
 
 
 def check_optimizer(o: OptimSection) -> None:
