@@ -13,6 +13,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -n
   echo "setting up .venv (torch==$TORCH_VERSION, loongtrain editable) ..." >&2
   # torch first and pinned, so nothing below can pull another (multi-GB) build
   .venv/bin/python -m pip install -q --disable-pip-version-check "torch==$TORCH_VERSION" numpy
-  .venv/bin/python -m pip install -q --disable-pip-version-check "torch==$TORCH_VERSION" -e ".[dev,hf,tensorboard,wandb,mlflow]"  # torch named again: the extras must not replace it
+  .venv/bin/python -m pip install -q --disable-pip-version-check "torch==$TORCH_VERSION" -e ".[dev,hf,tensorboard,wandb,mlflow,fp8]"  # torch named again: the extras must not replace it
   touch "$stamp"
 fi

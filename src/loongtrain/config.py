@@ -23,10 +23,12 @@ from loongtrain.options import (
     LAYOUT_MODES,
     LONG_DOCUMENTS,
     ZERO_SCOPES,
+    Float8Options,
     GuardOptions,
     MemoryOptions,
     bound_error,
     check_compile,
+    check_float8_memory,
     option,
 )
 from loongtrain.parallel.config import ParallelConfig
@@ -211,6 +213,16 @@ class ParallelSection(option_keys(ParallelConfig)):
     def config(self) -> ParallelConfig:
         """These keys as the :class:`ParallelConfig` that ``init_parallel`` takes."""
         return ParallelConfig(**option_values(self, ParallelConfig))
+
+
+@dataclass
+class Float8Section(option_keys(Float8Options)):
+    """``[float8]``: the fields of :class:`Float8Options` (FP8 training of the blocks' linears,
+    beside ``parallel.param_dtype``: the compute dtype of everything else)."""
+
+    def options(self) -> Float8Options:
+        """These keys as the :class:`Float8Options` that ``parallelize`` takes."""
+        return Float8Options(**option_values(self, Float8Options))
 
 
 #: the trainer checkpoints with sc++ unless told otherwise (a long-sequence trainer's choice);
@@ -522,6 +534,7 @@ class TrainConfig:
     run: RunSection = field(default_factory=RunSection)
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
+    float8: Float8Section = field(default_factory=Float8Section)
     attention: AttentionSection = field(default_factory=AttentionSection)
     memory: MemorySection = field(default_factory=MemorySection)
     data: DataSection = field(default_factory=DataSection)
@@ -705,6 +718,11 @@ def validate(cfg: TrainConfig) -> None:
     _option_object("memory", cfg.memory.options)
     _option_object("guard", cfg.guard.options)
     _option_object("parallel", cfg.parallel.config)
+    _option_object("float8", cfg.float8.options)
+    try:
+        check_float8_memory(cfg.memory.options(), cfg.float8.options())
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if cfg.run.compile:
         try:
             check_compile(cfg.memory.options(), cfg.parallel.layout == "per_batch")

@@ -290,6 +290,98 @@ def check_compile(memory: MemoryOptions, per_batch: bool = False) -> None:
         )
 
 
+#: torchao's float8 training recipes (``Float8LinearConfig.from_recipe_name``): ``tensorwise`` (one
+#: scale per tensor: fastest, but under sequence parallelism a rank's activation scales come from its
+#: shard), ``rowwise`` (a scale per token / weight row) and ``rowwise_with_gw_hp`` (rowwise, the weight
+#: gradient in high precision: every scale is per token or per weight row, so the result does not
+#: depend on the layout)
+FLOAT8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+#: the compute capability from which a GPU has FP8 matmul units (Ada 8.9, Hopper 9.0, Blackwell)
+FLOAT8_MIN_CAPABILITY = (8, 9)
+
+
+@dataclass(frozen=True)
+class Float8Options:
+    """FP8 training of the transformer blocks' linears with torchao (``loongtrain.apply.float8``):
+    the ``[float8]`` keys of a training config (torchtitan's names). The output layer, the
+    embedding, attention, norms, the ring and the loss stay in the compute dtype."""
+
+    enabled: bool = option(False, "train the blocks' linear layers in float8 (torchao; pip install -e '.[fp8]')")
+    recipe_name: str = option(
+        "tensorwise",
+        "torchao recipe: tensorwise (one scale per tensor, fastest; scales follow each rank's shard of the "
+        "tokens), rowwise (per token / weight row) or rowwise_with_gw_hp (rowwise, weight gradient in high "
+        "precision: the result does not depend on the parallel layout)",
+        choices=FLOAT8_RECIPES,
+    )
+    filter_fqns: str = option(
+        "",
+        "comma-separated name fragments of linears kept in high precision (e.g. 'wq,wk'); the output layer and "
+        "linears whose dims are not multiples of 16 are always kept",
+    )
+    auto_filter_small_kn: bool = option(
+        False,
+        "also keep the linears torchao's size heuristics (measured on H100) expect no speed-up from in high precision",
+    )
+    emulate: bool = option(
+        False, "emulate the float8 matmuls in high precision (same numerics; for GPUs below compute capability 8.9)"
+    )
+    enable_fsdp_float8_all_gather: bool = option(
+        False, "ZeRO gathers the blocks' weights as float8 (half of bf16's bytes); tensorwise only"
+    )
+    precompute_float8_dynamic_scale_for_fsdp: bool = option(
+        False, "with the float8 all-gather: compute every weight's scale in one op after each optimizer step"
+    )
+
+    def __post_init__(self) -> None:
+        check_bounds(self)
+        if self.enable_fsdp_float8_all_gather and self.recipe_name != "tensorwise":
+            raise ValueError(
+                f"Float8Options: enable_fsdp_float8_all_gather sends each weight with one scale per tensor, so it "
+                f"needs recipe_name='tensorwise' (got {self.recipe_name!r}); turn it off or use tensorwise"
+            )
+        if self.precompute_float8_dynamic_scale_for_fsdp and not self.enable_fsdp_float8_all_gather:
+            raise ValueError(
+                "Float8Options: precompute_float8_dynamic_scale_for_fsdp computes the scales of the float8 "
+                "all-gather: set enable_fsdp_float8_all_gather=true too, or turn it off"
+            )
+
+    def fqn_filters(self) -> tuple[str, ...]:
+        """``filter_fqns`` as its non-empty, stripped fragments."""
+        return tuple(part.strip() for part in self.filter_fqns.split(",") if part.strip())
+
+
+def check_float8_device(device: str, capability: tuple[int, int] | None, gpu_name: str, float8: Float8Options) -> None:
+    """Raise ValueError if ``float8`` cannot run on ``device`` (``cpu`` or ``cuda``; a GPU's
+    ``capability`` and ``gpu_name``): float8 matmuls need FP8 units (compute capability >= 8.9)
+    unless emulated (the CPU runs ``torch._scaled_mm`` itself)."""
+    if not float8.enabled:
+        return
+    if device == "cuda" and not float8.emulate and capability is not None and capability < FLOAT8_MIN_CAPABILITY:
+        raise ValueError(
+            f"float8.enabled needs FP8 matmul units (compute capability >= 8.9: Ada, Hopper, Blackwell), and "
+            f"{gpu_name} has {capability[0]}.{capability[1]}: set float8.emulate=true (same numerics, no speed-up) "
+            f"or float8.enabled=false"
+        )
+
+
+def check_float8_memory(memory: MemoryOptions, float8: Float8Options) -> None:
+    """Raise ValueError for a memory option that would bypass the float8 linears: the tiled MLP
+    and the attention over head groups compute their projections from the weight tensors
+    themselves (in their own backward), not through the linear modules torchao swapped in."""
+    if not float8.enabled:
+        return
+    on = [name for name in ("mlp_tile",) if getattr(memory, name)]
+    if memory.head_groups > 1:
+        on.append("head_groups")
+    if on:
+        raise ValueError(
+            f"float8.enabled runs the blocks' linears as torchao's float8 modules, and memory.{on[0]} computes its "
+            f"projections from the weight tensors directly (bypassing them): turn memory.{on[0]} off or "
+            f"float8.enabled=false"
+        )
+
+
 #: what the trainer does with a step whose loss or gradients are not finite (``guard.nonfinite``)
 NONFINITE_POLICIES: tuple[str, ...] = ("stop", "skip")
 #: what the trainer does with a loss spike (``guard.spike``)

@@ -7,7 +7,8 @@ classes live in a private module: this file is the one place that imports it. Th
 counting comms call the public collectives FSDP2's defaults call
 (``all_gather_single``, ``reduce_scatter_single``; ``*_into_tensor``/``*_tensor`` before
 torch 2.13), on the buffers FSDP2 hands them,
-so what runs is unchanged. The HSDP all-reduce is seen through ``set_all_reduce_hook``,
+so what runs is unchanged (float8 buffers, from the float8 all-gather, travel as the same bytes
+viewed as uint8: gloo has no float8 type). The HSDP all-reduce is seen through ``set_all_reduce_hook``,
 which FSDP2 calls after it.
 
 Bytes are those a bandwidth-optimal (ring) algorithm sends from each rank, which is also
@@ -49,6 +50,11 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+#: one-byte float types a float8 all-gather hands FSDP2's all-gather (``[float8]
+#: enable_fsdp_float8_all_gather``): sent as the same bytes viewed as uint8, which every backend carries
+FLOAT8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name))
+
+
 def _alloc(size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(size, dtype=dtype, device=device)
 
@@ -64,6 +70,8 @@ if AllGather is not None:
 
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
             _add(self.stats, "zero.all_gather", _nbytes(input_tensor) * (group.size() - 1))
+            if output_tensor.dtype in FLOAT8_DTYPES:  # the float8 all-gather: gloo has no float8 type
+                output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
             return _all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
 
     class _CountingReduceScatter(ReduceScatter):

@@ -15,6 +15,7 @@ passes the group check in (:func:`run`), so nothing here imports above the plann
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Callable
 
@@ -181,6 +182,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also predict per-batch layouts for packed documents of these lengths: a token file from loongtrain "
         "prepare, or lognormal:median=1024,sigma=1.5[,max=L]",
     )
+    what.add_argument(
+        "--float8",
+        default="",
+        choices=("", "tensorwise", "rowwise", "rowwise_with_gw_hp"),
+        metavar="RECIPE",
+        help="plan FP8 training of the blocks' linears (torchao recipe: tensorwise, rowwise, rowwise_with_gw_hp); "
+        "the winner is also priced in bf16, side by side",
+    )
+    what.add_argument(
+        "--float8-all-gather", action="store_true", help="with --float8 tensorwise: ZeRO gathers weights in float8"
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=int, default=10, help="rows of the table (10)")
     out.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -198,7 +210,8 @@ def _workload(args: argparse.Namespace, model, seq_len: int):
     from loongtrain.planner.cost import Workload
 
     tokens = args.global_batch if args.global_batch is not None else DEFAULT_GLOBAL_BATCH
-    return Workload.from_tokens(model, seq_len, tokens, micro_batch=args.micro_batch)
+    float8 = dict(float8=getattr(args, "float8", ""), float8_all_gather=getattr(args, "float8_all_gather", False))
+    return Workload.from_tokens(model, seq_len, tokens, micro_batch=args.micro_batch, **float8)
 
 
 def _timeline(cluster, workload, layout, path: str) -> dict:
@@ -258,6 +271,8 @@ def _check_request(args: argparse.Namespace) -> None:
     """Bad input, in one line, before anything runs."""
     if args.top < 1:
         raise PlanError(f"--top={args.top} must be at least 1")
+    if getattr(args, "float8_all_gather", False) and getattr(args, "float8", "") != "tensorwise":
+        raise PlanError("--float8-all-gather sends one scale per weight: it needs --float8 tensorwise")
     if isinstance(args.micro_batch, bool) or args.micro_batch < 1:
         raise PlanError(f"--micro-batch={args.micro_batch} must be a positive integer")
     if args.max_seq_len:
@@ -314,13 +329,25 @@ def _beside_every_layer_full(cluster, model, answer, micro_batch: int) -> str:
 
 def _plan(args: argparse.Namespace, check_groups: GroupCheck | None, per_batch: PerBatchPrediction | None) -> None:
     from loongtrain.planner.estimate import estimate
-    from loongtrain.planner.report import json_report, layout_dict, layout_lines, text_report
+    from loongtrain.planner.report import (
+        json_report,
+        layout_dict,
+        layout_lines,
+        precision_rows,
+        precision_text,
+        text_report,
+    )
     from loongtrain.planner.search import check_candidate, search_layouts
     from loongtrain.planner.specs import cluster_spec, model_spec
 
     _check_request(args)
     cluster = cluster_spec(args.cluster or "a100")
     model = model_spec(args.model)
+    if getattr(args, "float8", "") and cluster.fp8_matmul_tflops <= 0:
+        raise PlanError(
+            f"--float8: cluster {cluster.name!r} has no FP8 matmul units (fp8_matmul_tflops=0; A100 and older), where "
+            f"float8 only runs emulated; plan without --float8, or set fp8_matmul_tflops in a cluster file"
+        )
     if args.max_seq_len:
         _max_seq_len(args, cluster, model)
         return
@@ -347,6 +374,9 @@ def _plan(args: argparse.Namespace, check_groups: GroupCheck | None, per_batch: 
         if per_batch is None:
             raise PlanError("--documents prices layouts with the attention's code: run it through `loongtrain plan`")
         extra.update(per_batch(args, cluster, workload, target.candidate))
+    if getattr(args, "float8", ""):
+        bf16 = estimate(cluster, dataclasses.replace(workload, float8="", float8_all_gather=False), target.candidate)
+        extra["precision"] = precision_rows(bf16, estimate(cluster, workload, target.candidate), args.float8)
     if args.json:
         extra.pop("per_batch_text", None)
         out = json_report(result, args.model, args.top)
@@ -355,6 +385,8 @@ def _plan(args: argparse.Namespace, check_groups: GroupCheck | None, per_batch: 
         print(json.dumps({**out, **extra}, indent=1))
         return
     print(text_report(result, args.model, args.top))
+    if "precision" in extra:
+        print("\n" + precision_text(extra["precision"]))
     if chosen is not None:
         print("\n" + "\n".join(layout_lines(result, chosen)))
     if "per_batch" in extra:

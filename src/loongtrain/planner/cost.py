@@ -128,10 +128,23 @@ class Workload:
     micro_batch: int = 1
     dtype_bytes: int = 2  # activations and communication (bf16)
     causal: bool = True
+    float8: str = ""  # the blocks' linears in float8 with this torchao recipe ("": the compute dtype)
+    float8_all_gather: bool = False  # ZeRO gathers the blocks' weights as float8 (tensorwise)
+
+    def __post_init__(self) -> None:
+        from loongtrain.planner.float8 import check_float8_recipe
+
+        try:
+            check_float8_recipe(self.float8, self.float8_all_gather)
+        except ValueError as exc:
+            raise PlanError(str(exc)) from None
 
     @classmethod
-    def from_tokens(cls, model: ModelConfig, seq_len: int, global_batch_tokens: int, micro_batch: int = 1) -> Workload:
-        """A step of ``global_batch_tokens`` tokens: ``global_batch_tokens / seq_len`` sequences."""
+    def from_tokens(
+        cls, model: ModelConfig, seq_len: int, global_batch_tokens: int, micro_batch: int = 1, **float8
+    ) -> Workload:
+        """A step of ``global_batch_tokens`` tokens: ``global_batch_tokens / seq_len`` sequences
+        (``float8``: the ``float8`` and ``float8_all_gather`` fields)."""
         if global_batch_tokens < seq_len:
             raise PlanError(
                 f"global batch {global_batch_tokens} tokens is less than one sequence of {seq_len}; "
@@ -142,7 +155,7 @@ class Workload:
                 f"global batch {global_batch_tokens} tokens is not a whole number of {seq_len}-token sequences; "
                 f"use a multiple of {seq_len} (e.g. {global_batch_tokens // seq_len * seq_len})"
             )
-        return cls(model, seq_len, batch=global_batch_tokens // seq_len, micro_batch=micro_batch)
+        return cls(model, seq_len, batch=global_batch_tokens // seq_len, micro_batch=micro_batch, **float8)
 
     @property
     def tokens(self) -> int:

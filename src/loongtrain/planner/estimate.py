@@ -34,6 +34,7 @@ from loongtrain.planner.cost import (
     mlp_flops_fwd,
     model_flops_per_microbatch,
 )
+from loongtrain.planner.float8 import cast_seconds
 from loongtrain.planner.memory import MemoryBreakdown, layer_bytes, memory_bytes
 from loongtrain.planner.specs import ClusterSpec
 from loongtrain.planner.topology import Topology
@@ -79,7 +80,8 @@ def _layout_times(
     """What does not depend on the memory options: shared by every option of one layout."""
     layout = Candidate(parallel, zero)
     topo = candidate_topology(c, layout)
-    return topo, layer_attention_seconds(c, w, layout, topo), zero_seconds(c, w.model, layout, w.dtype_bytes)
+    zero_times = zero_seconds(c, w.model, layout, w.dtype_bytes, w.float8_all_gather)
+    return topo, layer_attention_seconds(c, w, layout, topo), zero_times
 
 
 def estimate(c: ClusterSpec, w: Workload, layout: Candidate) -> Estimate:
@@ -89,6 +91,14 @@ def estimate(c: ClusterSpec, w: Workload, layout: Candidate) -> Estimate:
     m, mm = w.model, c.matmul_tflops * 1e12
     lin = linear_flops_fwd(w, p.sp) / mm
     head = head_flops_fwd(w, p.sp) / mm
+    # float8 (planner/float8.py): the blocks' matmuls at the FP8 rate, plus their casts; lin_bwd
+    # is backward's two products (the weight gradient's in bf16 for rowwise_with_gw_hp)
+    lin_bwd = 2 * lin
+    if w.float8 and c.fp8_matmul_tflops > 0:
+        fp8 = linear_flops_fwd(w, p.sp) / (c.fp8_matmul_tflops * 1e12)
+        cast_fwd, cast_bwd = cast_seconds(m, w.micro_batch * w.seq_len / p.sp, w.float8, c.hbm_bw_gbs)
+        lin_bwd = fp8 + (lin if w.float8 == "rowwise_with_gw_hp" else fp8) + cast_bwd
+        lin = fp8 + cast_fwd
     tile = mlp_flops_fwd(w, p.sp) / mm if mem.mlp_tile else 0.0
     n_layers = m.n_layers
     ckpt = mem.activation_checkpoint
@@ -108,7 +118,7 @@ def estimate(c: ClusterSpec, w: Workload, layout: Candidate) -> Estimate:
     # elementwise work and launches (calibrated): 3 passes a layer, one more per recompute
     other = c.layer_token_ns * 1e-9 * w.micro_batch * w.seq_len / p.sp
     recompute += passes * other if n_ckpt else 0.0
-    compute = n_layers * (3 * lin + 3 * other + at.kernels_fwd + at.kernels_bwd + tile + regroup)
+    compute = n_layers * (lin + lin_bwd + 3 * other + at.kernels_fwd + at.kernels_bwd + tile + regroup)
     compute += n_ckpt * recompute + 3 * head
     a2a = n_layers * (at.a2a_fwd + at.a2a_bwd) + (n_ckpt * at.a2a_fwd * passes if full else 0.0)
     a2a += n_layers * at.a2a_fwd * (2 if again else 1) if grouped else 0.0
@@ -116,7 +126,7 @@ def estimate(c: ClusterSpec, w: Workload, layout: Candidate) -> Estimate:
     ring += n_ckpt * ring_fwd * passes if full else 0.0
     ring += n_layers * ring_fwd if again else 0.0
     layer_fwd = lin + other + at.fwd
-    layer_bwd = 2 * (lin + other) + at.bwd + tile + regroup
+    layer_bwd = lin_bwd + 2 * other + at.bwd + tile + regroup
     if grouped:  # the all-to-alls run again and, not kept, the ring's forward
         layer_bwd += at.a2a_fwd * (2 if again else 1) + (ring_fwd if again else 0.0)
     # a checkpointed layer's recompute, comms included
@@ -134,8 +144,12 @@ def estimate(c: ClusterSpec, w: Workload, layout: Candidate) -> Estimate:
     mfu = steps * model_flops_per_microbatch(w, layout) / (step * c.peak_tflops * 1e12)
     breakdown = memory_bytes(w, layout)
     blocked = None
+    if w.float8 and c.fp8_matmul_tflops <= 0:
+        blocked = f"cluster {c.name!r} has no FP8 matmul units (fp8_matmul_tflops=0): float8 runs emulated, no faster"
+    if w.float8 and (mem.mlp_tile or mem.head_groups > 1):  # options.check_float8_memory refuses them
+        blocked = "the tiled MLP and head groups would bypass the float8 linears (the trainer refuses them)"
     if mem.offload_activations and n_ckpt:
-        blocked = c.offload_gap("activations")
+        blocked = blocked or c.offload_gap("activations")
     if mem.offload_states:
         blocked = blocked or c.offload_gap("states")
     return Estimate(

@@ -74,6 +74,7 @@ from loongtrain.attention.workspace import backward_heads_per_call, backward_wor
 from loongtrain.model.config import TILE_TEMP_BYTES, ModelConfig, token_tile, vocab_slice_rows
 from loongtrain.options import checkpointed_count
 from loongtrain.planner.cost import Candidate, Workload, replicated_kv_heads
+from loongtrain.planner.float8 import copies_bytes
 from loongtrain.planner.zero import shard_degree
 
 #: checkpointed layers' kept tensors on the device with ``offload_activations`` in forward:
@@ -431,7 +432,9 @@ def memory_phases(
     if counted:
         first_work, last_work = plain_work, ckpt_work
     layer_grads = p_layer * e + (4.0 * p_layer / shard if mem.offload_states else 0.0)
-    gathered_layers = GATHERED_LAYERS * p_layer * e + (
+    # float8 all-gather: a layer's linear weights gathered in one byte (planner/float8.py)
+    gathered_bytes = p_layer * e - (m.layer_matmul_params() * (e - 1) if w.float8_all_gather else 0)
+    gathered_layers = GATHERED_LAYERS * gathered_bytes + (
         GATHERED_LAYERS * 4.0 * p_layer / shard if mem.offload_states else 0.0
     )
     # the output matrix's gradient from the loss's backward on: with the chunked loss its fp32
@@ -451,6 +454,8 @@ def memory_phases(
         backward_common["gloo copies"] = max(4.0, e) * p_layer
     if span > 1:
         backward_common["span inputs"] = span_inputs
+    if w.float8:  # one matmul's float8 copies of its operands (transient: torchao casts again in backward)
+        backward_common["float8 copies"] = copies_bytes(m, tokens, w.float8)
     first = {**backward_common, "kept": kept_backward, "layer backward": first_work}
     last_kept = kept_ckpt_layer if n_ckpt else plain.kept * tokens
     sharded_grads = 0.0 if mem.offload_states else 4.0 * p_layer / shard * (m.n_layers - 1)

@@ -64,6 +64,8 @@ class ClusterSpec:
     # kernels (norms, RoPE, SwiGLU, casts, launches; backward 2x, a recompute 1x), fitted from
     # measured steps (`loongtrain plan --calibrate-gpu`; 0: not modelled)
     layer_token_ns: float = 0.0
+    # achieved dense FP8 matmul rate of the linear layers (float8 training; 0: no FP8 units)
+    fp8_matmul_tflops: float = 0.0
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -128,7 +130,7 @@ class ClusterSpec:
 
 _MAY_BE_NONE = ("kernel_bwd_overhead_us",)
 _MAY_BE_ZERO = ("attn_wave_rows", "hbm_bw_gbs", "hop_sync_us", "host_link_gbs", "host_memory_gib", "host_mem_bw_gbs",
-                "layer_token_ns")  # fmt: skip
+                "layer_token_ns", "fp8_matmul_tflops")  # fmt: skip
 CLUSTER_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(ClusterSpec))
 _OPTIONAL = ("name", "causal_tile", "overlap", "description", *_MAY_BE_NONE, *_MAY_BE_ZERO)
 _REQUIRED = tuple(name for name in CLUSTER_FIELDS if name not in _OPTIONAL)
@@ -183,6 +185,7 @@ def _hopper(name: str, memory_gib: float, hbm_gbs: float, nvlink_gbs: float, des
         device_memory_gib=memory_gib,
         peak_tflops=989.0,
         matmul_tflops=0.70 * 989.0,
+        fp8_matmul_tflops=0.70 * 1979.0,  # dense FP8: twice bf16's 989 (spec sheet), the same 70%
         attn_fwd_tflops=695.0,
         attn_bwd_tflops=556.0,
         kernel_overhead_us=68.0,

@@ -76,25 +76,31 @@ class ZeroTimes:
     reduce_root: float
 
 
-def zero_seconds(c: ClusterSpec, m: ModelConfig, candidate: Candidate, dtype_bytes: int = 2) -> ZeroTimes:
-    """Collective times of ``candidate.zero`` for one layer and for the root parameters."""
+def zero_seconds(
+    c: ClusterSpec, m: ModelConfig, candidate: Candidate, dtype_bytes: int = 2, float8_all_gather: bool = False
+) -> ZeroTimes:
+    """Collective times of ``candidate.zero`` for one layer and for the root parameters
+    (``float8_all_gather``: a layer's linear weights gathered in one byte each)."""
     p = candidate.parallel
-    return _zero_seconds(c, m, p.dp, p.hp, p.cp, candidate.zero, dtype_bytes)
+    return _zero_seconds(c, m, p.dp, p.hp, p.cp, candidate.zero, dtype_bytes, float8_all_gather)
 
 
 @functools.lru_cache(maxsize=4096)
-def _zero_seconds(c: ClusterSpec, m: ModelConfig, dp: int, hp: int, cp: int, zero: str, dtype_bytes: int) -> ZeroTimes:
+def _zero_seconds(
+    c: ClusterSpec, m: ModelConfig, dp: int, hp: int, cp: int, zero: str, dtype_bytes: int, float8_all_gather: bool
+) -> ZeroTimes:
     shard, replicate = _groups(dp, hp, cp, zero, c.devices_per_node)
     p_layer = m.layer_params()
     p_root = m.num_params() - m.n_layers * p_layer
+    fp8 = m.layer_matmul_params() if float8_all_gather else 0  # a layer's weights gathered in 1 byte
 
-    def times(params: int) -> tuple[float, float]:
-        gather = collective_seconds(c, shard, params * dtype_bytes, "ag")
+    def times(params: int, fp8: int = 0) -> tuple[float, float]:
+        gather = collective_seconds(c, shard, (params - fp8) * dtype_bytes + fp8, "ag")
         reduce = collective_seconds(c, shard, params * 4, "rs")
         reduce += collective_seconds(c, replicate, params * 4 / shard[0], "ar")
         return gather, reduce
 
-    g_layer, r_layer = times(p_layer)
+    g_layer, r_layer = times(p_layer, fp8)
     g_root, r_root = times(p_root)
     return ZeroTimes(g_layer, r_layer, g_root, r_root)
 

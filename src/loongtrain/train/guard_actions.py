@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from loongtrain.apply.float8 import precompute_scales
 from loongtrain.train.faults import say
 from loongtrain.train.guard import (
     UNIFORM_LOSS_TOLERANCE,
@@ -270,6 +271,7 @@ def load_newest_finite(run: Run, at_most: int | None = None) -> tuple[int, Path,
         trainer_state = run.checkpoints.load(path, run.model, run.optimizer, model_shape(run.spec.model))
         name = first_nonfinite_state(run.model, run.optimizer, run.state.device)
         if name is None:
+            precompute_scales(run.model)  # float8 all-gather: the loaded weights' scales
             return step, path, trainer_state
         if cfg.checkpoint.on_damaged == "stop":
             refuse_nonfinite_weights(run, path)

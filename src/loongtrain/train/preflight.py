@@ -13,6 +13,7 @@ import torch
 
 from loongtrain.apply import check_mlp_tile, check_model_fits
 from loongtrain.apply.attention import check_head_groups
+from loongtrain.apply.float8 import empty_plan_warning, float8_plan, require_torchao
 from loongtrain.attention.sharding import check_sequence_length
 from loongtrain.config import ConfigError, ModelSection, OptimSection, TrainConfig
 from loongtrain.data import (
@@ -28,8 +29,14 @@ from loongtrain.data import (
 from loongtrain.data.loader import rows_per_microbatch
 from loongtrain.data.mixture import repeat_notices
 from loongtrain.launch import resolve_device, under_torchrun
-from loongtrain.model import ModelConfig
-from loongtrain.options import AUTO_CHECKPOINT, check_kernel_device, checkpointed_count
+from loongtrain.model import ModelConfig, build_model
+from loongtrain.options import (
+    AUTO_CHECKPOINT,
+    Float8Options,
+    check_float8_device,
+    check_kernel_device,
+    checkpointed_count,
+)
 from loongtrain.train.checkpoint import CheckpointManager, check_data_fingerprint, check_model_shape
 from loongtrain.train.memory_policy import check_auto_budget
 from loongtrain.train.model_setup import check_pretrained_context
@@ -93,6 +100,26 @@ def check_finite_weights(folder: str) -> None:
         )
 
 
+def check_float8(options: Float8Options, device: str, mcfg: ModelConfig) -> str | None:
+    """float8.enabled's checks before any process starts: torchao installed and recent enough,
+    the GPU's FP8 units (or ``emulate``), the float8 all-gather's backend; returns a warning when
+    the filters leave no linear of the model in float8 (else None). Raises ValueError."""
+    if not options.enabled:
+        return None
+    require_torchao()
+    capability, name = None, ""
+    if device == "cuda" and torch.cuda.is_available():
+        capability, name = torch.cuda.get_device_capability(0), torch.cuda.get_device_name(0)
+    check_float8_device(device, capability, name, options)
+    warning = empty_plan_warning(float8_plan(build_model(mcfg), options))
+    if warning is None and device == "cpu" and not options.emulate:
+        return (
+            "notice: float8 on the CPU runs torch._scaled_mm's reference kernel, about 100x slower than "
+            "float8.emulate=true (the same products; the rowwise recipes also round them to bf16); set it for speed"
+        )
+    return warning
+
+
 def check_optimizer(o: OptimSection) -> None:
     """Raise ConfigError if AdamW would reject the [optim] values."""
     try:
@@ -143,7 +170,7 @@ def preflight(cfg: TrainConfig, world_size: int, local_world_size: int | None = 
         device = resolve_device(cfg.run.device, local_world_size or world_size)
         check_kernel_device(cfg.attention.kernel, device)
         check_auto_budget(cfg, device)
-        notices = [check_pretrained_context(cfg.model, mcfg, cfg.data.seq_len)]
+        notices = [check_pretrained_context(cfg.model, mcfg, cfg.data.seq_len), check_float8(spec.float8, device, mcfg)]
         source = make_source(cfg)
     except TokenFileError:
         raise

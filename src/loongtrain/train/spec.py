@@ -24,7 +24,7 @@ from loongtrain.data import (
 )
 from loongtrain.data.mixture import check_same_tokenizers, token_source
 from loongtrain.model import ModelConfig
-from loongtrain.options import MemoryOptions
+from loongtrain.options import Float8Options, MemoryOptions
 from loongtrain.parallel import ParallelConfig
 from loongtrain.train.model_setup import model_config_for
 
@@ -45,6 +45,7 @@ class RunSpec:
     init_from: str  # a Hugging Face folder the weights come from, or "" (random initial weights)
     source: Source | None  # the training data (None: a model evaluated, not trained)
     notices: tuple[str, ...] = ()  # one-line notices for the user (printed once by the launcher)
+    float8: Float8Options = Float8Options()  # FP8 training of the blocks' linears ([float8]; off by default)
 
     @property
     def task(self) -> RecallTask | PackedRecallTask | None:
@@ -59,6 +60,7 @@ def model_spec(cfg: TrainConfig, source: Source | None = None) -> RunSpec:
     return RunSpec(
         parallel=cfg.parallel.config(), model=model_config_for(cfg.model), memory=cfg.memory.options(),
         param_dtype=PARAM_DTYPES[cfg.parallel.param_dtype], init_from=cfg.model.init_from, source=source,
+        float8=cfg.float8.options(),
     )  # fmt: skip
 
 

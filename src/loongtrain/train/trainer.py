@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from loongtrain.apply import parallelize
+from loongtrain.apply.float8 import precompute_scales
 from loongtrain.attention.backends import backend_for, set_attention_kernel
 from loongtrain.config import ConfigError, TrainConfig, to_toml
 from loongtrain.data import BatchLoader
@@ -189,6 +190,7 @@ def build_run(device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat 
         model, state, memory=spec.memory, zero=cfg.parallel.zero,
         param_dtype=None if spec.param_dtype == torch.float32 else spec.param_dtype,
         reshard_after_forward=cfg.parallel.reshard_after_forward, compile=cfg.run.compile, alternatives=alternatives,
+        float8=spec.float8,
     )  # fmt: skip
     init_weights(model, device, spec.init_from, run_dir, seed=cfg.run.seed)  # random, or the init_from HF weights
     optimizer = build_optimizer(model.parameters(), cfg.optim)
@@ -229,6 +231,7 @@ def build_run(device: torch.device, cfg: TrainConfig, spec: RunSpec, beat: Beat 
         if rank == 0:
             keep_stage_source(run.stage_from, run_dir)  # an imported model's config and tokenizer, for export/eval
         refuse_nonfinite_weights(run, run.stage_from)
+    precompute_scales(model)  # float8 all-gather: the scales of the weights as initialised or loaded
     if rank == 0:
         trim_metrics(run_dir / METRICS_FILE, run.start)  # steps after the checkpoint are trained again
         (run_dir / "config.toml").write_text(to_toml(cfg))
@@ -250,6 +253,8 @@ def describe(run: Run) -> str:
         f"data {cfg.data.source}: "
         f"{cfg.data.global_batch} x {cfg.data.seq_len} tokens per step"
     )
+    if getattr(run.model, "float8_plan", None) is not None:
+        text += f"\n{run.model.float8_plan.describe()}"
     if run.policy is not None:
         text += f"\nmemory.activation_checkpoint=auto: {run.policy.describe()}"
     if run.choose is not None:
@@ -343,6 +348,7 @@ def train_step(
         if grad_clip > 0:
             torch.nn.utils.clip_grads_with_norm_(model.parameters(), grad_clip, norm_tensor)
         optimizer.step()
+        precompute_scales(model)  # float8 all-gather with precomputed scales: the new weights' (else nothing)
     elif verdict.action == "stop" and verdict.reason in ("loss", "gradients"):
         culprit = first_nonfinite_gradient(model, state.device)  # the failure path's one collective
     optimizer.zero_grad(set_to_none=True)

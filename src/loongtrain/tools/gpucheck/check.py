@@ -134,6 +134,7 @@ class Profile:
     train_model_name: str
     train_cases: tuple[TrainCase, ...]
     compiled_cases: tuple[TrainCase, ...]  # after the training rows, budget permitting (--compile extra)
+    float8_cases: tuple[TrainCase, ...]  # the float8 rows: the compiled row's model and length, each recipe
     auto_budget_gib: float  # what the auto rows' policy may fill (0: 90% of the GPU, as the trainer)
     ceiling_reps: int  # timed runs of each matmul shape and of the attention for the ceiling
     train_dtype: str
@@ -180,6 +181,7 @@ PROFILES: dict[str, Profile] = {
         train_model_name=f"{GPU_MODEL.num_params() / 1e9:.1f}B llama",
         train_cases=tuple(TrainCase(s, m) for s in (32768, 131072) for m in ("auto", "sc++")),
         compiled_cases=(TrainCase(32768, "auto", compiled=True),),
+        float8_cases=tuple(TrainCase(32768, "auto", compiled=True, float8=r) for r in ("tensorwise", "rowwise")),
         auto_budget_gib=0.0,
         ceiling_reps=3,
         train_dtype="bfloat16",
@@ -239,6 +241,8 @@ PROFILES: dict[str, Profile] = {
         train_model_name="debug llama",
         train_cases=tuple(TrainCase(s, m) for s in (64, 128) for m in ("auto", "sc++", "full")),
         compiled_cases=(TrainCase(64, "auto", compiled=True),),
+        # eager on the CPU (float8 through torch._scaled_mm, no FP8 units: the path, not a speed)
+        float8_cases=tuple(TrainCase(64, "auto", float8=r) for r in ("tensorwise", "rowwise")),
         # between the planner's peaks at 128 tokens of no checkpointing and sc++ on the first layer
         # (at 64 tokens every policy's peak is the optimizer step's): auto takes both
         auto_budget_gib=0.00234,
@@ -636,6 +640,7 @@ def _training_on_one_rank(
     reserve: float,
     rows: list,
     ceilings: dict,
+    section: str = "training",
 ) -> None:
     """Body run in a one-rank process group (``launch`` with ``nproc=1``): appends to ``rows``;
     ``ceilings`` holds each length's kernel rates, measured before its first row. A row starts only
@@ -650,7 +655,7 @@ def _training_on_one_rank(
             budget_bytes = auto_budget_bytes(device, profile.auto_budget_gib)
             case, policy = resolve_auto_case(case, profile.train_model, dtype, budget_bytes, device.type == "cuda")
         except ValueError as exc:
-            rows.append(_error_row("training", label, exc))
+            rows.append(_error_row(section, label, exc))
             continue
         label = f"{profile.train_model_name} {case.label()}"
         steps = profile.train_steps + profile.train_warmup
@@ -658,7 +663,7 @@ def _training_on_one_rank(
         if estimate and case.seq not in ceilings:
             estimate += CEILING_S
         if budget.exhausted(max(reserve, estimate)):
-            rows.append(_budget_row("training", label, budget, max(reserve, estimate)))
+            rows.append(_budget_row(section, label, budget, max(reserve, estimate)))
             continue
         rates = _ceiling_rates(profile, case.seq, dtype, device, peak, ceilings, rows)
         _progress(f"training {label} ...")
@@ -667,7 +672,7 @@ def _training_on_one_rank(
                 state, profile.train_model, case, dtype, device, profile.train_steps, profile.train_warmup, peak
             )
         except Exception as exc:  # noqa: BLE001 - reported as a failed row (out of memory included)
-            rows.append(_error_row("training", label, exc))
+            rows.append(_error_row(section, label, exc))
             continue
         finally:
             release_memory(device)
@@ -683,8 +688,33 @@ def _training_on_one_rank(
                   "ceiling": asdict(ceiling) if ceiling is not None else None,
                   "of_ceiling": fraction_of_ceiling(m["tokens_per_s"], ceiling) if ceiling else None,
                   "estimate_s": estimate}  # fmt: skip
-        row = Row("training", label, _train_result(m, pred, planner_note, ceiling), target, status, values)
-        rows.append(compiled_gain(row, rows))
+        row = Row(section, label, _train_result(m, pred, planner_note, ceiling), target, status, values)
+        rows.append(float8_beside_bf16(compiled_gain(row, rows), rows, profile.goals))
+
+
+#: issue 54's goal: the float8 training row's tokens/s over the bf16 row's at 32K on the check model
+FLOAT8_SPEEDUP_GOAL = 1.15
+
+
+def float8_beside_bf16(row: Row, rows: list[Row], goals: bool = False) -> Row:
+    """A float8 training ``row`` with its tokens/s and peak memory over the bf16 row of the same
+    length, policy and compilation among ``rows`` (``values['over_bf16']``), where that ran;
+    ``goals``: judged against :data:`FLOAT8_SPEEDUP_GOAL`."""
+    if not row.values.get("float8") or "tokens_per_s" not in row.values:
+        return row
+    key = (row.values["seq"], row.values["checkpoint"], row.values["compiled"])
+    for r in rows:
+        if r.section == "training" and "tokens_per_s" in r.values and not r.values.get("float8"):
+            if (r.values["seq"], r.values["checkpoint"], r.values["compiled"]) == key:
+                speed = row.values["tokens_per_s"] / r.values["tokens_per_s"]
+                memory = row.values["peak_memory_gib"] / max(r.values["peak_memory_gib"], 1e-12)
+                row.values["over_bf16"] = {"tokens_per_s": speed, "peak_memory": memory, "bf16_case": r.case}
+                row.result = f"{speed:.2f}x the bf16 row's tokens/s, {memory:.2f}x its peak memory; {row.result}"
+                if goals and row.status != FAIL:
+                    row.target = f">= {FLOAT8_SPEEDUP_GOAL}x the bf16 row's tokens/s"
+                    row.status = "goal met" if speed >= FLOAT8_SPEEDUP_GOAL else "below goal"
+                break
+    return row
 
 
 def compiled_gain(row: Row, rows: list[Row]) -> Row:
@@ -695,6 +725,8 @@ def compiled_gain(row: Row, rows: list[Row]) -> Row:
     key = (row.values["seq"], row.values["checkpoint"])
     for r in rows:
         if r.section == "training" and "tokens_per_s" in r.values and not r.values["compiled"]:
+            if r.values.get("float8") != row.values.get("float8"):
+                continue
             if (r.values["seq"], r.values["checkpoint"]) == key:
                 row.values["gain_over_eager"] = row.values["tokens_per_s"] / r.values["tokens_per_s"]
                 row.result = f"{row.values['gain_over_eager']:.2f}x the eager row; {row.result}"
@@ -839,6 +871,41 @@ def training_rows(
     return rows[start:]
 
 
+def float8_rows(
+    profile: Profile, device: torch.device, peak: Peak, args, budget: Budget, ceilings: dict, rows: list | None = None
+) -> list:
+    """FP8 training (docs/fp8.md): the compiled row's model and length with each recipe, beside the
+    bf16 row (tokens/s, peak memory), then the step's block matmuls in bf16 and float8 (the kernel
+    row). A skipped row names why where they cannot run (torchao missing, no FP8 units)."""
+    from loongtrain.tools.gpucheck.float8 import float8_matmul_times, float8_unavailable
+
+    rows, start = _new_rows(rows)
+    why = float8_unavailable(device)
+    if why is not None:
+        rows.append(_skip_row("float8", "float8 training and matmuls", why))
+        return rows[start:]
+    reserve = profile.compile_reserve_s if any(c.compiled for c in profile.float8_cases) else 0.0
+    cases = list(profile.float8_cases)
+    launch(_training_on_one_rank, 1, profile, cases, peak, args, budget, reserve, rows, ceilings, "float8",
+           device=device.type)  # fmt: skip
+    seq = profile.float8_cases[0].seq
+    label = f"{profile.train_model_name} S={format_length(seq)}: the step's block matmuls, bf16 vs float8"
+    if budget.exhausted():
+        rows.append(_budget_row("float8", label, budget))
+        return rows[start:]
+    try:
+        t = float8_matmul_times(profile.train_model, seq, device, reps=profile.ceiling_reps)
+    except Exception as exc:  # noqa: BLE001 - reported as a failed row
+        rows.append(_error_row("float8", label, exc))
+        return rows[start:]
+    result = f"bf16 {t['bf16_s'] * 1e3:.2f} ms, float8 {t['fp8_s'] * 1e3:.2f} ms: {t['speedup']:.2f}x"
+    target, status = ("float8 >= 1.6x bf16", "goal met" if t["speedup"] >= 1.6 else "below goal") if profile.goals \
+        else ("-", "measured")  # fmt: skip
+    rows.append(Row("float8", label, result, target, status, t))
+    _progress(f"float8: {len(rows) - start} rows, {budget.elapsed():.0f} s")
+    return rows[start:]
+
+
 def dist_rows(
     profile: Profile, device: torch.device, world: int, budget: Budget, rows: list | None = None
 ) -> list[Row]:
@@ -956,6 +1023,7 @@ def main(args: argparse.Namespace) -> None:
     replay_rows(profile, device, budget, rows)
     if args.compile == "extra":  # beside the eager rows: the compiled path's gain is a goal of its own
         training_rows(profile, device, peak, args, budget, compiled=True, ceilings=ceilings, rows=rows)
+    float8_rows(profile, device, peak, args, budget, ceilings, rows)
     longest_rows(profile, device, peak, args, budget, rows)
     dist_rows(profile, device, world, budget, rows)
     failures = sum(r.status == FAIL for r in rows)

@@ -26,7 +26,7 @@ from loongtrain.config import OptimSection
 from loongtrain.data.batch import Microbatch
 from loongtrain.model import ModelConfig, build_model
 from loongtrain.model.loss import IGNORE_INDEX
-from loongtrain.options import GuardOptions, checkpoint_label
+from loongtrain.options import Float8Options, GuardOptions, checkpoint_label
 from loongtrain.parallel import ParallelConfig, ParallelState, init_parallel
 from loongtrain.planner import Candidate, ClusterSpec, PlanError, Workload, cluster_spec, estimate
 from loongtrain.planner.policy import CheckpointPolicy, auto_policy
@@ -58,13 +58,19 @@ class TrainCase:
     compiled: bool = False
     memory: MemoryOptions | None = None
     policy: str = ""  # auto, resolved: the checkpointing chosen, in words
+    float8: str = ""  # the blocks' linears in float8 with this torchao recipe ("": the compute dtype)
 
     @property
     def options(self) -> MemoryOptions:
         return self.memory or MemoryOptions(activation_checkpoint=self.checkpoint)
 
+    @property
+    def float8_options(self) -> Float8Options:
+        return Float8Options(enabled=bool(self.float8), recipe_name=self.float8 or "tensorwise")
+
     def label(self) -> str:
         text = f"S={format_length(self.seq)} {self.checkpoint}" + (" compiled" if self.compiled else "")
+        text += f" float8 {self.float8}" if self.float8 else ""
         if self.policy:
             return f"{text}: {self.policy}"
         if self.memory is not None:
@@ -124,7 +130,7 @@ def planner_cluster(device: torch.device, name: str | None) -> tuple[ClusterSpec
 def predict_step(cluster: ClusterSpec, cfg: ModelConfig, case: TrainCase, dtype: torch.dtype) -> dict:
     """The planner's estimate of ``case`` on one device of ``cluster``."""
     dtype_bytes = dtype.itemsize
-    workload = Workload(cfg, case.seq, batch=1, micro_batch=1, dtype_bytes=dtype_bytes)
+    workload = Workload(cfg, case.seq, batch=1, micro_batch=1, dtype_bytes=dtype_bytes, float8=case.float8)
     layout = Candidate(ParallelConfig(dp=1), ZERO, case.options)
     est = estimate(cluster, workload, layout)
     return {
@@ -171,7 +177,10 @@ def _build(
     """The trainer's model (seed 0) and optimizer (``optim``; default: ``[optim]``'s defaults) for
     ``case`` on one rank."""
     model = build_model(cfg)
-    parallelize(model, state, memory=case.options, zero=ZERO, param_dtype=dtype, compile=case.compiled)
+    parallelize(
+        model, state, memory=case.options, zero=ZERO, param_dtype=dtype, compile=case.compiled,
+        float8=case.float8_options,
+    )  # fmt: skip
     materialize(model, device, seed=0)
     optim = optim or OptimSection()
     return model, build_optimizer(model.parameters(), optim), optim
