@@ -22,53 +22,43 @@ def _run(args: list[str], cwd: Path) -> str:
     return proc.stdout
 
 
+#: each shipped CPU miniature: its config, the tiny HF family it extends (and where the config reads it), and
+#: what its export's config holds
+MINIATURES = {
+    "extend_cpu": ("llama", "runs/tiny-hf", {"max_position_embeddings": 512}),
+    # a tiny OLMo 3 (3 sliding : 1 full, window 32), YaRN on its full layers
+    "olmo3_extend_cpu": ("olmo3", "runs/tiny-olmo3", {
+        "max_position_embeddings": 512, "model_type": "olmo3", "sliding_window": 32,
+        "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+    }),
+}  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_extend_cpu_config_end_to_end(tmp_path):
-    for name in ("README.md", "docs", "src"):
-        (tmp_path / name).symlink_to(ROOT / name)
-    (tmp_path / "configs").symlink_to(ROOT / "configs")
-    _run([sys.executable, str(ROOT / "examples" / "make_tiny_hf.py"), "-o", "runs/tiny-hf"], tmp_path)
-    _run([str(BIN / "loongtrain"), "prepare", "README.md", "docs", "src", "-o", "runs/extend_cpu.tok",
-          "--tokenizer", "runs/tiny-hf"], tmp_path)  # fmt: skip
+@pytest.mark.parametrize("name", MINIATURES)
+def test_extend_cpu_config_end_to_end(tmp_path, name):
+    """configs/NAME.toml as its header shows it: the tiny HF model, its tokenizer on local text,
+    context x4 with YaRN, 2 steps on 4 processes, export, and plain transformers generating."""
+    family, tiny, expected = MINIATURES[name]
+    for entry in ("README.md", "docs", "src", "configs"):
+        (tmp_path / entry).symlink_to(ROOT / entry)
+    _run([sys.executable, str(ROOT / "examples" / "make_tiny_hf.py"), "-o", tiny, "--family", family], tmp_path)
+    _run([str(BIN / "loongtrain"), "prepare", "README.md", "docs", "src", "-o", f"runs/{name}.tok",
+          "--tokenizer", tiny], tmp_path)  # fmt: skip
     # two steps (each ~1 s on 4 processes): the round trip, not the learning, is the point here
-    out = _run([str(BIN / "loongtrain"), "train", "--config", "configs/extend_cpu.toml", "--nproc", "4",
+    out = _run([str(BIN / "loongtrain"), "train", "--config", f"configs/{name}.toml", "--nproc", "4",
                 "--run.steps", "2", "--run.progress", "off", "--run.tensorboard", "false"], tmp_path)  # fmt: skip
     assert "step     2/2" in out
-    _run([str(BIN / "loongtrain"), "export", "runs/extend_cpu/checkpoints/step-2", "-o", "runs/extend_cpu/hf"],
+    _run([str(BIN / "loongtrain"), "export", f"runs/{name}/checkpoints/step-2", "-o", f"runs/{name}/hf"],
          tmp_path)  # fmt: skip
-    config = json.loads((tmp_path / "runs/extend_cpu/hf/config.json").read_text())
-    assert config["max_position_embeddings"] == 512
-    assert config["rope_parameters"]["rope_type"] == "yarn" and config["rope_parameters"]["factor"] == 4.0
-    assert config["rope_parameters"]["original_max_position_embeddings"] == 128
-    text = _run([sys.executable, str(ROOT / "examples" / "generate.py"), "runs/extend_cpu/hf", "--tokens", "8"],
+    config = json.loads((tmp_path / f"runs/{name}/hf/config.json").read_text())
+    assert {key: config[key] for key in expected} == expected
+    rope = config["rope_parameters"].get("full_attention", config["rope_parameters"])  # per layer type (OLMo 3)
+    assert rope["rope_type"] == "yarn" and rope["factor"] == 4.0 and rope["original_max_position_embeddings"] == 128
+    text = _run([sys.executable, str(ROOT / "examples" / "generate.py"), f"runs/{name}/hf", "--tokens", "8"],
                 tmp_path)  # fmt: skip
     lines = text.strip().splitlines()
     assert "max_position_embeddings 512" in lines[0] and "'rope_type': 'yarn'" in lines[0]
     # 8 greedy tokens from transformers itself (their text depends on the machine's arithmetic)
     assert lines[-1].startswith("answer (") and lines[-1].split(": ", 1)[1] not in ("''", '""'), lines
-
-
-@pytest.mark.slow
-@pytest.mark.e2e
-def test_olmo3_miniature_end_to_end(tmp_path):
-    """configs/olmo3_extend_cpu.toml: a tiny OLMo 3 (3 sliding : 1 full) extended 4x, trained on 4
-    processes, exported; transformers reads its layer types back and generates from it."""
-    for name in ("README.md", "docs", "src", "configs"):
-        (tmp_path / name).symlink_to(ROOT / name)
-    _run([sys.executable, str(ROOT / "examples" / "make_tiny_hf.py"), "-o", "runs/tiny-olmo3", "--family", "olmo3"],
-         tmp_path)  # fmt: skip
-    _run([str(BIN / "loongtrain"), "prepare", "README.md", "docs", "-o", "runs/olmo3_extend_cpu.tok",
-          "--tokenizer", "runs/tiny-olmo3"], tmp_path)  # fmt: skip
-    out = _run([str(BIN / "loongtrain"), "train", "--config", "configs/olmo3_extend_cpu.toml", "--nproc", "4",
-                "--run.steps", "2", "--run.progress", "off", "--run.tensorboard", "false"], tmp_path)  # fmt: skip
-    assert "step     2/2" in out
-    _run([str(BIN / "loongtrain"), "export", "runs/olmo3_extend_cpu/checkpoints/step-2", "-o",
-          "runs/olmo3_extend_cpu/hf"], tmp_path)  # fmt: skip
-    config = json.loads((tmp_path / "runs/olmo3_extend_cpu/hf/config.json").read_text())
-    assert config["model_type"] == "olmo3" and config["max_position_embeddings"] == 512
-    assert config["layer_types"] == ["sliding_attention"] * 3 + ["full_attention"] and config["sliding_window"] == 32
-    assert config["rope_parameters"]["full_attention"]["rope_type"] == "yarn"
-    text = _run([sys.executable, str(ROOT / "examples" / "generate.py"), "runs/olmo3_extend_cpu/hf", "--tokens", "8"],
-                tmp_path)  # fmt: skip
-    assert text.strip().splitlines()[-1].startswith("answer (")
