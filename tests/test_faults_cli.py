@@ -5,6 +5,7 @@ lines, no traceback), how fast the job ends, and what is left on disk."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -223,14 +224,23 @@ def test_max_restarts_resumes_and_matches_an_uninterrupted_run(tmp_path):
     assert "Traceback" not in done.stderr
 
 
-def test_full_disk_stops_with_one_line_and_the_previous_checkpoint_intact(tmp_path):
+@contextlib.contextmanager
+def _small_disk(tmp_path, size: str):
+    """A tmpfs of ``size`` (a real full disk), unmounted afterwards; the test is skipped where it cannot be mounted."""
     mount = tmp_path / "small"
     mount.mkdir()
-    # a 2.5 MiB tmpfs: one checkpoint of the debug model (1.8 MiB) fits, a second does not
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2560k", "tmpfs", str(mount)],
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
                       capture_output=True).returncode != 0:  # fmt: skip
         pytest.skip("cannot mount a tmpfs here (needs root); test_checkpoint_faults simulates the full disk")
     try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_full_disk_stops_with_one_line_and_the_previous_checkpoint_intact(tmp_path):
+    # a 2.5 MiB tmpfs: one checkpoint of the debug model (1.8 MiB) fits, a second does not
+    with _small_disk(tmp_path, "2560k") as mount:
         run_dir = mount / "run"
         job = Job.train(["--nproc", "2", *SMALL, "--run.steps", "6", "--checkpoint.every", "2",
                          "--checkpoint.keep", "1", "--run.output_dir", str(run_dir)], tmp_path / "log")  # fmt: skip
@@ -244,18 +254,11 @@ def test_full_disk_stops_with_one_line_and_the_previous_checkpoint_intact(tmp_pa
         assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-2"], "no partial folder"
         assert _intact(run_dir / "checkpoints" / "step-2")
         assert max(r["step"] for r in metrics(run_dir)) == 4
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_a_disk_that_fills_between_checkpoints_ends_in_one_line(tmp_path):
     # metrics.jsonl and TensorBoard's writer thread meet the full disk, not a checkpoint save
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:  # fmt: skip
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
+    with _small_disk(tmp_path, "4m") as mount:
         run_dir = mount / "run"
         job = Job.train(["--nproc", "2", *SMALL, "--run.steps", "100000", "--checkpoint.every", "20",
                          "--checkpoint.keep", "1", "--run.tensorboard", "true", "--run.output_dir", str(run_dir)],
@@ -276,8 +279,6 @@ def test_a_disk_that_fills_between_checkpoints_ends_in_one_line(tmp_path):
         assert line.startswith(f"loongtrain train: no space left on device while writing to the run folder {run_dir}")
         assert "the last intact checkpoint is step-20" in line and line.endswith("then resume with the same command")
         assert "Exception in thread" not in done.stderr
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 class _Spawned(Exception):
