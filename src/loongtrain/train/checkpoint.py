@@ -69,11 +69,6 @@ class DiskFullError(CheckpointSaveError):
     files); the message names the last intact checkpoint."""
 
 
-def is_disk_full(e: BaseException) -> bool:
-    """Whether ``e`` (or one rank's failure inside a DCP error) is "no space left" or a quota."""
-    return _is_disk_full(e)
-
-
 def disk_full_message(run_dir: Path, e: OSError | None, checkpoints: CheckpointManager) -> str:
     """One line for a full disk met outside a checkpoint save (``e``: the error, where this rank
     met it): what was being written, and the last intact checkpoint to resume from."""
@@ -225,7 +220,8 @@ def _describe_failure(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
-def _is_disk_full(e: BaseException) -> bool:
+def is_disk_full(e: BaseException) -> bool:
+    """Whether ``e`` (or one rank's failure inside a DCP error) is "no space left" or a quota."""
     failures = getattr(e, "failures", None)
     inner = [f[0] if isinstance(f, tuple) else f for f in failures.values()] if isinstance(failures, dict) else [e]
     return any(isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT) for x in inner)
@@ -388,7 +384,7 @@ class CheckpointManager:
 
     def _save_failed_message(self, step: int, e: BaseException, need: int) -> str:
         free = shutil.disk_usage(self.folder).free if self.folder.is_dir() else 0
-        if _is_disk_full(e) or (need and free < max(need // 10, _MIB)):
+        if is_disk_full(e) or (need and free < max(need // 10, _MIB)):
             return self._disk_full_message(step, need, free)
         return (
             f"checkpoint step-{step} not saved in {self.folder}: {_describe_failure(e)}; {self._previous_text()}. "

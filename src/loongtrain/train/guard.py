@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -225,29 +226,36 @@ def display_name(name: str) -> str:
 
 
 @torch.no_grad()
-def _first_nonfinite(model: torch.nn.Module, device: torch.device, of) -> str | None:
-    """Collective: the first parameter (in the model's order) for which ``of(parameter)`` (a
-    tensor, or None: nothing to check) holds a NaN or an infinity on any rank, or None."""
+def _first_nonfinite(named: Iterable[tuple[str, torch.Tensor | None]], device: torch.device) -> str | None:
+    """Collective: the first name whose tensor (this rank's shard; None: nothing to check) holds
+    a NaN or an infinity on any rank, or None. One flag per tensor is made on its device, then
+    one all-reduce and one host read for all of them (same order on every rank)."""
     names, flags = [], []
-    for name, p in model.named_parameters():
-        names.append(display_name(name))
-        t = of(p)
-        flags.append(t is not None and not bool(torch.isfinite(_local(t)).all()))
-    tensor = torch.tensor(flags or [False], dtype=torch.float32, device=device)
+    for name, t in named:
+        names.append(name)
+        local = None if t is None else _local(t)
+        checked = local is not None and local.numel() > 0
+        flags.append((~torch.isfinite(local)).any().to(device=device, dtype=torch.float32) if checked else
+                     torch.zeros((), dtype=torch.float32, device=device))  # fmt: skip
+    tensor = torch.stack(flags) if flags else torch.zeros(1, dtype=torch.float32, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     hit = [i for i, flag in enumerate(tensor.tolist()[: len(names)]) if flag]
     return names[hit[0]] if hit else None
 
 
+def _parameters(model: torch.nn.Module, of) -> Iterable[tuple[str, torch.Tensor | None]]:
+    return ((display_name(name), of(p)) for name, p in model.named_parameters())
+
+
 def first_nonfinite_gradient(model: torch.nn.Module, device: torch.device) -> str | None:
     """Collective: the first parameter whose gradient holds a NaN or an infinity on any rank, or None."""
-    return _first_nonfinite(model, device, lambda p: p.grad)
+    return _first_nonfinite(_parameters(model, lambda p: p.grad), device)
 
 
 def first_nonfinite_parameter(model: torch.nn.Module, device: torch.device) -> str | None:
     """Collective: the first parameter whose weights hold a NaN or an infinity on any rank, or None."""
-    return _first_nonfinite(model, device, lambda p: p)
+    return _first_nonfinite(_parameters(model, lambda p: p), device)
 
 
 def _state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None):
@@ -261,25 +269,13 @@ def _state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
                     yield f"optimizer state {key} of {display_name(name)}", value
 
 
-@torch.no_grad()
 def first_nonfinite_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device
 ) -> str | None:
     """Collective: the first parameter or optimizer state tensor (AdamW's moments) holding a
-    NaN or an infinity on any rank, or None. One flag per tensor is made on its device from
-    the rank's own shard, then one all-reduce and one host read for all of them (what a save
-    adds: no synchronisation on steps that do not save)."""
-    names, flags = [], []
-    for name, t in _state_tensors(model, optimizer):
-        names.append(name)
-        local = _local(t)
-        flags.append((~torch.isfinite(local)).any().to(device=device, dtype=torch.float32) if local.numel() else
-                     torch.zeros((), dtype=torch.float32, device=device))  # fmt: skip
-    tensor = torch.stack(flags) if flags else torch.zeros(1, dtype=torch.float32, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    hit = [i for i, flag in enumerate(tensor.tolist()[: len(names)]) if flag]
-    return names[hit[0]] if hit else None
+    NaN or an infinity on any rank, or None (one reduction and one host read: what a save adds;
+    steps that do not save have no such check)."""
+    return _first_nonfinite(_state_tensors(model, optimizer), device)
 
 
 @torch.no_grad()

@@ -135,7 +135,7 @@ class Run:
         after ``done`` steps, once every weight and optimizer state is seen to be finite (else
         :class:`GuardStop`: nothing is written). The older checkpoints beyond ``keep`` are
         deleted only once a step trained from this one's weights is applied (:meth:`confirm`)."""
-        guard = self.guard or StepGuard(self.cfg.guard.options())
+        guard = self.guard or StepGuard(self.cfg.guard.options())  # (a Run built without build_run)
         check_finite_before_save(self, guard, done)
         shape, layout = model_shape(self.spec.model), str(self.spec.parallel)
         data = {**self.loader.state_dict(), "fingerprint": self.data_fingerprint, "identity": self.data_identity}
@@ -410,6 +410,14 @@ class WriteFailures:
     def __init__(self) -> None:
         self.error: OSError | None = None
 
+    def peak_memory_gib(self, device: torch.device, run: Run) -> float:
+        """Collective: :func:`peak_memory_gib`, raising :class:`DiskFullError` on every rank
+        when rank 0 met a full disk since the last call."""
+        peak, full = peak_memory_and_flag(device, self.error is not None)
+        if full:
+            raise DiskFullError(disk_full_message(Path(run.cfg.run.output_dir), self.error, run.checkpoints))
+        return peak
+
     def call(self, fn: Callable, *args, **kwargs) -> None:
         if self.error is not None:
             return
@@ -559,9 +567,7 @@ def train(
             step_times.append(dt)
             losses[step + 1] = out.loss
             tps = tokens_per_step / dt / world
-            peak_gib, disk_full = peak_memory_and_flag(device, failures.error is not None)
-            if disk_full:  # rank 0 met a full disk writing the previous step's records: every rank stops here
-                raise DiskFullError(disk_full_message(Path(r.output_dir), failures.error, run.checkpoints))
+            peak_gib = failures.peak_memory_gib(device, run)  # (a full disk met by rank 0 stops every rank here)
             failures.call(reporter.step, StepMetrics(
                 step=step + 1, loss=out.loss, accuracy=out.accuracy, grad_norm=out.grad_norm, lr=lr, step_s=dt,
                 tokens_per_s_per_device=tps, tflops_per_device=tps * flops_tok / 1e12, mfu=mfu(tps, flops_tok, peak),
@@ -594,8 +600,7 @@ def train(
                     beat(step, "checkpoint save")
                     run.save(step)
         wall = time.perf_counter() - wall0
-        if peak_memory_and_flag(device, failures.error is not None)[1]:
-            raise DiskFullError(disk_full_message(Path(r.output_dir), failures.error, run.checkpoints))
+        failures.peak_memory_gib(device, run)  # the last step's records too
         beat(r.steps, "final evaluation")
         ev_loss, ev_acc, ev_sources = evaluate(run, r.eval_batches)
         steady = step_times[1:] or step_times
