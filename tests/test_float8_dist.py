@@ -369,3 +369,32 @@ def test_float8_all_gather_on_gloo_is_bit_equal_and_sends_half_of_bf16(dist_pool
         f8_bytes, bf16_bytes = result["bytes"]
         # each rank sends its half of every linear weight to the other: 1 byte per element, not 2
         assert bf16_bytes - f8_bytes == result["linear_params"] // 2, result
+
+
+def _train_float8(overrides: list[str]) -> list[float]:
+    """The trainer (``loongtrain train``'s run) on the recall task with tensorwise float8, its
+    weights all-gathered in float8 and the scales precomputed: the losses of its steps."""
+    from loongtrain.config import load_config
+    from loongtrain.train.trainer import preflight, train
+
+    base = [
+        "run.log_every=100", "run.eval_batches=1", "run.tensorboard=false", "run.progress=off",
+        "data.seq_len=64", "data.global_batch=4", "data.recall_queries=8", "optim.warmup_steps=2",
+        "checkpoint.every=0", "checkpoint.save_final=false", "parallel.cp=2", "parallel.zero=dp_sp",
+        "float8.enabled=true", "float8.recipe_name=tensorwise", "float8.emulate=true",
+        "float8.enable_fsdp_float8_all_gather=true", "float8.precompute_float8_dynamic_scale_for_fsdp=true",
+    ]  # fmt: skip
+    cfg = load_config(None, base + overrides)
+    return train(torch.device("cpu"), cfg, preflight(cfg, torch.distributed.get_world_size())).losses
+
+
+@pytest.mark.dist
+def test_a_float8_all_gather_run_resumes_bit_exactly(dist_pool, tmp_path):
+    """A run with the float8 all-gather stopped at step 2 and resumed gives the losses of the
+    uninterrupted run, bit for bit: the checkpoint holds the high-precision weights and the AdamW
+    state, and the float8 copies made from them after the resume are those of the run that went on."""
+    pool = dist_pool(2)
+    full = pool.run(_train_float8, ["run.steps=4", f"run.output_dir={tmp_path / 'a'}"])[0]
+    first = pool.run(_train_float8, ["run.steps=2", "checkpoint.every=2", f"run.output_dir={tmp_path / 'b'}"])[0]
+    rest = pool.run(_train_float8, ["run.steps=4", f"run.output_dir={tmp_path / 'b'}"])[0]
+    assert len(rest) == 2 and first + rest == full, (first, rest, full)
