@@ -4,7 +4,8 @@ and where its time goes.
 For each case (``main``: the main job's config as it is; ``large``: the same layout with a
 dim-512, 8-layer model on 8K-token sequences) and each mode (``whole-loss``: eager with
 ``memory.loss_chunk = 0``, the loss over all of a rank's tokens at once as before the
-chunked loss; ``eager``: the defaults; ``compiled``: ``run.compile``), every
+chunked loss; ``eager``: the defaults; ``compiled``: ``run.compile``; asked for by name,
+``float8-<recipe>``: the blocks' linears in float8, emulated on a CPU), every
 rank builds the run exactly as ``loongtrain train`` does (:func:`~loongtrain.train.build_run`
 in a scratch folder, no checkpoints), warms up, times ``--steps`` calls of
 :func:`~loongtrain.train.train_step`, then profiles one more step and splits its wall time
@@ -35,6 +36,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from loongtrain.config import ConfigError, TrainConfig, load_config
 from loongtrain.launch import launch
+from loongtrain.options import FLOAT8_RECIPES
 from loongtrain.tools.bench.step_profile import PARTS, breakdown, spans_of
 from loongtrain.tools.harness import sync
 from loongtrain.train.preflight import preflight
@@ -50,16 +52,26 @@ CASES: dict[str, list[str]] = {
     ],
 }  # fmt: skip
 #: mode -> its overrides; speed-ups are relative to the first mode run
-MODES: dict[str, list[str]] = {"whole-loss": ["memory.loss_chunk=0"], "eager": [], "compiled": ["run.compile=true"]}
+MODES: dict[str, list[str]] = {
+    "whole-loss": ["memory.loss_chunk=0"], "eager": [], "compiled": ["run.compile=true"],
+    **{f"float8-{r}": ["float8.enabled=true", f"float8.recipe_name={r}"] for r in FLOAT8_RECIPES},
+}  # fmt: skip
+#: the modes run unless --modes names others (the float8 ones are asked for by name)
+DEFAULT_MODES = ["whole-loss", "eager", "compiled"]
 STEP_RANGE = "loongtrain::bench_step"
-WARMUP = {"whole-loss": 2, "eager": 2, "compiled": 3}  # the compiled blocks are built in the first step(s)
+# the compiled blocks are built in the first step(s)
+WARMUP = {"compiled": 3, **{mode: 2 for mode in MODES if mode != "compiled"}}
 STEPS = {"main": 20, "large": 4}  # timed steps per case unless --steps says otherwise
 
 
-def case_config(case: str, mode: str, config: Path, folder: Path) -> TrainConfig:
-    """The config of one case and mode: its overrides, no checkpoints, a scratch run folder."""
+def case_config(case: str, mode: str, config: Path, folder: Path, device: torch.device | None = None) -> TrainConfig:
+    """The config of one case and mode: its overrides, no checkpoints, a scratch run folder.
+    A float8 mode on a CPU emulates the float8 matmuls (CPUs have no FP8 units; without
+    ``emulate`` torch's reference ``_scaled_mm`` runs, about 100x slower)."""
+    cpu = device is not None and device.type == "cpu"
+    emulate = ["float8.emulate=true"] if cpu and mode.startswith("float8") else []
     overrides = [
-        *CASES[case], *MODES[mode], f"run.output_dir={folder}",
+        *CASES[case], *MODES[mode], *emulate, f"run.output_dir={folder}",
         "checkpoint.every=0", "checkpoint.save_final=false", "checkpoint.resume=false", "run.progress=off",
     ]  # fmt: skip
     return load_config(config, overrides)
@@ -97,16 +109,16 @@ def _profiled_step(run: Run) -> dict[str, float]:
 
 def _bench_rank(device: torch.device, args: argparse.Namespace, folder: Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    rows = []
+    rows, width = [], max(10, *(len(m) for m in args.modes))
     if rank == 0:
         counts = ", ".join(f"{case} {args.steps or STEPS[case]}" for case in args.cases)
         print(f"{world} processes on {device.type}; median step of the slowest rank over {counts} steps after warm-up")
-        head = f"{'case':6s} {'mode':10s} {'step s':>7s} {'tok/s/dev':>9s} {'speedup':>7s}  breakdown of one step"
+        head = f"{'case':6s} {'mode':{width}s} {'step s':>7s} {'tok/s/dev':>9s} {'speedup':>7s}  breakdown of one step"
         print(head, flush=True)
     for case in args.cases:
         first_s = None
         for mode in args.modes:
-            cfg = case_config(case, mode, args.config, folder / f"{case}-{mode}")
+            cfg = case_config(case, mode, args.config, folder / f"{case}-{mode}", device)
             spec = preflight(cfg, world)
             run = build_run(device, cfg, spec)
             t_first = time.perf_counter()
@@ -127,7 +139,7 @@ def _bench_rank(device: torch.device, args: argparse.Namespace, folder: Path) ->
                 speedup = first_s / step_s
                 text = "  ".join(f"{k} {share[k]:5.1%}" for k in PARTS)
                 print(
-                    f"{case:6s} {mode:10s} {step_s:7.3f} {tokens / step_s / world:9.0f} {speedup:7.2f}  {text} "
+                    f"{case:6s} {mode:{width}s} {step_s:7.3f} {tokens / step_s / world:9.0f} {speedup:7.2f}  {text} "
                     f"(profiled step {mean['wall_s']:.3f} s; warm-up {warmup_s:.1f} s)",
                     flush=True,
                 )
@@ -181,7 +193,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--cases", nargs="+", default=list(CASES), help=f"cases to run, of {list(CASES)}")
     parser.add_argument(
-        "--modes", nargs="+", default=list(MODES), help=f"modes to run, of {list(MODES)} (speed-ups vs the first)"
+        "--modes",
+        nargs="+",
+        default=DEFAULT_MODES,
+        help=f"modes to run, of {list(MODES)} (default %(default)s; speed-ups vs the first)",
     )
     parser.add_argument(
         "--steps", type=int, default=0, help=f"timed steps per case and mode (0: {STEPS}; one device: 0 is 3)"
