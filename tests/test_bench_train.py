@@ -55,3 +55,18 @@ def test_bench_train_refuses_bad_input_before_spawning(monkeypatch):
     with pytest.raises(SystemExit) as missing:
         main(["bench", "train", "--config", "/no/such.toml"])
     assert missing.value.code == "bench train: config file '/no/such.toml' does not exist"
+
+
+@pytest.mark.unit
+def test_float8_modes_emulate_on_a_cpu_only(tmp_path):
+    """A float8 mode turns float8 on with its recipe; on a CPU (no FP8 units) it emulates the
+    matmuls, on a GPU it does not (the speed is what it measures there)."""
+    import torch
+
+    from loongtrain.tools.bench.train import DEFAULT_MODES, MAIN_CONFIG, case_config
+
+    assert not any(m.startswith("float8") for m in DEFAULT_MODES)  # asked for by name
+    for device, emulate in (("cpu", True), ("cuda", False)):
+        cfg = case_config("main", "float8-rowwise", MAIN_CONFIG, tmp_path / device, torch.device(device))
+        assert (cfg.float8.enabled, cfg.float8.recipe_name, cfg.float8.emulate) == (True, "rowwise", emulate)
+    assert not case_config("main", "eager", MAIN_CONFIG, tmp_path / "plain", torch.device("cpu")).float8.enabled
