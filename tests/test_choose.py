@@ -8,6 +8,7 @@ from loongtrain.attention.choose import (
     AttentionShape,
     candidate_configs,
     choose_layout,
+    layout_cost,
     layout_seconds,
 )
 from loongtrain.config import ConfigError, load_config
@@ -87,6 +88,37 @@ def test_one_long_document_prices_the_ring_and_the_all_to_all():
     ulysses = ParallelConfig(hp=4)
     a2a = 2 * (2048 * (8 + 2 * 4) * 64 * 4 + 2048 * 8 * 64 * 4) * 3 / 4 / 1e9
     assert layout_seconds(ulysses, seq, None, None, SHAPE, CPU_GLOO) == pytest.approx(pairs * 2 * 64 * 14 / 40e9 + a2a)
+
+
+def test_a_sliding_layer_is_priced_by_its_halo():
+    """By hand, S=8192 on a ring of 4 (chunks of 1024; rank c holds chunks c and 7 - c), window 256:
+    every chunk but the first reads the 255 columns before it from the previous chunk's owner
+    (chunk 4 reads its own rank's chunk 3). Ranks 1 and 2 each send two such pieces in both passes
+    and the float32 dK/dV of the two pieces they read back: (2 x 2 x 255 + 2 x 255) columns of
+    2 x 2 KV heads x 64 fp32. The ring would send 3 whole K/V blocks each way and 3 partials."""
+    column = 2 * 2 * 64 * 4
+    sliding = layout_cost(ParallelConfig(cp=4), 8192, None, 256, SHAPE, CPU_GLOO)
+    assert sliding.ring_bytes == (2 * 2 * 255 + 2 * 255) * column == 1_566_720
+    full = layout_cost(ParallelConfig(cp=4), 8192, None, None, SHAPE, CPU_GLOO)
+    assert full.ring_bytes == 2 * 3 * 2048 * column + 3 * 2048 * column
+
+
+def test_each_layer_is_priced_by_its_own_window():
+    """OLMo 3's pattern (three sliding layers, here of 128 tokens, per full one) at 8192 tokens on 8
+    GPUs: priced by its full layers alone hp 2 x cp 4 wins; every layer by its own window, the pure
+    ring (its sliding layers send only their halos and no all-to-all), the cheapest sum of three
+    sliding layers and one full."""
+    configs = candidate_configs(ParallelConfig(hp=2, cp=4), 8, 2)
+    full_only = configs[choose_layout(configs, 8192, None, None, SHAPE, GPU_NODE)]
+    chosen = choose_layout(configs, 8192, None, (128, 0, 128, 128), SHAPE, GPU_NODE)
+    assert (full_only.hp, full_only.cp) == (2, 4) and (configs[chosen].hp, configs[chosen].cp) == (1, 8)
+    sums = [3 * layout_seconds(c, 8192, None, 128, SHAPE, GPU_NODE) + layout_seconds(c, 8192, None, None, SHAPE,
+            GPU_NODE) for c in configs]  # fmt: skip
+    assert chosen == sums.index(min(sums))
+    # one window on every layer chooses as that window alone
+    assert choose_layout(configs, 8192, None, (128,) * 4, SHAPE, GPU_NODE) == choose_layout(
+        configs, 8192, None, 128, SHAPE, GPU_NODE
+    )
 
 
 def test_a_layout_per_microbatch_does_not_compile():

@@ -110,16 +110,30 @@ def layout_cost(
     speeds: LinkSpeeds,
 ) -> LayoutCost:
     """:class:`LayoutCost` of a causal microbatch of ``seq_len`` tokens with documents
-    ``boundaries`` on ``config``."""
+    ``boundaries`` on ``config``; under a ``sliding_window`` whose halo moves fewer key/value
+    columns than the ring (:meth:`~loongtrain.attention.mask_plan.MaskPlan.halo`, as the
+    attention itself decides), the halo's bytes instead of the ring's."""
     layout = sequence_layout(seq_len, config, boundaries)
     hp, cp = config.hp, config.cp
     work = layout.sharding.work(boundaries, True, sliding_window)
     compute = max(work) * (shape.heads / hp) * shape.head_dim * FLOPS_PER_PAIR / speeds.flops
-    routes = layout.mask_plan(True, sliding_window).routes(config)
+    masks = layout.mask_plan(True, sliding_window)
     kv_heads = max(shape.kv_heads, hp) // hp
-    block = 2 * (seq_len // cp) * kv_heads * shape.head_dim * shape.elem_bytes
-    grad_block = block * 4 // shape.elem_bytes  # dK/dV partials travel in float32
-    ring = max(2 * routes.kv_hops(c) * block + routes.dkv_partials(c) * grad_block for c in range(cp))
+    halo = masks.halo(config) if sliding_window else None
+    if halo is not None:  # the sliding window's halo replaces the ring (attention/halo.py)
+        column = 2 * kv_heads * shape.head_dim  # one key and one value column, elements
+        # a rank sends the columns others' windows read in both passes, and the float32 dK/dV
+        # of the columns it read back to their owners
+        ring = max(
+            2 * sum(p.length for p in halo.outgoing(c)) * column * shape.elem_bytes
+            + sum(p.length for p in halo.incoming(c)) * column * 4
+            for c in range(cp)
+        )  # fmt: skip
+    else:
+        routes = masks.routes(config)
+        block = 2 * (seq_len // cp) * kv_heads * shape.head_dim * shape.elem_bytes
+        grad_block = block * 4 // shape.elem_bytes  # dK/dV partials travel in float32
+        ring = max(2 * routes.kv_hops(c) * block + routes.dkv_partials(c) * grad_block for c in range(cp))
     a2a = 0.0
     if hp > 1:
         local = seq_len // config.sp
@@ -148,14 +162,39 @@ def layout_seconds(
     return layout_cost(config, seq_len, boundaries, sliding_window, shape, speeds).seconds
 
 
+def model_layout_seconds(
+    config: ParallelConfig,
+    seq_len: int,
+    boundaries: Boundaries | None,
+    windows: Sequence[int],
+    shape: AttentionShape,
+    speeds: LinkSpeeds,
+) -> float:
+    """Predicted seconds of the attention of every layer of a model whose layers have ``windows``
+    (each layer's sliding window, 0: full attention; ``ModelConfig.windows``): each distinct
+    window priced once by :func:`layout_seconds`, times its number of layers. Sliding layers
+    interleaved with full ones (OLMo 3, Gemma 3) weigh by their count, not by the full layers'
+    price alone."""
+    counts: dict[int, int] = {}
+    for window in windows:
+        counts[window] = counts.get(window, 0) + 1
+    return sum(n * layout_seconds(config, seq_len, boundaries, w or None, shape, speeds) for w, n in counts.items())
+
+
 def choose_layout(
     configs: Sequence[ParallelConfig],
     seq_len: int,
     boundaries: Boundaries | None,
-    sliding_window: int | None,
+    sliding_window: int | None | Sequence[int],
     shape: AttentionShape,
     speeds: LinkSpeeds,
 ) -> int:
-    """Index in ``configs`` of the layout :func:`layout_seconds` prices lowest (ties: the first)."""
-    costs = [layout_seconds(c, seq_len, boundaries, sliding_window, shape, speeds) for c in configs]
+    """Index in ``configs`` of the layout priced lowest (ties: the first): by :func:`layout_seconds`
+    under one ``sliding_window`` for every layer (None: full attention), or by
+    :func:`model_layout_seconds` when it is each layer's window (a sequence; 0: full)."""
+    if isinstance(sliding_window, Sequence):
+        windows = tuple(sliding_window)
+        costs = [model_layout_seconds(c, seq_len, boundaries, windows, shape, speeds) for c in configs]
+    else:
+        costs = [layout_seconds(c, seq_len, boundaries, sliding_window, shape, speeds) for c in configs]
     return min(range(len(configs)), key=lambda i: (costs[i], i))

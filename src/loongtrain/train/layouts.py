@@ -24,8 +24,8 @@ class PerBatchLayouts:
         self.states = states
         self.configs = [s.config for s in states]
         self.shape = AttentionShape(model.n_heads, model.n_kv_heads, model.head_dim, elem_bytes)
-        # priced by the full layers' attention when the model has any (they dominate), else by the window
-        self.sliding_window = None if 0 in model.windows else max(model.windows)
+        # every layer priced by its own window (sliding layers interleaved with full ones weigh by their count)
+        self.windows = model.windows
         self.speeds = GPU_NODE if states[0].device.type == "cuda" else CPU_GLOO
 
     @classmethod
@@ -61,4 +61,4 @@ class PerBatchLayouts:
         documents = mb.attention_documents
         bounds = None if documents is None else tuple(documents.tolist())
         seq = mb.tokens.shape[1]
-        return self.states[choose_layout(self.configs, seq, bounds, self.sliding_window, self.shape, self.speeds)]
+        return self.states[choose_layout(self.configs, seq, bounds, self.windows, self.shape, self.speeds)]
