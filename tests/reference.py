@@ -107,3 +107,17 @@ def reference_logits(model, tokens: torch.Tensor, positions: torch.Tensor, windo
         h = h + (gate * (x @ p[pre + "feed_forward.w3.weight"].T)) @ p[pre + "feed_forward.w2.weight"].T
     out_w = p["tok_embeddings.weight"] if cfg.tie_embeddings else p["output.weight"]
     return norm(h, p["norm.weight"]) @ out_w.T
+
+
+def torchao_float8(model: torch.nn.Module, recipe: str) -> torch.nn.Module:
+    """``model`` (a transformers causal LM) with its linears converted to float8 training by
+    torchao itself (``recipe``, emulated): every linear but ``lm_head`` whose dims are multiples
+    of 16, the rule loongtrain states (docs/fp8.md). In place; returns ``model``."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+    keep = lambda m, fqn: fqn != "lm_head" and m.in_features % 16 == 0 and m.out_features % 16 == 0  # noqa: E731
+    convert_to_float8_training(model, config=config, module_filter_fn=keep)
+    return model

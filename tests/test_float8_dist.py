@@ -25,7 +25,6 @@ above it (the control test).
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
@@ -40,7 +39,7 @@ from loongtrain.model.llama import init_value
 from loongtrain.train.step import forward_backward
 
 from dist_pool import cached_state
-from reference import lm_loss_sum, visibility
+from reference import lm_loss_sum, torchao_float8, visibility
 
 pytest.importorskip("torchao", reason="FP8 training needs torchao: pip install -e '.[fp8]'")
 pytest.importorskip("transformers", reason="the float8 reference is transformers' Llama")
@@ -81,7 +80,6 @@ def _hf_float8_model(mcfg, blocks: int, recipe: str | None = RECIPE, jitter: int
     """transformers' Llama with the debug model's initial weights, its linears converted to
     float8 by torchao directly (the recipe emulated; lm_head and dims not multiple of 16 kept)."""
     import transformers
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     from loongtrain.hf.families import hf_config_dict
     from loongtrain.hf.weights import parameter_map, to_hf_tensor
@@ -102,9 +100,7 @@ def _hf_float8_model(mcfg, blocks: int, recipe: str | None = RECIPE, jitter: int
         state = {k: v * (1 + 2.0**-23 * torch.randint(-1, 2, v.shape, generator=gen)) for k, v in state.items()}
     model.load_state_dict(state, strict=False)
     if recipe is not None:  # None: the fp32 model
-        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
-        keep = lambda m, fqn: fqn != "lm_head" and m.in_features % 16 == 0 and m.out_features % 16 == 0  # noqa: E731
-        convert_to_float8_training(model, config=config, module_filter_fn=keep)
+        torchao_float8(model, recipe)
     model.blocks = blocks
     return model
 

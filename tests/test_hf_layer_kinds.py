@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from hf_tiny import make_hf_model, rel_err
+from reference import torchao_float8
 
 pytest.importorskip("transformers")
 # a window on layer 1 only; a NoPE sliding layer beside a RoPE full one; OLMo 3's post-norms, projection-wide
@@ -43,13 +44,7 @@ def _transformers(folder, recipe: str | None = None, jitter: int | None = None) 
             for p in model.parameters():
                 p.mul_(1 + 2.0**-23 * torch.randint(-1, 2, p.shape, generator=gen))
     if recipe is not None:
-        import dataclasses
-
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
-        keep = lambda m, fqn: fqn != "lm_head" and m.in_features % 16 == 0 and m.out_features % 16 == 0  # noqa: E731
-        convert_to_float8_training(model, config=config, module_filter_fn=keep)
+        torchao_float8(model, recipe)
     tokens, labels = _batch()
     targets = int((labels != -100).sum())
     total = 0.0

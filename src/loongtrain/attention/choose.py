@@ -21,6 +21,7 @@ the all-to-all a 2D layout would pay; one long document keeps the 2D split.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -175,9 +176,7 @@ def model_layout_seconds(
     window priced once by :func:`layout_seconds`, times its number of layers. Sliding layers
     interleaved with full ones (OLMo 3, Gemma 3) weigh by their count, not by the full layers'
     price alone."""
-    counts: dict[int, int] = {}
-    for window in windows:
-        counts[window] = counts.get(window, 0) + 1
+    counts = Counter(windows)
     return sum(n * layout_seconds(config, seq_len, boundaries, w or None, shape, speeds) for w, n in counts.items())
 
 
