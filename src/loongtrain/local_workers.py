@@ -104,7 +104,11 @@ def _stat_fields(pid: int) -> list[str] | None:
 def process_start_time(pid: int) -> int | None:
     """The start time of process ``pid`` in clock ticks since boot (Linux ``/proc``), or None
     if it cannot be read (no such process, or no ``/proc``)."""
-    fields = _stat_fields(pid)
+    return _start_of(_stat_fields(pid))
+
+
+def _start_of(fields: list[str] | None) -> int | None:
+    """The start time (field 22) from :func:`_stat_fields`' fields, or None."""
     try:
         return int(fields[19]) if fields else None
     except (ValueError, IndexError):
@@ -127,7 +131,7 @@ def process_alive(pid: int, start_time: int | None) -> bool:
         return True  # no /proc: the signal test alone
     if fields[0] in ("Z", "X"):
         return False
-    return start_time is None or process_start_time(pid) in (None, start_time)
+    return start_time is None or _start_of(fields) in (None, start_time)
 
 
 #: How often a worker's watchdog looks for its launcher.

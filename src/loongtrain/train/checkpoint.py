@@ -52,7 +52,7 @@ CHECKSUM_FILE = "checksums.json"
 PARTIAL_SUFFIX = ".partial"
 DAMAGED_SUFFIX = ".damaged"
 DELETING_SUFFIX = ".deleting"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+_STEP_DIR = re.compile(r"^step-(\d+)(.*)$")
 _MIB = 2**20
 
 
@@ -249,16 +249,27 @@ class CheckpointManager:
         self.run_id = run_id
         self.say = say
 
-    def steps(self) -> list[tuple[int, Path]]:
-        """Every ``step-N`` folder (complete when written), oldest first."""
+    def steps(self, suffix: str = "") -> list[tuple[int, Path]]:
+        """Every ``step-N`` folder (complete when written), oldest first; with ``suffix``, the
+        folders set aside as ``step-N<suffix>`` (:meth:`set_aside`) instead."""
         if not self.folder.is_dir():
             return []
         found = []
         for path in self.folder.iterdir():
             match = _STEP_DIR.match(path.name)
-            if match and path.is_dir():
+            if match and match.group(2) == suffix and path.is_dir():
                 found.append((int(match.group(1)), path))
         return sorted(found)
+
+    @staticmethod
+    def set_aside(path: Path, suffix: str) -> Path:
+        """Rename the checkpoint folder ``path`` to ``<name><suffix>`` (replacing an older folder of
+        that name): kept for a person to look at, never resumed from. One rank renames; the caller
+        holds the barrier."""
+        aside = path.with_name(path.name + suffix)
+        shutil.rmtree(aside, ignore_errors=True)
+        path.replace(aside)
+        return aside
 
     def complete(self) -> list[tuple[int, Path]]:
         """Step folders that hold a trainer state, oldest first."""
@@ -440,9 +451,7 @@ class CheckpointManager:
                     f"kept as step-{step}{DAMAGED_SUFFIX}), or restore the folder"
                 )
             if rank == 0:
-                aside = path.with_name(path.name + DAMAGED_SUFFIX)
-                shutil.rmtree(aside, ignore_errors=True)
-                path.replace(aside)
+                aside = self.set_aside(path, DAMAGED_SUFFIX)
                 then = f"trying step-{older[-1]}" if older else "no older checkpoint: starting from step 0"
                 self.say(f"checkpoint {path} is damaged ({trouble}); kept it as {aside.name}, {then}")
             dist.barrier()

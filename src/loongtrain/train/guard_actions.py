@@ -6,7 +6,6 @@ Collective where a docstring says so (every rank reaches them with the same verd
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,20 +53,12 @@ def set_aside_failed(run: Run, weights_step: int) -> None:
     if dist.get_rank() == 0:
         for s, path in run.checkpoints.complete():
             if s >= weights_step:
-                aside = path.with_name(path.name + FAILED_SUFFIX)
-                shutil.rmtree(aside, ignore_errors=True)
-                path.replace(aside)
+                run.checkpoints.set_aside(path, FAILED_SUFFIX)
     dist.barrier()
 
 
 def _failed_folders(run: Run, weights_step: int) -> list[Path]:
-    folder = run.checkpoints.folder
-    found = []
-    for path in sorted(folder.glob(f"step-*{FAILED_SUFFIX}")) if folder.is_dir() else []:
-        number = path.name[len("step-") : -len(FAILED_SUFFIX)]
-        if number.isdigit() and int(number) >= weights_step:
-            found.append(path)
-    return found
+    return [path for s, path in run.checkpoints.steps(FAILED_SUFFIX) if s >= weights_step]
 
 
 def _resume_after(run: Run, fix: str, weights_step: int | None = None) -> str:
@@ -208,6 +199,7 @@ def rollback(run: Run, guard: StepGuard, reporter: Reporter, spike_step: int, ou
             f"that one exists, or guard.spike=skip"
         )
     to_step, path, trainer_state = loaded
+    precompute_scales(run.model)  # float8 all-gather: the scales of the loaded weights
     apply_optimizer_config(run.optimizer, cfg.optim)
     gb = cfg.data.global_batch
     skipped = range(int(trainer_state["data"]["next_index"]), run.loader.next_index + o.rollback_skip_steps * gb)
@@ -236,9 +228,7 @@ def set_aside_newer_checkpoints(run: Run, step: int) -> None:
     if dist.get_rank() == 0:
         for s, path in run.checkpoints.steps():
             if s > step:
-                aside = path.with_name(path.name + ROLLED_BACK_SUFFIX)
-                shutil.rmtree(aside, ignore_errors=True)
-                path.replace(aside)
+                run.checkpoints.set_aside(path, ROLLED_BACK_SUFFIX)
     dist.barrier()
 
 
@@ -271,14 +261,11 @@ def load_newest_finite(run: Run, at_most: int | None = None) -> tuple[int, Path,
         trainer_state = run.checkpoints.load(path, run.model, run.optimizer, model_shape(run.spec.model))
         name = first_nonfinite_state(run.model, run.optimizer, run.state.device)
         if name is None:
-            precompute_scales(run.model)  # float8 all-gather: the loaded weights' scales
             return step, path, trainer_state
         if cfg.checkpoint.on_damaged == "stop":
             refuse_nonfinite_weights(run, path)
         if dist.get_rank() == 0:
-            aside = path.with_name(path.name + NONFINITE_SUFFIX)
-            shutil.rmtree(aside, ignore_errors=True)
-            path.replace(aside)
+            aside = run.checkpoints.set_aside(path, NONFINITE_SUFFIX)
             say(f"checkpoint {path} holds non-finite values in {name}; kept it as {aside.name}, trying an older one")
         dist.barrier()
         at_most = step - 1

@@ -178,9 +178,7 @@ def _holder(data: Any) -> Holder | str:
 
 def _write(path: Path, holder: Holder) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    record = asdict(holder)
-    record["workers"] = [asdict(w) for w in holder.workers]
-    tmp.write_text(json.dumps(record, indent=1))
+    tmp.write_text(json.dumps(asdict(holder), indent=1))  # asdict recurses into the workers
     tmp.replace(path)
 
 

@@ -140,6 +140,7 @@ def _bench_rank(device: torch.device, args: argparse.Namespace, folder: Path) ->
         t0 = time.perf_counter()
         run.save(i + 1)
         save_s.append(time.perf_counter() - t0)
+        run.confirm()  # prunes to checkpoint.keep as a step trained from the save would (not timed)
     guard = StepGuard(GuardOptions())
     t0 = time.perf_counter()
     for i in range(10_000):  # the guard's own work per step: judge, then record
