@@ -217,3 +217,20 @@ def test_core_imports_without_the_hf_extra(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "pip install 'loongtrain[hf]'" in proc.stdout
+
+
+@pytest.mark.unit
+def test_a_rope_base_on_the_full_layers_is_refused_not_swapped():
+    """OLMo 3 and Gemma 3 state a RoPE of their own for the sliding layers only: a model whose
+    full layers carry the other base is refused (it was written with the two bases swapped)."""
+    import dataclasses
+
+    from loongtrain.hf.families import layer_kinds_to_hf
+    from loongtrain.model.config import PRESETS, LayerKind
+
+    gemma = PRESETS["gemma3-4b"]
+    assert layer_kinds_to_hf(gemma, "gemma3_text")["rope_parameters"]["sliding_attention"]["rope_theta"] == 10000.0
+    swapped = tuple(LayerKind(0, rope_theta=5e5) if not k.sliding_window else LayerKind(k.sliding_window)
+                    for k in gemma.kinds)  # fmt: skip
+    with pytest.raises(HFFormatError, match="RoPE bases of their own; gemma3_text states one"):
+        layer_kinds_to_hf(dataclasses.replace(gemma, layer_kinds=swapped), "gemma3_text")

@@ -266,7 +266,8 @@ def layer_kinds_to_hf(cfg: ModelConfig, model_type: str) -> dict:
         raise HFFormatError(f"the model's layers have several windows {windows}; {model_type} states one")
     own = {(k.rope_theta, k.rope_scaling) for k in kinds if k.rope} - {(cfg.rope_theta, cfg.rope_scaling)}
     by_type = model_type in ROPE_PER_LAYER_TYPE
-    if own and not (by_type and len(own) == 1 and all(k.sliding_window for k in kinds if k.rope_theta in own)):
+    own_layers = [k for k in kinds if k.rope and (k.rope_theta, k.rope_scaling) in own]
+    if own and not (by_type and len(own) == 1 and all(k.sliding_window for k in own_layers)):
         raise HFFormatError(f"the model's layers have RoPE bases of their own; {model_type} states one")
     nope = [i for i, k in enumerate(kinds) if not k.rope]
     if nope and model_type != "smollm3":
