@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from loongtrain.options import Float8Options
+from loongtrain.torch_support import release
 
 #: the torchao releases whose float8 training API this module is written against
 TORCHAO_MIN = (0, 18)
@@ -34,14 +35,6 @@ OUTPUT_LAYER = "output"
 #: loggers that warn once at torchao's import: CUDA extensions a CPU build cannot load, an enum
 #: registration torch 2.13 deprecates (neither concerns the float8 training path)
 _IMPORT_NOISE = ("torchao", "torch.utils._pytree")
-
-
-def _version_tuple(text: str) -> tuple[int, ...]:
-    parts = []
-    for item in text.split("+")[0].split(".")[:2]:
-        digits = "".join(c for c in item if c.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
 
 
 def require_torchao():
@@ -60,7 +53,7 @@ def require_torchao():
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
-    if _version_tuple(torchao.__version__) < TORCHAO_MIN:
+    if release(torchao.__version__) < TORCHAO_MIN:
         raise ValueError(f"float8.enabled needs torchao >= 0.18, found {torchao.__version__}: {INSTALL}")
     return torchao
 

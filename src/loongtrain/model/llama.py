@@ -130,7 +130,9 @@ class Attention(nn.Module):
         self.q_norm = make_norm(q_width, cfg.norm_eps, cfg.norm_offset) if cfg.qk_norm else None
         self.k_norm = make_norm(k_width, cfg.norm_eps, cfg.norm_offset) if cfg.qk_norm else None
         # Gemma's query_pre_attn_scalar: q scaled so that the kernel's head_dim ** -0.5 gives scalar ** -0.5
-        self.q_scale = (cfg.head_dim / cfg.attention_scalar) ** 0.5 if cfg.attention_scalar else None
+        # None where it is 1 (no scalar, or Gemma 3's equal to head_dim): no elementwise pass over q
+        scalar = cfg.attention_scalar
+        self.q_scale = (cfg.head_dim / scalar) ** 0.5 if scalar and scalar != cfg.head_dim else None
         # swapped by loongtrain.apply: the distributed attention; the norm and projections as
         # one function that keeps only x, and RoPE over token tiles (loongtrain.model.lean)
         self.attention_fn: AttentionFn = sdpa_attention

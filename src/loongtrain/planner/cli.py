@@ -306,17 +306,13 @@ def _max_seq_len(args: argparse.Namespace, cluster, model) -> None:
 
 def _beside_every_layer_full(cluster, model, answer, micro_batch: int) -> str:
     """The same model with every layer full at the longest length's best layout, and its own longest."""
-    import dataclasses
-
-    from loongtrain.planner.cost import Workload
     from loongtrain.planner.estimate import estimate
     from loongtrain.planner.maxlen import max_seq_len
 
     full = dataclasses.replace(model, layer_kinds=(), sliding_window=0)
     kinds = sorted({k.name for k in model.kinds})
-    best = answer.result.best
-    mine = estimate(cluster, Workload(model, answer.seq_len, micro_batch, micro_batch), best.candidate)
-    theirs = estimate(cluster, Workload(full, answer.seq_len, micro_batch, micro_batch), best.candidate)
+    best = mine = answer.result.best  # the longest length's search already estimated its best layout
+    theirs = estimate(cluster, dataclasses.replace(answer.result.workload, model=full), best.candidate)
     longest = max_seq_len(cluster, full, answer.result.devices, micro_batch).seq_len
     return (
         f"layer kinds {kinds} vs every layer full, {answer.result.devices} devices: longest {answer.seq_len} vs "
