@@ -143,11 +143,6 @@ class Reporter:
         if self._trackers is not None and path.exists():
             self._trackers.image(key, path, step)
 
-    def table(self, key: str, columns: list[str], rows: list[list]) -> None:
-        """A table for the trackers."""
-        if self._trackers is not None:
-            self._trackers.table(key, columns, rows)
-
     def say(self, text: str) -> None:
         if self.enabled:
             self._progress.clear()

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from loongtrain.train.faults import exception_line
+
 TRACKING_FILE = "tracking.json"
 QUEUE_SIZE = 10_000  # records waiting for a tracker; past it they are dropped (one warning)
 CLOSE_TIMEOUT_S = 30.0  # the longest wait at the end for a tracker to send what is queued
@@ -254,7 +256,7 @@ class _Worker:
         try:
             info = self.tracker.start()
         except Exception as e:  # noqa: BLE001 - a tracker must never stop training
-            error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            error = exception_line(e)[:300]
         with self._lock:
             late = self.abandoned
             self.info, self.error = (None, error) if late else (info, error)
@@ -270,13 +272,11 @@ class _Worker:
             call = self._queue.get()
             if call is None:
                 break
-            if self.abandoned:
-                continue
             try:
                 call()
             except Exception as e:  # noqa: BLE001
                 if self.error is None:
-                    self.error = f"{type(e).__name__}: {e}"[:300]
+                    self.error = exception_line(e)[:300]
                     warnings.warn(f"{self.tracker.name}: {self.error}; the metrics are still in metrics.jsonl",
                                   stacklevel=1)  # fmt: skip
 
@@ -289,7 +289,7 @@ class _Worker:
 
     @property
     def live(self) -> bool:
-        return self.info is not None and not self.abandoned
+        return self.info is not None  # an abandoned start never sets it
 
     def submit(self, call: Callable[[], None]) -> None:
         if not self.live:
@@ -303,8 +303,17 @@ class _Worker:
         """Send what is queued and close the tracked run, waiting at most ``timeout_s``; True if done."""
         if not self.live:
             return True
-        self.submit(lambda: self.tracker.finish(failed))
-        self._queue.put(None)
+        for call in (lambda: self.tracker.finish(failed), None):  # never blocks: a full queue drops its oldest
+            while True:
+                try:
+                    self._queue.put_nowait(call)
+                    break
+                except queue.Full:
+                    try:
+                        self._queue.get_nowait()
+                        self.dropped = True
+                    except queue.Empty:
+                        pass
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
 
@@ -350,10 +359,6 @@ class Trackers:
         for w in self._workers:
             w.submit(lambda t=w.tracker: t.image(key, path, step))
 
-    def table(self, key: str, columns: list[str], rows: list[list]) -> None:
-        for w in self._workers:
-            w.submit(lambda t=w.tracker: t.table(key, columns, rows))
-
     def table_from(self, key: str, make: Callable[[], tuple[list[str], list[list]]]) -> None:
         """A table that ``make`` builds, on the trackers' threads (once; it may take a while)."""
         made: list = []
@@ -370,10 +375,11 @@ class Trackers:
 
     def close(self, failed: bool = False) -> None:
         for w in self._workers:
+            done = w.close(failed, CLOSE_TIMEOUT_S)
             if w.dropped:
                 self._say(f"warning: {w.tracker.name} fell behind and some records were not sent to it; "
                           f"metrics.jsonl holds them all")  # fmt: skip
-            if not w.close(failed, CLOSE_TIMEOUT_S):
+            if not done:
                 self._say(f"warning: {w.tracker.name} did not finish sending within {CLOSE_TIMEOUT_S:g} s; "
                           f"metrics.jsonl holds every record")  # fmt: skip
         self._workers = []

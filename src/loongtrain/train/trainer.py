@@ -532,7 +532,6 @@ def train(
         wall0 = time.perf_counter()
         names = source_names(run.loader.source)
         failures = WriteFailures()
-        step = run.start
         while step < r.steps:
             beat(step, "train")
             lr = lr_at(step, lr=o.lr, warmup_steps=o.warmup_steps, total_steps=r.steps, min_lr_ratio=o.min_lr_ratio)
