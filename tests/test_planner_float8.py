@@ -90,3 +90,17 @@ def test_plan_compares_bf16_and_float8_rows():
     assert 'recipe_name = "tensorwise"' in out.stdout  # the config to paste carries [float8]
     refused = subprocess.run([*run, "--cluster", "a100", "--float8", "rowwise"], capture_output=True, text=True)
     assert refused.returncode != 0 and "has no FP8 matmul units" in refused.stderr
+
+
+def test_the_leanest_float8_layout_is_one_the_trainer_takes():
+    """The memory floor behind "does not fit; N devices would" takes no tiled MLP and no head
+    groups under float8 (the trainer refuses them), so it names a layout that would run."""
+    from loongtrain.planner.search import leanest
+
+    base = Candidate.of(hp=1, dp=1, activation_checkpoint="full")
+    work = dataclasses.replace(_work(float8="tensorwise"), seq_len=1 << 22, batch=1)
+    lean = leanest(H100, work, base)
+    assert lean.memory.mlp_tile == 0 and lean.memory.head_groups == 1, lean.label()
+    assert not estimate(H100, work, lean).blocked
+    plain = leanest(H100, dataclasses.replace(work, float8=None), base)
+    assert plain.memory.mlp_tile > 0 and plain.memory.head_groups > 1  # bf16 takes both

@@ -168,11 +168,14 @@ def shard_tokens(w: Workload, layout: Candidate) -> float:
 def _option_sets(c: ClusterSpec, w: Workload, base: Candidate) -> tuple[list[dict], list[dict]]:
     """The (tile, activation offload, head groups, checkpoint span) combinations beyond the
     plain layout, and those with model-state offload, that this cluster and layout allow."""
-    tiles = [0] + ([DEFAULT_MLP_TILE] if shard_tokens(w, base) > DEFAULT_MLP_TILE and w.model.pre_norm_blocks else [])
+    # the tiled MLP and head groups run Llama's pre-norm block from the weights: not with other
+    # blocks, nor with float8 (they would bypass its linears; estimate() blocks them, the trainer refuses)
+    blocks = w.model.pre_norm_blocks and not w.float8
+    tiles = [0] + ([DEFAULT_MLP_TILE] if shard_tokens(w, base) > DEFAULT_MLP_TILE and blocks else [])
     acts = [False]
     if base.checkpoint != "none" and c.offload_gap("activations") is None:
         acts.append(True)
-    groups = [1] + head_group_options(w.model, base.parallel.hp)[-1:]
+    groups = [1] + (head_group_options(w.model, base.parallel.hp)[-1:] if not w.float8 else [])
     spans = [1, 2] if base.checkpoint == "full" and base.memory.activation_checkpoint_every == 1 else [1]
     keys = ("activation_checkpoint_span", "head_groups", "mlp_tile", "offload_activations")
     combos = [dict(zip(keys, values)) for values in itertools.product(spans, groups, tiles, acts)]
