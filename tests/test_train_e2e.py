@@ -203,3 +203,35 @@ def test_a_layout_per_microbatch_trains_as_the_fixed_layout(dist_pool, tmp_path)
     layouts = [r["layouts"] for r in records if r["kind"] == "train"]
     assert all(len(x.split(",")) == 2 for x in layouts), layouts  # one entry per microbatch
     assert all(p in ("2x2", "1x4", "4x1") for x in layouts for p in x.split(",")), layouts
+
+
+def _after_step_meets_a_full_disk(overrides: list[str]) -> str:
+    """Train, rank 0's after-step hook (the evaluations' files) meeting a full disk at step 2:
+    what every rank raised."""
+    import errno
+
+    from loongtrain.train.checkpoint import DiskFullError
+
+    def after_step(run, done, reporter, beat) -> None:
+        if done == 2 and torch.distributed.get_rank() == 0:
+            raise OSError(errno.ENOSPC, "No space left on device", "eval/step-2/needles.png")
+
+    cfg = load_config(None, BASE + overrides)
+    try:
+        train(torch.device("cpu"), cfg, preflight(cfg, torch.distributed.get_world_size()), after_step=after_step)
+    except DiskFullError as e:
+        return f"DiskFullError: {e}"
+    except Exception as e:  # noqa: BLE001 - what the old code did: rank 1 waited in a collective, then timed out
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.dist
+def test_a_full_disk_met_after_a_step_stops_every_rank_together(dist_pool, tmp_path):
+    """rank 0's writes after the step's evaluations (the needle heatmap, its record) meet a full
+    disk: every rank stops at the next step's reduction with the one disk-full line, none waits
+    in a collective rank 0 never joins."""
+    said = dist_pool(2).run(_after_step_meets_a_full_disk, ["parallel.cp=2", "run.steps=6", "run.timeout_s=60",
+                                                             f"run.output_dir={tmp_path / 'r'}"])  # fmt: skip
+    for text in said:
+        assert text.startswith("DiskFullError: no space left on device while writing to the run folder"), said

@@ -6,6 +6,7 @@ Collective where a docstring says so (every rank reaches them with the same verd
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -175,7 +176,10 @@ def spike_line(guard: StepGuard, step: int, out: StepOutput) -> str:
     return f"step {step}: {spike_text(guard, out)}; {done}"
 
 
-def rollback(run: Run, guard: StepGuard, reporter: Reporter, spike_step: int, out: StepOutput) -> int:
+def rollback(
+    run: Run, guard: StepGuard, reporter: Reporter, spike_step: int, out: StepOutput,
+    write: Callable[..., None] = lambda fn, *args: fn(*args),
+) -> int:  # fmt: skip
     """Collective: answer a spike at ``spike_step`` (1-based) under ``guard.spike=rollback``:
     reload the newest intact checkpoint at least ``guard.rollback_back`` steps before it, move
     the data past the spike's batch (and ``guard.rollback_skip_steps`` more), set the newer
@@ -209,7 +213,8 @@ def rollback(run: Run, guard: StepGuard, reporter: Reporter, spike_step: int, ou
     guard.spikes.forget_after(to_step)
     guard.skipped_in_a_row = 0
     set_aside_newer_checkpoints(run, to_step)
-    reporter.rollback(
+    write(  # rank 0's records: the trainer's WriteFailures keeps a full disk for the step's reduction
+        reporter.rollback,
         to_step,
         {
             "kind": "rollback", "step": to_step, "spike_step": spike_step, "loss": out.loss,

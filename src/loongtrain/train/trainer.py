@@ -419,14 +419,19 @@ class WriteFailures:
         return peak
 
     def call(self, fn: Callable, *args, **kwargs) -> None:
-        if self.error is not None:
-            return
+        """``fn`` (rank 0's writes alone), skipped once the disk is full."""
+        if self.error is None:
+            self.catch(fn, *args, **kwargs)
+
+    def catch(self, fn: Callable, *args, **kwargs) -> None:
+        """``fn``, always run (it may hold collectives before rank 0's writes: the evaluations of
+        ``after_step``, a rollback's load), a full disk its writes meet kept for the reduction."""
         try:
             fn(*args, **kwargs)
         except OSError as e:
             if not is_disk_full(e):
                 raise
-            self.error = e
+            self.error = self.error or e
 
 
 #: The transfer kinds as the step's metrics group them (``AttentionStats`` kinds).
@@ -526,12 +531,12 @@ def train(
         peak = r.peak_tflops or device_peak_tflops(device, spec.param_dtype)
         losses: dict[int, float] = {}  # step -> loss (a rollback forgets the steps after its checkpoint)
         step_times: list[float] = []
+        failures = WriteFailures()
         if after_step is not None and run.start == 0:
-            after_step(run, 0, reporter, beat)
+            failures.catch(after_step, run, 0, reporter, beat)
         check_replicas_due(run, run.start)
         wall0 = time.perf_counter()
         names = source_names(run.loader.source)
-        failures = WriteFailures()
         while step < r.steps:
             beat(step, "train")
             lr = lr_at(step, lr=o.lr, warmup_steps=o.warmup_steps, total_steps=r.steps, min_lr_ratio=o.min_lr_ratio)
@@ -549,7 +554,7 @@ def train(
                 raise GuardStop(stop_message(run, guard, step + 1, out, first_index))
             if out.verdict.action == "rollback":
                 beat(step, "rollback")
-                step = rollback(run, guard, reporter, step + 1, out)
+                step = rollback(run, guard, reporter, step + 1, out, failures.catch)
                 losses = {s: loss for s, loss in losses.items() if s <= step}
                 continue
             guard.record(step + 1, out.loss, out.verdict)
@@ -587,7 +592,7 @@ def train(
                 beat(step, "evaluation")
                 failures.call(reporter.evaluation, step, *evaluate(run, r.eval_batches))
             if after_step is not None:
-                after_step(run, step, reporter, beat)
+                failures.catch(after_step, run, step, reporter, beat)
             if run.save_due(step):
                 if guard.skipped_in_a_row:  # a skipped step changes nothing: nothing new to save
                     reporter.say(
