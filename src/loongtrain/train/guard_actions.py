@@ -158,11 +158,11 @@ def stall_line(run: Run, guard: StepGuard, step: int, began: int) -> str:
     fix = "lower optim.lr (a step too large can saturate the model), or check that the data has targets"
     if o.stalled == "stop":
         return (
-            f"step {step}: the run stopped learning at step {began} ({step - began + 1} steps in a row of {rule}); "
+            f"step {step}: the run stopped learning at step {began} ({guard.stall.count} steps in a row of {rule}); "
             f"stopped (guard.stalled=stop); {_resume_after(run, fix, began)}"
         )
     return (
-        f"step {step}: warning: the run stopped learning at step {began} ({step - began + 1} steps in a row of "
+        f"step {step}: warning: the run stopped learning at step {began} ({guard.stall.count} steps in a row of "
         f"{rule}); training goes on (guard.stalled=warn; set guard.stalled=stop to end such a run): {fix}"
     )
 
@@ -212,6 +212,7 @@ def rollback(
     record["skipped_samples"].append([skipped.start, skipped.stop])
     guard.spikes.forget_after(to_step)
     guard.skipped_in_a_row = 0
+    guard.stall.load({})  # the stalled steps counted so far are among those rolled back
     set_aside_newer_checkpoints(run, to_step)
     write(  # rank 0's records: the trainer's WriteFailures keeps a full disk for the step's reduction
         reporter.rollback,
